@@ -1,0 +1,3 @@
+"""Reproducible builds and benchmarks for mixed-precision inference."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,220 @@
+"""Cast insertion on edges.
+
+Walks the graph once in topological order. For each node, the decision is
+resolved against the dtypes that actually reach it (AMP's promote and
+fall-through depend on them), casts are inserted on the incoming edges, and the
+node's ``meta["val"]`` is recomputed on fake tensors so that every later
+decision, and every engine, sees the dtype that really runs.
+
+One cast per tensor per target dtype, placed right after the producer and
+shared by all consumers. Weights are never cast at run time: a converted copy
+is made ahead of time (one per precision when a weight is used by both), with
+fp16 copies clipped to the fp16 range and the clipped values counted. AMP mode
+does not clip, because eager autocast does not either (``.to(float16)``
+overflows to inf) and AMP's contract is to match eager bit for bit.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from harness.autocast.decision import Action, Decision
+from harness.errors import HarnessError
+from harness.fxutil import dtype_name, fake_mode_of
+
+aten = torch.ops.aten
+FP16_MAX = float(torch.finfo(torch.float16).max)
+CAST = aten._to_copy.default
+
+
+@dataclass
+class CastStats:
+    inserted: int = 0
+    weights_converted: int = 0
+    clipped_values: int = 0
+    overflowed_values: int = 0
+    clipped_weights: list[str] = field(default_factory=list)
+
+
+def is_cast(node: torch.fx.Node) -> bool:
+    """A pure dtype conversion (what this pass inserts and the clean-up passes rewrite)."""
+    return (
+        node.op == "call_function"
+        and node.target is CAST
+        and len(node.args) == 1
+        and set(node.kwargs) == {"dtype"}
+    )
+
+
+def _eligible(node: Any) -> bool:
+    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    return isinstance(val, torch.Tensor) and val.is_floating_point() and val.dtype != torch.float64
+
+
+def _dtype(node: torch.fx.Node) -> torch.dtype:
+    return node.meta["val"].dtype
+
+
+def _promote_type(node: torch.fx.Node, inputs: list[torch.fx.Node], low: torch.dtype) -> torch.dtype:
+    widest = low
+    for a in inputs:
+        d = _dtype(a)
+        if d == torch.float32:
+            widest = torch.float32
+        elif d != low:
+            raise HarnessError(
+                f"node {node.name}: autocast promote cannot mix {dtype_name(d)} with {dtype_name(low)} "
+                "(PyTorch raises here too); cast the inputs to one type in the model"
+            )
+    return widest
+
+
+def _dtype_arg_given(node: torch.fx.Node) -> bool:
+    schema = node.target._schema  # type: ignore[union-attr]
+    for i, arg in enumerate(schema.arguments):
+        if arg.name == "dtype":
+            value = node.args[i] if i < len(node.args) else node.kwargs.get("dtype")
+            return value is not None
+    return False
+
+
+class _Inserter:
+    def __init__(self, gm: torch.fx.GraphModule, clip_fp16: bool) -> None:
+        self.gm = gm
+        self.graph = gm.graph
+        self.fake_mode = fake_mode_of(gm)
+        self.clip_fp16 = clip_fp16
+        self.stats = CastStats()
+        self.cache: dict[tuple[torch.fx.Node, torch.dtype], torch.fx.Node] = {}
+        placeholders = [n for n in self.graph.nodes if n.op == "placeholder"]
+        self.last_placeholder = placeholders[-1] if placeholders else None
+
+    def cast(self, src: torch.fx.Node, dtype: torch.dtype) -> torch.fx.Node:
+        key = (src, dtype)
+        if key not in self.cache:
+            self.cache[key] = self._weight_copy(src, dtype) if src.op == "get_attr" else self._cast_node(src, dtype)
+        return self.cache[key]
+
+    def _cast_node(self, src: torch.fx.Node, dtype: torch.dtype) -> torch.fx.Node:
+        anchor = self.last_placeholder if src.op == "placeholder" else src
+        with self.graph.inserting_after(anchor):
+            node = self.graph.create_node("call_function", CAST, (src,), {"dtype": dtype}, name=f"{src.name}_{dtype_name(dtype)}")
+        with self.fake_mode:
+            node.meta["val"] = src.meta["val"].to(dtype)
+        node.meta["inserted_cast"] = True
+        self.stats.inserted += 1
+        return node
+
+    def _weight_copy(self, src: torch.fx.Node, dtype: torch.dtype) -> torch.fx.Node:
+        tensor = getattr(self.gm, str(src.target)).detach()
+        label = str(src.meta.get("weight_name", src.target))
+        if dtype == torch.float16:
+            over = int((tensor.abs() > FP16_MAX).sum())
+            if over and self.clip_fp16:
+                tensor = tensor.clamp(-FP16_MAX, FP16_MAX)
+                self.stats.clipped_values += over
+                self.stats.clipped_weights.append(label)
+            elif over:
+                self.stats.overflowed_values += over
+        converted = tensor.to(dtype).contiguous()
+        name = f"{src.target}_{dtype_name(dtype)}"
+        self.gm.register_buffer(name, converted)
+        with self.graph.inserting_after(src):
+            node = self.graph.get_attr(name)
+        node.meta["val"] = self.fake_mode.from_tensor(converted, static_shapes=True)
+        node.meta["weight_name"] = label
+        self.stats.weights_converted += 1
+        return node
+
+    def rewrite(self, node: torch.fx.Node, decision: Decision) -> None:
+        inputs = [a for a in pytree.tree_leaves((node.args, node.kwargs)) if _eligible(a)]
+        action = decision.action
+        targets: dict[torch.fx.Node, torch.dtype] = {}
+        if action is Action.CAST:
+            assert decision.dtype is not None
+            targets = {a: decision.dtype for a in inputs if _dtype(a) != decision.dtype}
+        elif action is Action.PROMOTE:
+            widest = _promote_type(node, inputs, decision.dtype or torch.float32)
+            targets = {a: widest for a in inputs if _dtype(a) != widest}
+        elif action is Action.SET_OPT_DTYPE:
+            if _eligible(node.args[0]) and not _dtype_arg_given(node):
+                node.kwargs = {**node.kwargs, "dtype": torch.float32}
+        elif action is Action.APPEND_DTYPE:
+            first = node.args[0]
+            node.target = _resolve_overload(str(decision.redispatch))
+            node.kwargs = {**node.kwargs, "dtype": torch.float32 if _eligible(first) else _dtype(first)}
+        if targets:
+            node.args, node.kwargs = pytree.tree_map(
+                lambda a: self.cast(a, targets[a]) if isinstance(a, torch.fx.Node) and a in targets else a,
+                (node.args, node.kwargs),
+            )
+        self.refresh(node)
+
+    def refresh(self, node: torch.fx.Node) -> None:
+        """Recompute ``meta["val"]`` from the (possibly re-typed) inputs."""
+        if node.target is operator.getitem:
+            node.meta["val"] = node.args[0].meta["val"][node.args[1]]
+            return
+        args, kwargs = pytree.tree_map(
+            lambda a: a.meta.get("val") if isinstance(a, torch.fx.Node) else a, (node.args, node.kwargs)
+        )
+        try:
+            with self.fake_mode:
+                node.meta["val"] = node.target(*args, **kwargs)
+        except Exception as exc:
+            raise HarnessError(f"node {node.name} ({node.target}) cannot run with the decided types: {exc}") from exc
+
+
+def _resolve_overload(qualified: str) -> torch._ops.OpOverload:
+    ns_name, _, overload = qualified.partition("::")[2].partition(".")
+    return getattr(getattr(torch.ops.aten, ns_name), overload or "default")
+
+
+def insert_casts(
+    gm: torch.fx.GraphModule,
+    decisions: Mapping[str, Decision],
+    *,
+    clip_fp16: bool,
+    cast_outputs_back: bool,
+) -> CastStats:
+    """Apply ``decisions``; with ``cast_outputs_back`` the public output dtypes are kept."""
+    inserter = _Inserter(gm, clip_fp16)
+    output = gm.graph.output_node()
+    original_out = [a.meta["val"].dtype if _eligible(a) else None for a in output.args[0]]
+    with torch.autocast("cpu", enabled=False):
+        for node in list(gm.graph.nodes):
+            if node.op != "call_function" or node.meta.get("inserted_cast"):
+                continue
+            decision = decisions.get(node.name)
+            if decision is None:
+                inserter.refresh(node)
+            else:
+                inserter.rewrite(node, decision)
+        if cast_outputs_back:
+            outs = list(output.args[0])
+            for i, (a, want) in enumerate(zip(outs, original_out, strict=True)):
+                if want is not None and _dtype(a) != want:
+                    outs[i] = inserter.cast(a, want)
+            output.args = (tuple(outs),)
+    return inserter.stats
+
+
+def retype_inputs(gm: torch.fx.GraphModule) -> None:
+    """``keep_io_types=False``: an input only ever consumed in one other float type takes that type."""
+    fake_mode = fake_mode_of(gm)
+    for ph in [n for n in gm.graph.nodes if n.op == "placeholder" and _eligible(n)]:
+        users = list(ph.users)
+        dtypes = {u.kwargs["dtype"] for u in users if is_cast(u)}
+        if users and len(dtypes) == 1 and all(is_cast(u) for u in users):
+            (dtype,) = dtypes
+            with fake_mode:
+                ph.meta["val"] = ph.meta["val"].to(dtype)
+            for u in users:
+                u.replace_all_uses_with(ph)
+                gm.graph.erase_node(u)

@@ -1,0 +1,112 @@
+"""The precision report: every node, the precision it runs in, and why."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from tabulate import tabulate
+
+from harness.autocast.casts import CastStats
+from harness.autocast.decision import Decision
+from harness.fxutil import dtype_name, input_nodes, module_path, op_name, output_dtypes
+
+
+@dataclass(frozen=True)
+class NodeRow:
+    name: str
+    op: str
+    module: str
+    precision: str
+    rule: str
+    reason: str
+    input_dtypes: tuple[str, ...]
+    output_dtypes: tuple[str, ...]
+
+
+@dataclass
+class PrecisionReport:
+    mode: str
+    low_precision_type: str
+    rows: list[NodeRow]
+    casts_inserted: int = 0
+    weights_converted: int = 0
+    clipped_values: int = 0
+    overflowed_values: int = 0
+    clipped_weights: list[str] = field(default_factory=list)
+
+    def counts(self) -> dict[str, int]:
+        return dict(sorted(Counter(r.rule for r in self.rows).items()))
+
+    def precision_of(self, name: str) -> str:
+        return next(r.precision for r in self.rows if r.name == name)
+
+    def to_json(self) -> dict[str, Any]:
+        doc = asdict(self)
+        doc["counts"] = self.counts()
+        return doc
+
+    def table(self) -> str:
+        body = [
+            (r.name, r.op, r.module or "-", r.precision, r.reason, ",".join(r.input_dtypes) or "-", ",".join(r.output_dtypes) or "-")
+            for r in self.rows
+        ]
+        head = ("node", "op", "module", "precision", "reason", "inputs", "outputs")
+        counts = tabulate(sorted(self.counts().items()), headers=("rule", "nodes"))
+        summary = (
+            f"mode {self.mode}, low precision {self.low_precision_type}: {self.casts_inserted} casts inserted, "
+            f"{self.weights_converted} weight copies converted ahead of time, "
+            f"{self.clipped_values} weight values clipped to the fp16 range"
+        )
+        if self.overflowed_values:
+            summary += f", {self.overflowed_values} weight values overflow fp16 (as in eager autocast)"
+        return f"{tabulate(body, headers=head)}\n\n{counts}\n\n{summary}"
+
+
+def _precision(node: torch.fx.Node) -> str:
+    outs = [d for d in output_dtypes(node) if d.is_floating_point]
+    ins = [v.dtype for a in input_nodes(node) if isinstance(v := a.meta.get("val"), torch.Tensor) and v.is_floating_point()]
+    chosen = outs or ins
+    return dtype_name(chosen[0]) if chosen else "-"
+
+
+def build_report(
+    gm: torch.fx.GraphModule, decisions: dict[str, Decision], mode: str, low: torch.dtype, stats: CastStats
+) -> PrecisionReport:
+    rows = []
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        d = decisions.get(node.name)
+        if node.meta.get("inserted_cast"):
+            rule, reason = "inserted_cast", f"cast inserted on the edge from {node.args[0].name}"
+        elif d is None:
+            origin = node.meta.get("decomposed_from")
+            rule, reason = "decomposed", f"part of the decomposition of {origin}" if origin else "not classified"
+        else:
+            rule, reason = d.rule, d.reason
+        ins = tuple(dtype_name(v.dtype) for a in input_nodes(node) if isinstance(v := a.meta.get("val"), torch.Tensor))
+        rows.append(
+            NodeRow(
+                name=node.name,
+                op=op_name(node.target),
+                module=module_path(node),
+                precision=_precision(node),
+                rule=rule,
+                reason=reason,
+                input_dtypes=ins,
+                output_dtypes=tuple(dtype_name(t) for t in output_dtypes(node)),
+            )
+        )
+    return PrecisionReport(
+        mode=mode,
+        low_precision_type=dtype_name(low),
+        rows=rows,
+        casts_inserted=sum(1 for r in rows if r.rule == "inserted_cast"),
+        weights_converted=stats.weights_converted,
+        clipped_values=stats.clipped_values,
+        overflowed_values=stats.overflowed_values,
+        clipped_weights=stats.clipped_weights,
+    )

@@ -1,0 +1,61 @@
+"""A drop-in module that behaves like the eager one in every autocast state.
+
+Seed 001's "level 2": statically typed graphs are only right for the autocast
+state they were compiled for, so the module looks at the caller's autocast
+state on every call and runs the AMP specialization compiled for that state.
+Specializations are compiled lazily on first use and cached; the model's own
+``torch.autocast`` regions are applied inside each one. This is for eager
+users; engines take the fixed graphs from :func:`harness.autocast.compile`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from harness.autocast.compiler import CompiledGraph, compile
+from harness.frontend.export import export_program
+
+StateKey = tuple[bool, torch.dtype | None]
+
+
+class AutocastModule(torch.nn.Module):
+    def __init__(self, module: torch.nn.Module, example_inputs: Sequence[torch.Tensor], device: str = "cpu") -> None:
+        super().__init__()
+        with torch.autocast(device, enabled=False):
+            self._program = export_program(module, example_inputs)
+        self._examples = tuple(example_inputs)
+        self._device = device
+        self._out_spec = self._program.call_spec.out_spec
+        self.specializations: dict[StateKey, CompiledGraph] = {}
+
+    def state(self) -> StateKey:
+        """The caller's autocast state for this module's device."""
+        if not torch.is_autocast_enabled(self._device):
+            return (False, None)
+        return (True, torch.get_autocast_dtype(self._device))
+
+    def specialization(self, key: StateKey) -> CompiledGraph:
+        if key not in self.specializations:
+            enabled, dtype = key
+            self.specializations[key] = compile(
+                self._program,
+                self._examples,
+                mode="amp",
+                low_precision_type=dtype or torch.get_autocast_dtype(self._device),
+                amp_enabled=enabled,
+                device=self._device,
+            )
+        return self.specializations[key]
+
+    def forward(self, *inputs: torch.Tensor) -> Any:
+        outputs = self.specialization(self.state())(*inputs)
+        return pytree.tree_unflatten(list(outputs), self._out_spec) if self._out_spec is not None else outputs
+
+
+def jit(module: torch.nn.Module, example_inputs: Sequence[torch.Tensor], device: str = "cpu") -> AutocastModule:
+    """Wrap ``module`` so that it follows the caller's autocast state exactly."""
+    return AutocastModule(module, example_inputs, device)

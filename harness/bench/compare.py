@@ -1,0 +1,119 @@
+"""Side-by-side comparison of two runs, e.g. rebuilds on two machines.
+
+Unlike the gate this passes no verdict and accepts runs from different
+machines: it answers "did the rebuild pick the same kernels and produce the
+same bits, and how do speed and accuracy differ". Tactics are compared per
+layer name (``layers: [{name, tactic}]`` in a case), never by engine bytes,
+which differ between two GPUs of one model even when every choice matches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from harness.bench.results import CaseKey, case_key, format_key
+
+
+@dataclass(frozen=True)
+class TacticDiff:
+    """A layer whose tactic differs; None means the layer is absent on that side."""
+
+    layer: str
+    tactic_a: str | None
+    tactic_b: str | None
+
+
+@dataclass
+class CaseComparison:
+    """``None`` in a field means it could not be compared (missing on a side)."""
+
+    key: CaseKey
+    status_a: str
+    status_b: str
+    fingerprints_equal: bool | None = None
+    outputs_equal: bool | None = None
+    tactic_diffs: list[TacticDiff] | None = None
+    latency_ratio: float | None = None
+    max_abs_error_delta: float | None = None
+    cosine_delta: float | None = None
+    task_accuracy_delta: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["key"] = format_key(self.key)
+        return out
+
+
+@dataclass
+class Comparison:
+    machine_a: str
+    machine_b: str
+    cases: list[CaseComparison]
+    only_in_a: list[CaseKey] = field(default_factory=list)
+    only_in_b: list[CaseKey] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "machine_a": self.machine_a,
+            "machine_b": self.machine_b,
+            "cases": [c.to_dict() for c in self.cases],
+            "only_in_a": [format_key(k) for k in self.only_in_a],
+            "only_in_b": [format_key(k) for k in self.only_in_b],
+        }
+
+
+def _equal(a: Any, b: Any) -> bool | None:
+    return None if a is None or b is None else a == b
+
+
+def _delta(
+    a: Mapping[str, Any] | None, b: Mapping[str, Any] | None, field_name: str
+) -> float | None:
+    if a is None or b is None or a.get(field_name) is None or b.get(field_name) is None:
+        return None
+    return float(b[field_name]) - float(a[field_name])
+
+
+def tactic_diffs(
+    layers_a: list[Mapping[str, str]] | None, layers_b: list[Mapping[str, str]] | None
+) -> list[TacticDiff] | None:
+    """Layers whose tactic differs, in the order of ``a`` then layers only in ``b``."""
+    if layers_a is None or layers_b is None:
+        return None
+    a = {entry["name"]: entry["tactic"] for entry in layers_a}
+    b = {entry["name"]: entry["tactic"] for entry in layers_b}
+    names = list(a) + [n for n in b if n not in a]
+    return [TacticDiff(n, a.get(n), b.get(n)) for n in names if a.get(n) != b.get(n)]
+
+
+def compare_case(a: Mapping[str, Any], b: Mapping[str, Any]) -> CaseComparison:
+    out = CaseComparison(key=case_key(a), status_a=a["status"], status_b=b["status"])
+    out.fingerprints_equal = _equal(a.get("engine_fingerprint"), b.get("engine_fingerprint"))
+    out.outputs_equal = _equal(a.get("output_digest"), b.get("output_digest"))
+    out.tactic_diffs = tactic_diffs(a.get("layers"), b.get("layers"))
+    la, lb = a.get("latency"), b.get("latency")
+    if la is not None and lb is not None:
+        out.latency_ratio = lb["summary"]["median"] / la["summary"]["median"]
+    out.max_abs_error_delta = _delta(a.get("accuracy"), b.get("accuracy"), "max_abs_error")
+    out.cosine_delta = _delta(a.get("accuracy"), b.get("accuracy"), "cosine")
+    ta, tb = a.get("task_accuracy"), b.get("task_accuracy")
+    if ta is not None and tb is not None and ta["name"] == tb["name"]:
+        out.task_accuracy_delta = _delta(ta, tb, "value")
+    return out
+
+
+def compare(a_doc: Mapping[str, Any], b_doc: Mapping[str, Any]) -> Comparison:
+    """Every case present in both runs; ratios and deltas are ``b`` relative to ``a``."""
+    a_cases = {case_key(c): c for c in a_doc["cases"]}
+    b_cases = {case_key(c): c for c in b_doc["cases"]}
+    return Comparison(
+        machine_a=a_doc["machine"]["id"],
+        machine_b=b_doc["machine"]["id"],
+        cases=[
+            compare_case(a_cases[k], b_cases[k]) for k in sorted(a_cases.keys() & b_cases.keys())
+        ],
+        only_in_a=sorted(a_cases.keys() - b_cases.keys()),
+        only_in_b=sorted(b_cases.keys() - a_cases.keys()),
+    )

@@ -1,0 +1,227 @@
+"""Latency of a callable: warm-up by time, then a bounded timing loop.
+
+The loop is kept as small as Python allows (two clock reads, the call, one
+``list.append`` of an int) so that its own cost, reported as ``overhead``
+and measured with the same loop around an empty function, stays far below
+the latencies it measures. The garbage collector is paused during the loop,
+as ``timeit`` does, so a collection triggered by someone else's garbage does
+not land in a sample. Reported samples are *not* corrected for the overhead;
+the overhead is stored next to them so a reader can judge.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from harness.bench.stats import Summary
+from harness.errors import HarnessError
+
+Timer = Literal["cpu", "cuda"]
+
+# trtexec warns when the coefficient of variation exceeds 2.5% on GPU; a CPU
+# shared with other processes is noisier, so it gets twice the tolerance.
+DEFAULT_COV_THRESHOLD: dict[str, float] = {"cpu": 0.05, "cuda": 0.025}
+
+
+@dataclass(frozen=True)
+class LatencyResult:
+    """One measured run. ``summary`` is in nanoseconds and holds the raw samples."""
+
+    summary: Summary
+    iterations: int
+    duration_s: float
+    warmup_iterations: int
+    warmup_s: float
+    timer: Timer
+    batch_size: int
+    cov_threshold: float
+    unstable: bool
+    overhead: Summary | None
+
+    @property
+    def samples_ns(self) -> tuple[float, ...]:
+        return self.summary.samples
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``latency`` field of a results case (see :mod:`harness.bench.results`)."""
+        return {
+            "timer": self.timer,
+            "batch_size": self.batch_size,
+            "iterations": self.iterations,
+            "duration_s": self.duration_s,
+            "warmup_iterations": self.warmup_iterations,
+            "warmup_s": self.warmup_s,
+            "summary": self.summary.stats_dict(),
+            "samples_ns": [int(s) for s in self.summary.samples],
+            "throughput_per_s": self.summary.throughput(self.batch_size),
+            "cov_threshold": self.cov_threshold,
+            "unstable": self.unstable,
+            "overhead": self.overhead.stats_dict() if self.overhead is not None else None,
+        }
+
+
+def _noop() -> None:
+    return None
+
+
+def _cpu_loop(
+    fn: Callable[[], object],
+    sync: Callable[[], object] | None,
+    min_iters: int,
+    min_duration_ns: int,
+    max_iters: int | None,
+) -> tuple[list[int], int]:
+    clock = time.perf_counter_ns
+    samples: list[int] = []
+    append = samples.append
+    n = 0
+    begin = clock()
+    deadline = begin + min_duration_ns
+    while True:
+        t0 = clock()
+        fn()
+        if sync is not None:
+            sync()
+        t1 = clock()
+        append(t1 - t0)
+        n += 1
+        if (n >= min_iters and t1 >= deadline) or n == max_iters:
+            return samples, t1 - begin
+
+
+def _cuda_loop(
+    fn: Callable[[], object],
+    sync: Callable[[], object] | None,
+    min_iters: int,
+    min_duration_ns: int,
+    max_iters: int | None,
+) -> tuple[list[int], int]:
+    """Time on the device with one event pair per iteration.
+
+    The host only enqueues; events are read after one final synchronize, so
+    host jitter does not enter the samples. ``sync`` (if given) runs after
+    the end event, outside the timed interval, to bound the queue depth.
+    """
+    import torch
+
+    clock = time.perf_counter_ns
+    pairs: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+    n = 0
+    begin = clock()
+    deadline = begin + min_duration_ns
+    while True:
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        if sync is not None:
+            sync()
+        pairs.append((start, end))
+        n += 1
+        if (n >= min_iters and clock() >= deadline) or n == max_iters:
+            break
+    torch.cuda.synchronize()
+    elapsed = clock() - begin
+    return [round(s.elapsed_time(e) * 1e6) for s, e in pairs], elapsed
+
+
+def _check_timer(timer: str) -> Callable[..., tuple[list[int], int]]:
+    if timer == "cpu":
+        return _cpu_loop
+    if timer == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise HarnessError(
+                "timer 'cuda' needs a CUDA device but torch.cuda.is_available() is False; "
+                "use timer 'cpu'"
+            )
+        return _cuda_loop
+    raise HarnessError(f"timer {timer!r} is not valid; use 'cpu' or 'cuda'")
+
+
+def measure_overhead(
+    *, timer: Timer = "cpu", min_iters: int = 2000, min_duration_s: float = 0.05
+) -> Summary:
+    """Per-iteration cost of the timing loop itself, around an empty call (ns)."""
+    loop = _check_timer(timer)
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        samples, _ = loop(_noop, None, min_iters, int(min_duration_s * 1e9), None)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+    return Summary.from_samples(samples, unit="ns")
+
+
+def measure_latency(
+    fn: Callable[[], object],
+    *,
+    warmup_s: float = 0.5,
+    min_iters: int = 20,
+    min_duration_s: float = 1.0,
+    max_iters: int | None = None,
+    sync: Callable[[], object] | None = None,
+    timer: Timer = "cpu",
+    batch_size: int = 1,
+    cov_threshold: float | None = None,
+    overhead: Summary | None = None,
+) -> LatencyResult:
+    """Warm up for ``warmup_s`` (at least one call), then time ``fn``.
+
+    The loop runs until it has at least ``min_iters`` samples *and* has
+    lasted ``min_duration_s``; ``max_iters`` caps it regardless of duration.
+    ``sync`` waits for asynchronous work (e.g. ``torch.cuda.synchronize``)
+    and is inside the timed interval on the CPU timer. ``overhead`` may be
+    passed in to share one :func:`measure_overhead` across many cases;
+    otherwise it is measured after the run.
+    """
+    if min_iters < 1:
+        raise HarnessError(f"min_iters must be at least 1, got {min_iters}")
+    if max_iters is not None and max_iters < min_iters:
+        raise HarnessError(f"max_iters ({max_iters}) must be at least min_iters ({min_iters})")
+    if warmup_s < 0 or min_duration_s < 0:
+        raise HarnessError("warmup_s and min_duration_s must not be negative")
+    if batch_size < 1:
+        raise HarnessError(f"batch_size must be at least 1, got {batch_size}")
+    loop = _check_timer(timer)
+    threshold = DEFAULT_COV_THRESHOLD[timer] if cov_threshold is None else cov_threshold
+
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        warm_begin = time.perf_counter_ns()
+        warm_deadline = warm_begin + int(warmup_s * 1e9)
+        warm_iters = 0
+        while True:
+            fn()
+            if sync is not None:
+                sync()
+            warm_iters += 1
+            warm_end = time.perf_counter_ns()
+            if warm_end >= warm_deadline:
+                break
+        samples, elapsed_ns = loop(fn, sync, min_iters, int(min_duration_s * 1e9), max_iters)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+
+    summary = Summary.from_samples(samples, unit="ns")
+    return LatencyResult(
+        summary=summary,
+        iterations=len(samples),
+        duration_s=elapsed_ns / 1e9,
+        warmup_iterations=warm_iters,
+        warmup_s=(warm_end - warm_begin) / 1e9,
+        timer=timer,
+        batch_size=batch_size,
+        cov_threshold=threshold,
+        unstable=summary.cov > threshold,
+        overhead=overhead if overhead is not None else measure_overhead(timer=timer),
+    )

@@ -1,0 +1,161 @@
+"""Latency-vs-error plots per model, with the Pareto front marked.
+
+The question a precision mode answers is a trade-off: how much error buys
+how much speed. Each mode is one point (median latency, whisker to p95;
+error on a log scale) and the modes no other mode beats on both axes form
+the Pareto front, the only ones worth deploying.
+
+Figures are drawn on an explicit Agg canvas instead of through pyplot, so
+plotting neither needs a display nor switches the backend of a program
+(e.g. a notebook) that imported the harness.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from harness.fileio import atomic_write_bytes
+
+ErrorMetric = Literal["1-cosine", "max_abs_error"]
+
+
+def pareto_front(points: Sequence[tuple[float, float]]) -> list[int]:
+    """Indices of the points no other point dominates, both coordinates minimised.
+
+    ``p`` dominates ``q`` when it is no worse in both coordinates and better
+    in one; equal points do not dominate each other, so both stay. Returned
+    in order of increasing first coordinate (then second).
+    """
+    front = [
+        i
+        for i, (x, y) in enumerate(points)
+        if not any(
+            (ox <= x and oy <= y) and (ox < x or oy < y)
+            for j, (ox, oy) in enumerate(points)
+            if j != i
+        )
+    ]
+    return sorted(front, key=lambda i: points[i])
+
+
+@dataclass(frozen=True)
+class _Point:
+    label: str
+    median_ms: float
+    p95_ms: float
+    error: float
+
+
+def _error(accuracy: Mapping[str, Any], metric: ErrorMetric) -> float | None:
+    if metric == "1-cosine":
+        cos = accuracy.get("cosine")
+        return None if cos is None else max(0.0, 1.0 - cos)
+    value = accuracy.get("max_abs_error")
+    return None if value is None else float(value)
+
+
+def _points(cases: list[Mapping[str, Any]], metric: ErrorMetric) -> list[_Point]:
+    multi_backend = len({c["backend"] for c in cases}) > 1
+    out = []
+    for c in cases:
+        lat, acc = c.get("latency"), c.get("accuracy")
+        if c["status"] != "ok" or lat is None or acc is None:
+            continue
+        err = _error(acc, metric)
+        if err is None:
+            continue
+        label = f"{c['mode']} ({c['backend']})" if multi_backend else c["mode"]
+        out.append(_Point(label, lat["summary"]["median"] / 1e6, lat["summary"]["p95"] / 1e6, err))
+    return out
+
+
+def _plot_model(model: str, points: list[_Point], metric: ErrorMetric, title_suffix: str) -> Figure:
+    fig = Figure(figsize=(7, 5), dpi=100)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    positive = [p.error for p in points if p.error > 0]
+    # A log axis cannot show 0 (fp32 can match the reference exactly): such
+    # points sit one decade below the smallest non-zero error, labelled exact.
+    floor = min(positive) / 10 if positive else 1e-12
+    xs = [p.median_ms for p in points]
+    ys = [p.error if p.error > 0 else floor for p in points]
+    whiskers = [[0.0] * len(points), [max(0.0, p.p95_ms - p.median_ms) for p in points]]
+    ax.errorbar(
+        xs,
+        ys,
+        xerr=whiskers,
+        fmt="o",
+        color="tab:blue",
+        ecolor="tab:gray",
+        capsize=3,
+        label="mode (median, p95)",
+    )
+    front = pareto_front([(p.median_ms, p.error) for p in points])
+    ax.plot(
+        [xs[i] for i in front],
+        [ys[i] for i in front],
+        "-",
+        color="tab:red",
+        drawstyle="steps-post",
+        label="Pareto front",
+    )
+    ax.scatter(
+        [xs[i] for i in front],
+        [ys[i] for i in front],
+        s=140,
+        facecolors="none",
+        edgecolors="tab:red",
+    )
+    for i, p in enumerate(points):
+        text = p.label + (" (exact)" if p.error == 0 else "") + (" *" if i in front else "")
+        ax.annotate(text, (xs[i], ys[i]), textcoords="offset points", xytext=(6, 6), fontsize=8)
+    ax.set_yscale("log")
+    ax.set_xlabel("latency, median with p95 whisker (ms)")
+    ax.set_ylabel("1 - cosine similarity" if metric == "1-cosine" else "max abs error")
+    ax.set_title(f"{model}: latency vs error{title_suffix}  (* = Pareto front)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(loc="best", fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def _file_part(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("._") or "model"
+
+
+def plot_results(
+    doc: Mapping[str, Any],
+    results_path: str | os.PathLike[str],
+    *,
+    error_metric: ErrorMetric = "1-cosine",
+) -> list[Path]:
+    """One PNG per model next to the results file: ``<stem>-<model>.png``.
+
+    Models without any successful case that has both latency and accuracy
+    get no plot. Returns the written paths.
+    """
+    results = Path(results_path)
+    by_model: dict[str, list[Mapping[str, Any]]] = {}
+    for case in doc["cases"]:
+        by_model.setdefault(case["model"], []).append(case)
+    written = []
+    for model, cases in sorted(by_model.items()):
+        points = _points(cases, error_metric)
+        if not points:
+            continue
+        fig = _plot_model(model, points, error_metric, f" on {doc['machine']['id']}")
+        path = results.parent / f"{results.stem}-{_file_part(model)}.png"
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png")
+        atomic_write_bytes(path, buf.getvalue())
+        written.append(path)
+    return written

@@ -1,0 +1,491 @@
+"""The results document: schema, incremental writer, loader, shard merge, baselines.
+
+One JSON document per run::
+
+    {"schema_version": 1, "created": "2025-01-01T00:00:00Z", "complete": false,
+     "machine": {...machine_info()...}, "git": {"commit": ..., "dirty": ...},
+     "settings": {...runner settings...}, "cases": [case, ...]}
+
+A case is one (model, mode, backend) measurement; see ``_CASE`` below for
+its fields. :class:`ResultsWriter` rewrites the whole file atomically after
+every case, with ``complete: false`` until :meth:`ResultsWriter.finish`: an
+interrupted run leaves a valid file holding every case that finished, and
+says that it is partial. Raw latency samples are kept (``samples_ns``) so
+that the gate can test significance instead of comparing two medians.
+
+Layout on disk: ``<root>/<machine id>/run-<UTC timestamp>.json`` for runs and
+``<root>/<machine id>/baseline.json`` for the promoted baseline.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Literal
+
+from harness.bench.accuracy import AccuracyResult, TaskAccuracy
+from harness.bench.latency import LatencyResult
+from harness.bench.machine import check_machine_id, git_info, machine_info
+from harness.bench.memory import MemoryReport
+from harness.errors import HarnessError
+from harness.fileio import atomic_write_bytes, read_json, validate
+
+SCHEMA_VERSION = 1
+
+_NUM = {"type": "number"}
+_OPT_NUM = {"type": ["number", "null"]}
+_OPT_INT = {"type": ["integer", "null"]}
+_OPT_STR = {"type": ["string", "null"]}
+
+_SUMMARY: dict[str, Any] = {
+    "type": "object",
+    "required": [
+        "unit",
+        "count",
+        "min",
+        "max",
+        "mean",
+        "median",
+        "p90",
+        "p95",
+        "p99",
+        "std",
+        "cov",
+    ],
+    "properties": {
+        "unit": {"enum": ["ns", "us", "ms", "s"]},
+        "count": {"type": "integer", "minimum": 1},
+        **{k: _NUM for k in ("min", "max", "mean", "median", "p90", "p95", "p99", "std", "cov")},
+    },
+}
+
+_LATENCY: dict[str, Any] = {
+    "type": "object",
+    "required": ["timer", "iterations", "duration_s", "summary", "samples_ns", "unstable"],
+    "properties": {
+        "timer": {"enum": ["cpu", "cuda"]},
+        "batch_size": {"type": "integer", "minimum": 1},
+        "iterations": {"type": "integer", "minimum": 1},
+        "duration_s": _NUM,
+        "warmup_iterations": {"type": "integer", "minimum": 0},
+        "warmup_s": _NUM,
+        "summary": _SUMMARY,
+        "samples_ns": {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}},
+        "throughput_per_s": _OPT_NUM,
+        "cov_threshold": _NUM,
+        "unstable": {"type": "boolean"},
+        "overhead": {"anyOf": [_SUMMARY, {"type": "null"}]},
+    },
+}
+
+_MEMORY: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "peak_rss_bytes": _OPT_INT,
+        "rss_before_bytes": _OPT_INT,
+        "peak_rss_method": {"enum": ["vmhwm", "ru_maxrss", None]},
+        "weight_bytes": {
+            "type": "object",
+            "additionalProperties": {"type": "integer", "minimum": 0},
+        },
+        "weight_bytes_total": {"type": "integer", "minimum": 0},
+        "engine_bytes": _OPT_INT,
+        "engine_device_bytes": _OPT_INT,
+        "gpu": {"type": ["object", "null"], "additionalProperties": {"type": "integer"}},
+    },
+}
+
+_ACCURACY: dict[str, Any] = {
+    "type": "object",
+    "required": ["max_abs_error", "cosine", "nan_count", "inf_count"],
+    "properties": {
+        **{
+            k: _OPT_NUM
+            for k in (
+                "max_abs_error",
+                "mean_abs_error",
+                "max_rel_error",
+                "cosine",
+                "snr_db",
+                "top1_agreement",
+            )
+        },
+        "nan_count": {"type": "integer", "minimum": 0},
+        "inf_count": {"type": "integer", "minimum": 0},
+        "identical": {"type": "boolean"},
+        "outputs": {"type": "array", "items": {"type": "object"}},
+    },
+}
+
+_TASK_ACCURACY: dict[str, Any] = {
+    "type": "object",
+    "required": ["name", "value", "samples"],
+    "properties": {
+        "name": {"type": "string"},
+        "value": _NUM,
+        "samples": {"type": "integer", "minimum": 1},
+    },
+}
+
+_TELEMETRY: dict[str, Any] = {
+    "type": "object",
+    "required": ["samples", "cpu", "gpu", "throttled"],
+    "properties": {
+        "samples": {"type": "integer", "minimum": 0},
+        "cpu": {"type": "object"},
+        "gpu": {"type": ["object", "string"]},
+        "throttled": {"type": "boolean"},
+        "error": _OPT_STR,
+    },
+}
+
+_CASE: dict[str, Any] = {
+    "type": "object",
+    "required": ["model", "mode", "backend", "status"],
+    "properties": {
+        "model": {"type": "string", "minLength": 1},
+        "mode": {"type": "string", "minLength": 1},
+        "backend": {"type": "string", "minLength": 1},
+        "status": {"enum": ["ok", "failed"]},
+        "error": _OPT_STR,
+        "latency": {"anyOf": [_LATENCY, {"type": "null"}]},
+        "memory": {"anyOf": [_MEMORY, {"type": "null"}]},
+        "accuracy": {"anyOf": [_ACCURACY, {"type": "null"}]},
+        "task_accuracy": {"anyOf": [_TASK_ACCURACY, {"type": "null"}]},
+        "telemetry": {"anyOf": [_TELEMETRY, {"type": "null"}]},
+        "engine_fingerprint": _OPT_STR,
+        "timing_cache_digest": _OPT_STR,
+        "pinned": {"type": "boolean"},
+        "output_digest": _OPT_STR,
+        "layers": {
+            "type": ["array", "null"],
+            "items": {
+                "type": "object",
+                "required": ["name", "tactic"],
+                "properties": {"name": {"type": "string"}, "tactic": {"type": "string"}},
+            },
+        },
+    },
+    "if": {"properties": {"status": {"const": "failed"}}},
+    "then": {"required": ["error"], "properties": {"error": {"type": "string", "minLength": 1}}},
+}
+
+RESULTS_SCHEMA: dict[str, Any] = {
+    "$schema": "https://json-schema.org/draft/2020-12/schema",
+    "title": "harness benchmark results",
+    "type": "object",
+    "required": ["schema_version", "created", "complete", "machine", "git", "settings", "cases"],
+    "properties": {
+        "schema_version": {"const": SCHEMA_VERSION},
+        "created": {"type": "string", "minLength": 1},
+        "complete": {"type": "boolean"},
+        "machine": {"type": "object", "required": ["id"], "properties": {"id": {"type": "string"}}},
+        "git": {
+            "type": "object",
+            "required": ["commit", "dirty"],
+            "properties": {"commit": _OPT_STR, "dirty": {"type": ["boolean", "null"]}},
+        },
+        "settings": {"type": "object"},
+        "cases": {"type": "array", "items": _CASE},
+    },
+}
+
+CaseKey = tuple[str, str, str]
+
+
+def case_key(case: Mapping[str, Any]) -> CaseKey:
+    """(model, mode, backend): what identifies a case within a run and across runs."""
+    return (case["model"], case["mode"], case["backend"])
+
+
+def format_key(key: CaseKey) -> str:
+    return "/".join(key)
+
+
+@dataclass
+class CaseResult:
+    """One case as the runner assembles it; :meth:`to_dict` gives the JSON form."""
+
+    model: str
+    mode: str
+    backend: str
+    status: Literal["ok", "failed"] = "ok"
+    error: str | None = None
+    latency: LatencyResult | None = None
+    memory: MemoryReport | None = None
+    accuracy: AccuracyResult | None = None
+    task_accuracy: TaskAccuracy | None = None
+    telemetry: dict[str, Any] | None = None
+    engine_fingerprint: str | None = None
+    timing_cache_digest: str | None = None
+    pinned: bool = False
+    output_digest: str | None = None
+    layers: list[dict[str, str]] | None = field(default=None)
+
+    @classmethod
+    def failed(cls, model: str, mode: str, backend: str, error: str) -> CaseResult:
+        return cls(model=model, mode=mode, backend=backend, status="failed", error=error)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "mode": self.mode,
+            "backend": self.backend,
+            "status": self.status,
+            "error": self.error,
+            "latency": self.latency.to_dict() if self.latency is not None else None,
+            "memory": self.memory.to_dict() if self.memory is not None else None,
+            "accuracy": self.accuracy.to_dict() if self.accuracy is not None else None,
+            "task_accuracy": self.task_accuracy.to_dict()
+            if self.task_accuracy is not None
+            else None,
+            "telemetry": self.telemetry,
+            "engine_fingerprint": self.engine_fingerprint,
+            "timing_cache_digest": self.timing_cache_digest,
+            "pinned": self.pinned,
+            "output_digest": self.output_digest,
+            "layers": self.layers,
+        }
+
+
+def _check_cases(doc: Mapping[str, Any], where: str) -> None:
+    """What the schema cannot say: unique case keys, one sample per iteration."""
+    seen: set[CaseKey] = set()
+    for i, case in enumerate(doc["cases"]):
+        key = case_key(case)
+        if key in seen:
+            raise HarnessError(f"{where}: case {i} ({format_key(key)}) appears twice")
+        seen.add(key)
+        lat = case.get("latency")
+        if lat is not None and len(lat["samples_ns"]) != lat["iterations"]:
+            raise HarnessError(
+                f"{where}: case {format_key(key)} has {len(lat['samples_ns'])} latency samples "
+                f"but {lat['iterations']} iterations"
+            )
+
+
+def check_results(doc: Any, where: str) -> None:
+    """Validate a results document (version first, so an old file gets a clear message)."""
+    if not isinstance(doc, dict) or "schema_version" not in doc:
+        raise HarnessError(f"{where}: not a results document (no schema_version)")
+    if doc["schema_version"] != SCHEMA_VERSION:
+        raise HarnessError(
+            f"{where}: schema_version {doc['schema_version']!r} is not supported; "
+            f"this harness reads version {SCHEMA_VERSION}"
+        )
+    validate(doc, RESULTS_SCHEMA, where)
+    _check_cases(doc, where)
+
+
+def load_results(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read and validate a results file; any problem is a HarnessError naming it."""
+    doc = read_json(path, None, "results file")
+    check_results(doc, f"results file {path}")
+    return dict(doc)
+
+
+def write_results(path: str | os.PathLike[str], doc: Mapping[str, Any]) -> None:
+    """Validate, then replace ``path`` atomically.
+
+    Compact JSON: a run holds thousands of raw samples per case, and the
+    tables are the human view.
+    """
+    check_results(doc, f"results for {path}")
+    atomic_write_bytes(
+        path, json.dumps(doc, allow_nan=False, separators=(",", ":")).encode() + b"\n"
+    )
+
+
+def utc_now() -> str:
+    return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+class ResultsWriter:
+    """Accumulates cases and rewrites the file after each one.
+
+    Open with :meth:`create` or :meth:`resume`. Used as a context manager, a
+    clean exit calls :meth:`finish`; an exception leaves the file with
+    ``complete: false`` and every finished case.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], doc: dict[str, Any]) -> None:
+        self.path = Path(path)
+        self._doc = doc
+
+    @classmethod
+    def create(
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        settings: Mapping[str, Any],
+        machine: Mapping[str, Any] | None = None,
+        git: Mapping[str, Any] | None = None,
+        overwrite: bool = False,
+    ) -> ResultsWriter:
+        """Start a run file (written at once, with no cases and ``complete: false``)."""
+        if Path(path).exists() and not overwrite:
+            raise HarnessError(
+                f"results file {path} already exists; choose a new path or resume it"
+            )
+        writer = cls(
+            path,
+            {
+                "schema_version": SCHEMA_VERSION,
+                "created": utc_now(),
+                "complete": False,
+                "machine": dict(machine) if machine is not None else machine_info(),
+                "git": dict(git) if git is not None else git_info(),
+                "settings": dict(settings),
+                "cases": [],
+            },
+        )
+        write_results(writer.path, writer._doc)
+        return writer
+
+    @classmethod
+    def resume(
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        settings: Mapping[str, Any],
+        machine: Mapping[str, Any] | None = None,
+        git: Mapping[str, Any] | None = None,
+    ) -> ResultsWriter:
+        """Continue an interrupted run; its finished cases stay and :meth:`has` reports them.
+
+        The run must have been started on the same machine class, commit and
+        settings, or its cases would not be one run.
+        """
+        doc = load_results(path)
+        if doc["complete"]:
+            raise HarnessError(f"results file {path} is complete; there is nothing to resume")
+        machine_id = (machine if machine is not None else machine_info())["id"]
+        commit = (git if git is not None else git_info())["commit"]
+        for what, was, now in (
+            ("machine id", doc["machine"]["id"], machine_id),
+            ("git commit", doc["git"]["commit"], commit),
+            ("settings", doc["settings"], dict(settings)),
+        ):
+            if was != now:
+                raise HarnessError(
+                    f"cannot resume {path}: its {what} is {was!r}, this run's is {now!r}; start a new run"
+                )
+        return cls(path, doc)
+
+    @property
+    def doc(self) -> dict[str, Any]:
+        return self._doc
+
+    def has(self, model: str, mode: str, backend: str) -> bool:
+        return any(case_key(c) == (model, mode, backend) for c in self._doc["cases"])
+
+    def add(self, case: CaseResult | Mapping[str, Any]) -> None:
+        entry = case.to_dict() if isinstance(case, CaseResult) else dict(case)
+        validate(entry, _CASE, f"case for {self.path}")
+        if self.has(*case_key(entry)):
+            raise HarnessError(
+                f"{self.path}: case {format_key(case_key(entry))} was already recorded"
+            )
+        self._doc["cases"].append(entry)
+        write_results(self.path, self._doc)
+
+    def finish(self) -> dict[str, Any]:
+        self._doc["complete"] = True
+        write_results(self.path, self._doc)
+        return self._doc
+
+    def __enter__(self) -> ResultsWriter:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc_type is None:
+            self.finish()
+
+
+def merge_results(paths: Iterable[str | os.PathLike[str]]) -> dict[str, Any]:
+    """One document from the shards of a run.
+
+    Shards must come from the same machine class, commit and settings
+    (otherwise their numbers are not one run); a case in two shards is an
+    error naming both files. The merge is complete only if every shard is.
+    """
+    files = [Path(p) for p in paths]
+    if not files:
+        raise HarnessError("merge needs at least one results file")
+    docs = [load_results(p) for p in files]
+    first, first_path = docs[0], files[0]
+    origin: dict[CaseKey, Path] = {}
+    cases: list[dict[str, Any]] = []
+    for doc, path in zip(docs, files, strict=True):
+        for what, a, b in (
+            ("machine id", first["machine"]["id"], doc["machine"]["id"]),
+            ("git commit", first["git"]["commit"], doc["git"]["commit"]),
+            ("settings", first["settings"], doc["settings"]),
+        ):
+            if a != b:
+                raise HarnessError(
+                    f"cannot merge {path} with {first_path}: {what} differs ({b!r} vs {a!r})"
+                )
+        for case in doc["cases"]:
+            key = case_key(case)
+            if key in origin:
+                raise HarnessError(
+                    f"cannot merge: case {format_key(key)} is in both {origin[key]} and {path}"
+                )
+            origin[key] = path
+            cases.append(case)
+    merged = {
+        **first,
+        "created": min(d["created"] for d in docs),
+        "complete": all(d["complete"] for d in docs),
+        "git": {
+            "commit": first["git"]["commit"],
+            "dirty": None
+            if any(d["git"]["dirty"] is None for d in docs)
+            else any(d["git"]["dirty"] for d in docs),
+        },
+        "cases": cases,
+    }
+    check_results(merged, "merged results")
+    return merged
+
+
+def results_dir(root: str | os.PathLike[str], machine_id: str) -> Path:
+    return Path(root) / check_machine_id(machine_id)
+
+
+def new_run_path(root: str | os.PathLike[str], machine_id: str, created: str | None = None) -> Path:
+    """``<root>/<machine>/run-<timestamp>.json`` (colons removed: valid on every filesystem)."""
+    stamp = (created or utc_now()).replace(":", "").replace("-", "")
+    return results_dir(root, machine_id) / f"run-{stamp}.json"
+
+
+def baseline_path(root: str | os.PathLike[str], machine_id: str) -> Path:
+    return results_dir(root, machine_id) / "baseline.json"
+
+
+def promote_baseline(run_path: str | os.PathLike[str], root: str | os.PathLike[str]) -> Path:
+    """Make a finished run the baseline of its machine; returns the baseline path.
+
+    The run is validated first, so a corrupt or partial file never replaces
+    a good baseline.
+    """
+    doc = load_results(run_path)
+    if not doc["complete"]:
+        raise HarnessError(
+            f"results file {run_path} is incomplete (the run was interrupted); "
+            "finish or rerun it before promoting it to a baseline"
+        )
+    dest = baseline_path(root, doc["machine"]["id"])
+    write_results(dest, doc)
+    return dest

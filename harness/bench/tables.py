@@ -1,0 +1,191 @@
+"""Tables for the terminal (``tablefmt="simple"``) and Markdown (``"github"``).
+
+The same rows serve both: a CI job pastes the Markdown into its summary, a
+developer reads the terminal form. Empty cells mean "not measured" (e.g. no
+task accuracy for a model without labelled data).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from tabulate import tabulate
+
+from harness.bench.compare import Comparison
+from harness.bench.gate import GateReport
+from harness.bench.results import format_key
+
+_TIME_UNITS = ((1e9, "s"), (1e6, "ms"), (1e3, "µs"), (1.0, "ns"))
+_BYTE_UNITS = ((1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB"))
+REFERENCE_MODE = "fp32"
+
+
+def format_ns(ns: float | None) -> str:
+    if ns is None:
+        return ""
+    for scale, unit in _TIME_UNITS:
+        if abs(ns) >= scale:
+            return f"{ns / scale:.3g} {unit}"
+    return f"{ns:.3g} ns"
+
+
+def format_bytes(n: int | None) -> str:
+    if n is None:
+        return ""
+    for scale, unit in _BYTE_UNITS:
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+def _num(value: float | None, spec: str) -> str:
+    return "" if value is None else format(value, spec)
+
+
+def _status(case: Mapping[str, Any], width: int = 60) -> str:
+    if case["status"] == "ok":
+        return "ok"
+    first_line = (case.get("error") or "").splitlines()[0] if case.get("error") else ""
+    text = f"failed: {first_line}"
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def results_rows(doc: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """Header and rows of the per-case table (model x mode x backend)."""
+    reference_median = {
+        (c["model"], c["backend"]): c["latency"]["summary"]["median"]
+        for c in doc["cases"]
+        if c["mode"] == REFERENCE_MODE and c["status"] == "ok" and c.get("latency")
+    }
+    header = [
+        "model", "mode", "backend", "median", "p95", "speed-up", "CoV",
+        "max abs err", "cosine", "top-1", "task acc", "weights", "engine", "peak RSS", "status",
+    ]  # fmt: skip
+    rows = []
+    for c in sorted(doc["cases"], key=lambda c: (c["model"], c["backend"])):
+        lat, acc, mem, task = (
+            c.get("latency"),
+            c.get("accuracy"),
+            c.get("memory"),
+            c.get("task_accuracy"),
+        )
+        median = lat["summary"]["median"] if lat else None
+        ref = reference_median.get((c["model"], c["backend"]))
+        cov = ""
+        if lat:
+            cov = f"{lat['summary']['cov']:.1%}" + (" unstable" if lat["unstable"] else "")
+        rows.append(
+            [
+                c["model"],
+                c["mode"],
+                c["backend"],
+                format_ns(median),
+                format_ns(lat["summary"]["p95"] if lat else None),
+                f"x{ref / median:.2f}" if ref and median else "",
+                cov,
+                _num(acc["max_abs_error"] if acc else None, ".2e"),
+                _num(acc["cosine"] if acc else None, ".6f"),
+                _num(acc.get("top1_agreement") if acc else None, ".2%"),
+                f"{task['name']} {task['value']:.2%}" if task else "",
+                format_bytes(mem.get("weight_bytes_total") if mem else None),
+                format_bytes(mem.get("engine_bytes") if mem else None),
+                format_bytes(mem.get("peak_rss_bytes") if mem else None),
+                _status(c),
+            ]
+        )
+    return header, rows
+
+
+def results_table(doc: Mapping[str, Any], fmt: str = "simple") -> str:
+    """A title line (machine, commit, completeness) and the per-case table."""
+    git = doc["git"]
+    commit = (git["commit"] or "no commit")[:12] + (" (dirty)" if git["dirty"] else "")
+    title = f"machine {doc['machine']['id']}, commit {commit}, {len(doc['cases'])} cases"
+    if not doc["complete"]:
+        title += ", INCOMPLETE (interrupted run)"
+    header, rows = results_rows(doc)
+    return title + "\n\n" + tabulate(rows, headers=header, tablefmt=fmt, disable_numparse=True)
+
+
+def gate_table(report: GateReport, fmt: str = "simple") -> str:
+    """One row per case, with the latency statistics behind the verdict."""
+    header = ["case", "verdict", "ratio", "p (slower)", "ratio CI", "findings"]
+    rows = []
+    for v in report.cases:
+        lat = v.latency
+        ci = (
+            f"[{lat.ci_low:.3f}, {lat.ci_high:.3f}]"
+            if lat and lat.ci_low is not None and lat.ci_high is not None
+            else ""
+        )
+        rows.append(
+            [
+                format_key(v.key),
+                v.verdict,
+                f"x{lat.ratio:.3f}" if lat else "",
+                f"{lat.p_slower:.2g}" if lat else "",
+                ci,
+                "; ".join(f.message for f in v.findings),
+            ]
+        )
+    verdict = "FAIL" if report.exit_code else "PASS"
+    summary = f"gate {verdict}: {len(report.regressions)} regressions, {len(report.improvements)} improvements"
+    notes = "".join(f"\nnote: {n}" for n in report.notes)
+    return (
+        tabulate(rows, headers=header, tablefmt=fmt, disable_numparse=True)
+        + "\n\n"
+        + summary
+        + notes
+    )
+
+
+def _flag(value: bool | None) -> str:
+    return "" if value is None else ("same" if value else "DIFFERENT")
+
+
+def compare_table(comparison: Comparison, fmt: str = "simple") -> str:
+    """Per-case equality and deltas, then every layer whose tactic changed."""
+    header = [
+        "case",
+        "engine",
+        "outputs",
+        "tactics",
+        "latency b/a",
+        "Δ max abs err",
+        "Δ cosine",
+        "Δ task acc",
+    ]
+    rows = []
+    tactic_rows = []
+    for c in comparison.cases:
+        diffs = c.tactic_diffs
+        rows.append(
+            [
+                format_key(c.key),
+                _flag(c.fingerprints_equal),
+                _flag(c.outputs_equal),
+                "" if diffs is None else (f"{len(diffs)} differ" if diffs else "same"),
+                _num(c.latency_ratio, ".3f"),
+                _num(c.max_abs_error_delta, "+.2e"),
+                _num(c.cosine_delta, "+.2e"),
+                _num(c.task_accuracy_delta, "+.2%"),
+            ]
+        )
+        tactic_rows += [
+            [format_key(c.key), d.layer, d.tactic_a or "(absent)", d.tactic_b or "(absent)"]
+            for d in diffs or []
+        ]
+    title = f"{comparison.machine_a} (a) vs {comparison.machine_b} (b)"
+    out = title + "\n\n" + tabulate(rows, headers=header, tablefmt=fmt, disable_numparse=True)
+    if tactic_rows:
+        out += "\n\n" + tabulate(
+            tactic_rows,
+            headers=["case", "layer", "tactic a", "tactic b"],
+            tablefmt=fmt,
+            disable_numparse=True,
+        )
+    for side, keys in (("a", comparison.only_in_a), ("b", comparison.only_in_b)):
+        if keys:
+            out += f"\n\nonly in {side}: " + ", ".join(format_key(k) for k in keys)
+    return out

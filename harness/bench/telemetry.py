@@ -1,0 +1,318 @@
+"""Background telemetry: CPU through psutil, GPU through NVML.
+
+A sampler thread reads the counters every ``interval_s`` while a benchmark
+runs, so a slow result can be explained afterwards (clocks dropped, the GPU
+hit its power cap, another process ate the CPU). NVML comes from the
+``nvidia-ml-py`` distribution, imported as ``pynvml``. When it cannot be
+imported or initialised (no driver, no GPU) the GPU part is recorded as
+``"unavailable (<reason>)"`` and CPU telemetry carries on: telemetry must
+never be the reason a benchmark fails.
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+import time
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any
+
+import psutil
+
+# NVML clock-event ("throttle") reason bits, part of the NVML ABI
+# (nvmlClocksEventReason* in nvml.h / pynvml).
+CLOCK_EVENT_REASONS: dict[str, int] = {
+    "GpuIdle": 0x1,
+    "ApplicationsClocksSetting": 0x2,
+    "SwPowerCap": 0x4,
+    "HwSlowdown": 0x8,
+    "SyncBoost": 0x10,
+    "SwThermalSlowdown": 0x20,
+    "HwThermalSlowdown": 0x40,
+    "HwPowerBrakeSlowdown": 0x80,
+    "DisplayClockSetting": 0x100,
+}
+# Reasons that mean the GPU ran slower than it was asked to. Idle, application
+# clocks, sync boost and display clocks are configuration, not throttling.
+THROTTLE_REASONS = frozenset(
+    {"SwPowerCap", "HwSlowdown", "SwThermalSlowdown", "HwThermalSlowdown", "HwPowerBrakeSlowdown"}
+)
+
+_NVML_TEMPERATURE_GPU = 0
+_NVML_CLOCK_SM = 1
+_NVML_CLOCK_MEM = 2
+
+
+class NvmlUnavailable(Exception):
+    """NVML cannot be used here; the message is the reason."""
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+@dataclass
+class Nvml:
+    """An initialised NVML session bound to one device."""
+
+    module: Any
+    handle: Any
+    index: int
+
+    def _query(self, name: str, *args: Any) -> Any:
+        """One NVML call; a metric the device does not support reads as None."""
+        try:
+            return getattr(self.module, name)(self.handle, *args)
+        except self.module.NVMLError:
+            return None
+
+    def name(self) -> str | None:
+        raw = self._query("nvmlDeviceGetName")
+        return _text(raw) if raw is not None else None
+
+    def read(self) -> dict[str, Any]:
+        util = self._query("nvmlDeviceGetUtilizationRates")
+        mem = self._query("nvmlDeviceGetMemoryInfo")
+        reasons = self._query("nvmlDeviceGetCurrentClocksEventReasons")
+        return {
+            "util_percent": util.gpu if util is not None else None,
+            "mem_util_percent": util.memory if util is not None else None,
+            "mem_used_bytes": mem.used if mem is not None else None,
+            "mem_total_bytes": mem.total if mem is not None else None,
+            "power_mw": self._query("nvmlDeviceGetPowerUsage"),
+            "energy_mj": self._query("nvmlDeviceGetTotalEnergyConsumption"),
+            "temp_c": self._query("nvmlDeviceGetTemperature", _NVML_TEMPERATURE_GPU),
+            "sm_clock_mhz": self._query("nvmlDeviceGetClockInfo", _NVML_CLOCK_SM),
+            "mem_clock_mhz": self._query("nvmlDeviceGetClockInfo", _NVML_CLOCK_MEM),
+            "clock_event_reasons": clock_event_names(reasons) if reasons is not None else None,
+        }
+
+    def close(self) -> None:
+        try:
+            self.module.nvmlShutdown()
+        except self.module.NVMLError:
+            pass
+
+
+def open_nvml(device_index: int = 0, module: Any = None) -> Nvml:
+    """Initialise NVML for one device, or raise :class:`NvmlUnavailable` saying why.
+
+    ``module`` replaces ``pynvml`` (tests pass a small fake).
+    """
+    if module is None:
+        try:
+            module = importlib.import_module("pynvml")
+        except ImportError as exc:
+            raise NvmlUnavailable(f"cannot import pynvml (install nvidia-ml-py): {exc}") from None
+    try:
+        module.nvmlInit()
+    except module.NVMLError as exc:
+        raise NvmlUnavailable(f"nvmlInit failed: {exc}") from None
+    try:
+        handle = module.nvmlDeviceGetHandleByIndex(device_index)
+    except module.NVMLError as exc:
+        module.nvmlShutdown()
+        raise NvmlUnavailable(f"no GPU at index {device_index}: {exc}") from None
+    return Nvml(module=module, handle=handle, index=device_index)
+
+
+def clock_event_names(mask: int) -> list[str]:
+    return [name for name, bit in CLOCK_EVENT_REASONS.items() if mask & bit]
+
+
+def _cpu_temperature() -> float | None:
+    read = getattr(psutil, "sensors_temperatures", None)
+    if read is None:
+        return None
+    currents = [entry.current for entries in read().values() for entry in entries]
+    return max(currents) if currents else None
+
+
+@dataclass
+class TelemetrySample:
+    t_s: float
+    cpu_percent: float | None
+    cpu_percent_per_core: list[float] | None
+    process_cpu_percent: float | None
+    cpu_freq_mhz: float | None
+    rss_bytes: int
+    cpu_temp_c: float | None
+    gpu: dict[str, Any] | None = None
+
+
+def _mean_max(values: list[float]) -> dict[str, float] | None:
+    return {"mean": sum(values) / len(values), "max": max(values)} if values else None
+
+
+_CPU_METRICS = ("cpu_percent", "process_cpu_percent", "cpu_freq_mhz", "rss_bytes", "cpu_temp_c")
+_GPU_METRICS = (
+    "util_percent",
+    "mem_util_percent",
+    "mem_used_bytes",
+    "power_mw",
+    "temp_c",
+    "sm_clock_mhz",
+    "mem_clock_mhz",
+)
+
+
+def summarize(
+    samples: list[TelemetrySample],
+    *,
+    interval_s: float,
+    gpu_status: str,
+    gpu_name: str | None = None,
+    error: str | None = None,
+) -> dict[str, Any]:
+    """Mean and max of every metric that was read at least once.
+
+    GPU energy is the difference of NVML's cumulative counter between the
+    first and last sample. ``throttled`` is true when any sample carried a
+    clock-event reason in :data:`THROTTLE_REASONS`.
+    """
+    cpu: dict[str, Any] = {}
+    for key in _CPU_METRICS:
+        stats = _mean_max([v for s in samples if (v := getattr(s, key)) is not None])
+        if stats is not None:
+            cpu[key] = stats
+    per_core = [s.cpu_percent_per_core for s in samples if s.cpu_percent_per_core]
+    if per_core:
+        cpu["cpu_percent_per_core_mean"] = [
+            sum(col) / len(col) for col in zip(*per_core, strict=True)
+        ]
+    gpu: dict[str, Any] | str = gpu_status
+    reasons_seen: set[str] = set()
+    gpu_samples = [s.gpu for s in samples if s.gpu is not None]
+    if gpu_samples:
+        gpu = {"name": gpu_name}
+        for key in _GPU_METRICS:
+            stats = _mean_max([v for g in gpu_samples if (v := g.get(key)) is not None])
+            if stats is not None:
+                gpu[key] = stats
+        energies = [g["energy_mj"] for g in gpu_samples if g.get("energy_mj") is not None]
+        gpu["energy_mj"] = energies[-1] - energies[0] if len(energies) >= 2 else None
+        for g in gpu_samples:
+            reasons_seen.update(g.get("clock_event_reasons") or [])
+        gpu["clock_event_reasons"] = sorted(reasons_seen)
+    return {
+        "interval_s": interval_s,
+        "samples": len(samples),
+        "duration_s": samples[-1].t_s - samples[0].t_s if samples else 0.0,
+        "cpu": cpu,
+        "gpu": gpu,
+        "throttled": bool(reasons_seen & THROTTLE_REASONS),
+        "error": error,
+    }
+
+
+@dataclass
+class TelemetrySampler:
+    """Context manager running a sampler thread; read :meth:`summary` afterwards.
+
+    One sample is taken on entry and one on exit, so even a run shorter than
+    the interval has a first and last reading (needed for energy); CPU
+    percentages start with the second sample.
+    """
+
+    interval_s: float = 0.1
+    gpu_index: int = 0
+    nvml_module: Any = None
+    samples: list[TelemetrySample] = field(default_factory=list)
+    gpu_status: str = "not started"
+    gpu_name: str | None = None
+    error: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.interval_s <= 0:
+            raise ValueError(f"telemetry interval must be positive, got {self.interval_s}")
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._nvml: Nvml | None = None
+        self._process = psutil.Process()
+        self._t0 = 0.0
+        self._started = False
+
+    def _sample(self) -> None:
+        # psutil's percentages cover the time since its previous call; the
+        # first sample follows the priming call at once, so it has none.
+        first = not self.samples
+        per_core = None if first else list(psutil.cpu_percent(interval=None, percpu=True))
+        freq = psutil.cpu_freq()
+        self.samples.append(
+            TelemetrySample(
+                t_s=time.monotonic() - self._t0,
+                cpu_percent=sum(per_core) / len(per_core) if per_core else None,
+                cpu_percent_per_core=per_core,
+                process_cpu_percent=None if first else self._process.cpu_percent(interval=None),
+                cpu_freq_mhz=freq.current if freq is not None else None,
+                rss_bytes=self._process.memory_info().rss,
+                cpu_temp_c=_cpu_temperature(),
+                gpu=self._nvml.read() if self._nvml is not None else None,
+            )
+        )
+
+    def _safe_sample(self) -> bool:
+        if self.error is not None:
+            return False
+        try:
+            self._sample()
+        except Exception as exc:  # recorded in the summary, never raised into the benchmark
+            self.error = f"telemetry sampler stopped: {type(exc).__name__}: {exc}"
+            return False
+        return True
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            if not self._safe_sample():
+                return
+
+    def start(self) -> None:
+        if self._started:
+            raise RuntimeError("a telemetry sampler runs once; create a new one per run")
+        self._started = True
+        try:
+            self._nvml = open_nvml(self.gpu_index, self.nvml_module)
+            self.gpu_status = "ok"
+            self.gpu_name = self._nvml.name()
+        except NvmlUnavailable as exc:
+            self.gpu_status = f"unavailable ({exc})"
+        # psutil's percentages are relative to the previous call: prime them.
+        psutil.cpu_percent(interval=None, percpu=True)
+        self._process.cpu_percent(interval=None)
+        self._t0 = time.monotonic()
+        self._safe_sample()
+        self._thread = threading.Thread(target=self._run, name="telemetry", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        if self._thread is None:
+            return
+        self._stop.set()
+        self._thread.join()
+        self._thread = None
+        self._safe_sample()
+        if self._nvml is not None:
+            self._nvml.close()
+            self._nvml = None
+
+    def __enter__(self) -> TelemetrySampler:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def summary(self) -> dict[str, Any]:
+        return summarize(
+            self.samples,
+            interval_s=self.interval_s,
+            gpu_status=self.gpu_status,
+            gpu_name=self.gpu_name,
+            error=self.error,
+        )

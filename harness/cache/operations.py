@@ -1,0 +1,247 @@
+"""What users do with timing caches: diff, pin, merge, and verify an engine against one.
+
+Every function works on :class:`TimingCache` objects in memory and raises
+:class:`HarnessError` before changing anything when the request is invalid, so
+a caller that saves only after success never writes a half-edited cache.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Literal
+
+from harness.cache.timing_cache import (
+    CacheEntry,
+    Candidate,
+    TimingCache,
+    check_compatible,
+    normalize_hash,
+)
+from harness.errors import HarnessError
+from harness.fileio import read_json
+
+DiffStatus = Literal["same", "changed", "only-a", "only-b"]
+
+# Long caches (hundreds of layers) would drown the actual error; the full list
+# is one `harness cache show` away.
+_MAX_LISTED = 40
+
+
+@dataclass(frozen=True)
+class LayerDiff:
+    """One key compared across two caches. ``same`` means the same tactic hash;
+    timings are expected to differ between runs and do not count."""
+
+    layer: str
+    key: str
+    status: DiffStatus
+    tactic_a: str | None
+    tactic_hash_a: str | None
+    time_ms_a: float | None
+    tactic_b: str | None
+    tactic_hash_b: str | None
+    time_ms_b: float | None
+
+
+def diff(a: TimingCache, b: TimingCache) -> list[LayerDiff]:
+    """Per-key comparison in ``a``'s order, then keys only ``b`` has in ``b``'s order."""
+    rows: list[LayerDiff] = []
+    for ea in a.entries():
+        eb = b.query(ea.key)
+        if eb is None:
+            status: DiffStatus = "only-a"
+        elif normalize_hash(ea.tactic_hash) == normalize_hash(eb.tactic_hash):
+            status = "same"
+        else:
+            status = "changed"
+        rows.append(LayerDiff(ea.layer, ea.key, status, *_side(ea), *_side(eb)))
+    rows += [
+        LayerDiff(eb.layer, eb.key, "only-b", *_side(None), *_side(eb))
+        for eb in b.entries()
+        if a.query(eb.key) is None
+    ]
+    return rows
+
+
+def _side(entry: CacheEntry | None) -> tuple[str | None, str | None, float | None]:
+    if entry is None:
+        return None, None, None
+    return entry.tactic, entry.tactic_hash, entry.time_ms
+
+
+def pin(cache: TimingCache, layer: str, tactic: str) -> CacheEntry:
+    """Select ``tactic`` (a candidate's name or hash) for ``layer`` and mark it pinned.
+
+    ``layer`` is a layer name or, when one layer owns several keys, a key.
+    Only a recorded candidate can be pinned: the builder would reject a tactic
+    it never offered for that key.
+    """
+    entry = _find_entry(cache, layer)
+    candidate = _find_candidate(entry, tactic)
+    pinned = _select(entry, candidate.tactic, candidate.tactic_hash, candidate.time_ms)
+    cache.update(pinned)
+    return pinned
+
+
+def _select(entry: CacheEntry, tactic: str, tactic_hash: str, time_ms: float) -> CacheEntry:
+    return replace(entry, tactic=tactic, tactic_hash=tactic_hash, time_ms=time_ms, pinned=True)
+
+
+def _listing(names: list[str]) -> str:
+    shown = ", ".join(names[:_MAX_LISTED])
+    if len(names) > _MAX_LISTED:
+        shown += f", ... ({len(names) - _MAX_LISTED} more; `harness cache show` lists all)"
+    return shown
+
+
+def _find_entry(cache: TimingCache, layer: str) -> CacheEntry:
+    matches = cache.by_layer(layer)
+    if len(matches) == 1:
+        return matches[0]
+    if len(matches) > 1:
+        keys = ", ".join(e.key for e in matches)
+        raise HarnessError(
+            f"layer {layer!r} has {len(matches)} cache entries (keys {keys}); "
+            "pin one of them by key: --layer KEY=TACTIC"
+        )
+    by_key = cache.query(layer)
+    if by_key is not None:
+        return by_key
+    names = sorted({e.layer for e in cache.entries()})
+    raise HarnessError(
+        f"no layer or key {layer!r} in the timing cache; valid layers: {_listing(names)}"
+    )
+
+
+def _find_candidate(entry: CacheEntry, tactic: str) -> Candidate:
+    where = f"layer {entry.layer!r} (key {entry.key})"
+    if not entry.candidates:
+        raise HarnessError(
+            f"{where} has no recorded candidates, so there is nothing to choose from; "
+            "rebuild with candidate recording (TensorRT: a VERBOSE build log) to pin it"
+        )
+    if _looks_like_hash(tactic):
+        by_hash = [
+            c for c in entry.candidates if normalize_hash(c.tactic_hash) == normalize_hash(tactic)
+        ]
+        if by_hash:
+            return by_hash[0]
+    by_name = [c for c in entry.candidates if c.tactic == tactic]
+    if len(by_name) == 1:
+        return by_name[0]
+    if len(by_name) > 1:
+        hashes = ", ".join(c.tactic_hash for c in by_name)
+        raise HarnessError(
+            f"{where}: tactic name {tactic!r} is ambiguous (hashes {hashes}); pin it by hash"
+        )
+    valid = [f"{c.tactic} ({c.tactic_hash}, {c.time_ms:.4g} ms)" for c in entry.candidates]
+    raise HarnessError(
+        f"{where}: {tactic!r} is not one of its candidates; valid tactics: {_listing(valid)}"
+    )
+
+
+_HEX = re.compile(r"^(0x)?[0-9a-fA-F]+$")
+
+
+def _looks_like_hash(text: str) -> bool:
+    return bool(_HEX.match(text))
+
+
+def pin_from(cache: TimingCache, other: TimingCache, ignore_mismatch: bool = False) -> list[str]:
+    """Copy ``other``'s selections into ``cache`` for every key both have; returns those layers.
+
+    Our candidates are kept. A cache from another configuration is refused
+    unless ``ignore_mismatch``: its hashes name kernels that may not exist here.
+    """
+    check_compatible(other, cache.provenance, ignore_mismatch, "cannot copy tactic selections")
+    layers: list[str] = []
+    for entry in cache.entries():
+        source = other.query(entry.key)
+        if source is not None:
+            cache.update(_select(entry, source.tactic, source.tactic_hash, source.time_ms))
+            layers.append(entry.layer)
+    return layers
+
+
+def merge(a: TimingCache, b: TimingCache, ignore_mismatch: bool = False) -> TimingCache:
+    """A new cache with all of ``a`` plus ``b``'s keys that ``a`` lacks (``a`` wins conflicts)."""
+    merged = TimingCache(a.provenance, a.entries())
+    merged.combine(b, ignore_mismatch)
+    return merged
+
+
+def verify(cache: TimingCache, engine_layers: Iterable[tuple[str, str, str]]) -> list[str]:
+    """Describe every engine layer whose tactic disagrees with the cache (empty: it agrees).
+
+    The engine's tactic may be given by name or by hash. Cache keys the engine
+    does not use are not an error: a cache also holds timings of variants the
+    builder considered and dropped.
+    """
+    problems: list[str] = []
+    for layer, key, tactic in engine_layers:
+        entry = cache.query(key)
+        if entry is None:
+            problems.append(
+                f"layer {layer!r}: key {key} is not in the cache (the builder timed it afresh)"
+            )
+        elif not _same_tactic(entry, tactic):
+            problems.append(
+                f"layer {layer!r} (key {key}): engine uses {tactic!r}, "
+                f"cache selects {entry.tactic!r} ({entry.tactic_hash})"
+            )
+    return problems
+
+
+def _same_tactic(entry: CacheEntry, tactic: str) -> bool:
+    if tactic == entry.tactic:
+        return True
+    return _looks_like_hash(tactic) and normalize_hash(tactic) == normalize_hash(entry.tactic_hash)
+
+
+PLAN_FILE = "plan.json"
+
+_PLAN_LAYERS_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["layers"],
+    "properties": {
+        "layers": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["name"],
+                "properties": {
+                    "name": {"type": "string"},
+                    "key": {"type": ["string", "null"]},
+                    "tactic": {"type": ["string", "null"]},
+                },
+            },
+        }
+    },
+}
+
+
+def load_engine_layers(path: str | os.PathLike[str]) -> list[tuple[str, str, str]]:
+    """(layer, key, tactic) for every timed layer of a saved engine.
+
+    ``path`` is an engine directory holding ``plan.json`` or that file itself.
+    Layers without a key (nothing was timed for them) are skipped; an engine
+    with no keyed layer at all cannot be verified and is refused.
+    """
+    p = Path(path)
+    plan = p / PLAN_FILE if p.is_dir() else p
+    obj = read_json(plan, _PLAN_LAYERS_SCHEMA, "engine plan")
+    layers = [
+        (item["name"], item["key"], item["tactic"])
+        for item in obj["layers"]
+        if item.get("key") is not None and item.get("tactic") is not None
+    ]
+    if not layers:
+        raise HarnessError(
+            f"engine plan {plan}: no layer records a cache key and tactic, so there is nothing to "
+            "verify (was the engine built with tactic selection?)"
+        )
+    return layers

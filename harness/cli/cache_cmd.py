@@ -1,0 +1,203 @@
+"""``harness cache``: show, diff, pin, merge and verify timing caches.
+
+Exit codes: 0 success (``diff`` also exits 0 when caches differ: a difference
+is information, not a failure), 1 when ``verify`` finds the engine disagreeing
+with the cache, 2 on bad input. Every command loads and validates all inputs
+before writing anything, and writes atomically, so a corrupt cache is never
+overwritten.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict
+from typing import Any
+
+from tabulate import tabulate
+
+from harness.cache.operations import diff, load_engine_layers, merge, pin, pin_from, verify
+from harness.cache.timing_cache import TimingCache
+from harness.errors import HarnessError
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser("cache", help="inspect and edit timing caches (JSON)")
+    sub = parser.add_subparsers(dest="cache_command", required=True, metavar="ACTION")
+
+    show = sub.add_parser("show", help="list a cache's provenance and per-layer tactics")
+    show.add_argument("file")
+    show.add_argument("--json", action="store_true", help="print the validated cache as JSON")
+    show.set_defaults(func=_show)
+
+    d = sub.add_parser("diff", help="compare two caches layer by layer (exit 0 either way)")
+    d.add_argument("a")
+    d.add_argument("b")
+    d.add_argument("--json", action="store_true", help="machine-readable output")
+    d.set_defaults(func=_diff)
+
+    p = sub.add_parser("pin", help="fix tactics: per layer, or copied from another cache")
+    p.add_argument("file")
+    how = p.add_mutually_exclusive_group(required=True)
+    how.add_argument(
+        "--layer",
+        action="append",
+        metavar="NAME=TACTIC",
+        help="layer name (or key) and a candidate's tactic name or hash; repeatable",
+    )
+    how.add_argument(
+        "--from", dest="source", metavar="OTHER", help="copy OTHER's selections for shared keys"
+    )
+    p.add_argument("-o", "--output", help="write here instead of replacing FILE")
+    p.add_argument(
+        "--ignore-mismatch",
+        action="store_true",
+        help="with --from: accept a cache recorded for a different configuration",
+    )
+    p.set_defaults(func=_pin)
+
+    m = sub.add_parser("merge", help="A plus B's keys that A lacks (A wins conflicts)")
+    m.add_argument("a")
+    m.add_argument("b")
+    m.add_argument("-o", "--output", required=True)
+    m.add_argument(
+        "--ignore-mismatch", action="store_true", help="accept caches from different configurations"
+    )
+    m.set_defaults(func=_merge)
+
+    v = sub.add_parser(
+        "verify", help="check that an engine uses the cache's tactics (exit 1 if not)"
+    )
+    v.add_argument("file")
+    v.add_argument("--engine", required=True, help="engine directory or its plan.json")
+    v.set_defaults(func=_verify)
+
+
+def _fmt_time(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4g}"
+
+
+def _show(args: argparse.Namespace) -> int:
+    cache = TimingCache.load(args.file)
+    if args.json:
+        print(json.dumps(cache.to_json(), indent=2))
+        return 0
+    prov = cache.provenance
+    print(f"{args.file}: {len(cache)} entries, {cache.digest()}")
+    print(f"backend: {prov.backend} {prov.backend_version}  device: {prov.device}")
+    for name, value in sorted(prov.builder_options.items()):
+        print(f"builder option {name}: {value}")
+    for name, value in sorted(prov.device_details.items()):
+        print(f"device detail {name}: {value}")
+    rows = [
+        [
+            e.layer,
+            e.key,
+            e.tactic,
+            e.tactic_hash,
+            _fmt_time(e.time_ms),
+            len(e.candidates),
+            "yes" if e.pinned else "",
+        ]
+        for e in cache.entries()
+    ]
+    print(tabulate(rows, headers=["layer", "key", "tactic", "hash", "ms", "candidates", "pinned"]))
+    return 0
+
+
+def _diff(args: argparse.Namespace) -> int:
+    a = TimingCache.load(args.a)
+    b = TimingCache.load(args.b)
+    rows = diff(a, b)
+    provenance = a.provenance.mismatches(b.provenance)
+    details = a.provenance.detail_differences(b.provenance)
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "provenance": provenance,
+                    "device_details": details,
+                    "layers": [asdict(r) for r in rows],
+                },
+                indent=2,
+            )
+        )
+        return 0
+    for line in provenance + details:
+        print(f"provenance {line}")
+    table = [
+        [
+            r.layer,
+            r.key,
+            r.status,
+            r.tactic_a or "-",
+            _fmt_time(r.time_ms_a),
+            r.tactic_b or "-",
+            _fmt_time(r.time_ms_b),
+        ]
+        for r in rows
+    ]
+    print(
+        tabulate(table, headers=["layer", "key", "status", "tactic A", "ms A", "tactic B", "ms B"])
+    )
+    counts = {s: sum(r.status == s for r in rows) for s in ("same", "changed", "only-a", "only-b")}
+    print(", ".join(f"{n} {s}" for s, n in counts.items()))
+    return 0
+
+
+def _parse_layer_spec(spec: str) -> tuple[str, str]:
+    # Layer names may contain "=" (TensorRT names are free text); tactic names
+    # and hashes never do, so split on the last one.
+    layer, sep, tactic = spec.rpartition("=")
+    if not sep or not layer or not tactic:
+        raise HarnessError(f"--layer expects NAME=TACTIC, got {spec!r}")
+    return layer, tactic
+
+
+def _pin(args: argparse.Namespace) -> int:
+    cache = TimingCache.load(args.file)
+    if args.source is not None:
+        other = TimingCache.load(args.source)
+        layers = pin_from(cache, other, args.ignore_mismatch)
+        if not layers:
+            raise HarnessError(f"{args.source} shares no key with {args.file}; nothing to pin")
+        summary = layers
+    else:
+        specs = [_parse_layer_spec(s) for s in args.layer]
+        summary = [
+            f"{e.layer}: {e.tactic} ({e.tactic_hash})" for e in (pin(cache, n, t) for n, t in specs)
+        ]
+    out = args.output or args.file
+    cache.save(out)
+    print(f"pinned {len(summary)} entr{'y' if len(summary) == 1 else 'ies'} -> {out}")
+    for line in summary:
+        print(f"  {line}")
+    return 0
+
+
+def _merge(args: argparse.Namespace) -> int:
+    a = TimingCache.load(args.a)
+    b = TimingCache.load(args.b)
+    merged = merge(a, b, args.ignore_mismatch)
+    conflicts = sum(r.status == "changed" for r in diff(a, b))
+    merged.save(args.output)
+    print(
+        f"merged {len(a)} entries from {args.a} and {len(merged) - len(a)} from {args.b} "
+        f"-> {args.output} ({conflicts} conflicting keys kept from {args.a})"
+    )
+    return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    cache = TimingCache.load(args.file)
+    layers = load_engine_layers(args.engine)
+    problems = verify(cache, layers)
+    if problems:
+        print(
+            f"engine {args.engine} disagrees with {args.file} on {len(problems)} of {len(layers)} layers:"
+        )
+        for line in problems:
+            print(f"  {line}")
+        return 1
+    print(f"engine {args.engine} agrees with {args.file} ({len(layers)} layers checked)")
+    return 0

@@ -1,0 +1,42 @@
+"""Entry point of ``harness`` / ``python -m harness``.
+
+Each subcommand module exposes ``register(subparsers)``; the parser it adds
+sets ``func`` to a callable taking the parsed namespace and returning an exit
+code. :class:`HarnessError` becomes ``error: ...`` and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from harness.errors import HarnessError
+
+SUBCOMMAND_MODULES = ("harness.cli.compile_cmd", "harness.cli.cache_cmd")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse exits 2 on bad flags already; keep its message format."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="harness", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name in SUBCOMMAND_MODULES:
+        importlib.import_module(name).register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except HarnessError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130

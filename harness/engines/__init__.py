@@ -1,0 +1,1 @@
+"""Engine backends behind one protocol (:mod:`harness.engines.protocol`)."""

@@ -1,0 +1,424 @@
+"""The CPU engine's plan: a typed op graph with one chosen tactic per layer.
+
+The plan is what the engine executes and what it saves (``plan.json`` next to
+``weights.safetensors``). It must be self-contained, pickle-free and safe to
+load from an untrusted file, so ops are stored by name (``aten::conv2d.default``)
+and resolved through ``torch.ops`` only when their packet is on
+:data:`ALLOWED_OPS`; arguments are JSON with tagged objects for references,
+weights, dtypes and non-finite floats.
+
+The plan's fingerprint is the digest of its canonical JSON (graph, dtypes,
+tactic per layer, weight names/shapes/dtypes) without the weight values, which
+have their own digest, so "same kernels" and "same weights" are separate facts.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import re
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from harness.engines.protocol import DTYPE_NAMES, LayerInfo, dtype_from_name, dtype_name
+from harness.errors import HarnessError
+from harness.fileio import canonical_json, digest
+
+PLAN_FORMAT = "harness-cpu-plan"
+PLAN_VERSION = 1
+GETITEM = "builtin::getitem"
+
+# ATen op packets a plan may name. Everything here is functional (no in-place
+# or out= variants) and deterministic given its inputs.
+ALLOWED_OPS = frozenset(
+    """
+    conv1d conv2d conv3d convolution conv_transpose1d conv_transpose2d conv_transpose3d
+    linear addmm mm bmm matmul baddbmm einsum
+    softmax _softmax log_softmax _log_softmax
+    layer_norm native_layer_norm batch_norm _native_batch_norm_legit_no_training
+    group_norm native_group_norm rms_norm scaled_dot_product_attention embedding
+    add sub mul div rsub neg abs relu relu6 gelu silu sigmoid tanh exp log log1p sqrt rsqrt
+    pow clamp clamp_min clamp_max hardtanh hardswish hardsigmoid leaky_relu elu mish erf
+    reciprocal maximum minimum where masked_fill eq ne lt le gt ge logical_not logical_and
+    logical_or bitwise_not sign floor ceil round square dropout softplus
+    mean sum amax amin max min argmax argmin var std prod cumsum linalg_vector_norm logsumexp
+    max_pool1d max_pool2d max_pool3d max_pool2d_with_indices avg_pool1d avg_pool2d avg_pool3d
+    adaptive_avg_pool1d adaptive_avg_pool2d adaptive_max_pool2d
+    view reshape _unsafe_view flatten unflatten transpose t permute unsqueeze squeeze expand
+    slice select contiguous clone alias cat stack split split_with_sizes chunk unbind narrow
+    index_select gather index repeat tile flip roll pad constant_pad_nd movedim
+    upsample_nearest2d upsample_bilinear2d pixel_shuffle
+    _to_copy to type_as arange zeros ones full zeros_like ones_like full_like scalar_tensor
+    tril triu lift_fresh_copy
+    """.split()
+)
+
+_OP_NAME = re.compile(r"^aten::(\w+)\.(\w+)$")
+_MEMORY_FORMATS = {
+    "contiguous_format": torch.contiguous_format,
+    "channels_last": torch.channels_last,
+    "channels_last_3d": torch.channels_last_3d,
+    "preserve_format": torch.preserve_format,
+}
+
+
+@dataclass(frozen=True)
+class Ref:
+    """The output of another node, or a graph input."""
+
+    name: str
+
+
+@dataclass(frozen=True)
+class WeightRef:
+    """A tensor stored in the engine's weights."""
+
+    name: str
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    shape: tuple[int, ...]
+    dtype: str  # short dtype name (protocol.DTYPE_NAMES)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"shape": list(self.shape), "dtype": self.dtype}
+
+    @staticmethod
+    def of(tensor: torch.Tensor) -> TensorMeta:
+        return TensorMeta(tuple(int(s) for s in tensor.shape), dtype_name(tensor.dtype))
+
+
+@dataclass
+class Node:
+    """One op of the plan. Every node except a getitem is an engine layer."""
+
+    name: str
+    op: str  # "aten::<packet>.<overload>" or GETITEM
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    outputs: tuple[TensorMeta | None, ...]  # one per returned tensor
+    multi: bool = False  # the op returns a tuple (consumed through getitem nodes)
+    layer_type: str = ""
+    key: str = ""
+    tactic: str = ""
+    tactic_hash: str = ""
+    fused: tuple[str, ...] = ()  # graph nodes folded into this layer (conv + batch_norm)
+
+    @property
+    def is_layer(self) -> bool:
+        return self.op != GETITEM
+
+    def refs(self) -> list[Ref]:
+        """Tensor inputs coming from other nodes, in argument order (one per occurrence)."""
+        return [a for a in iter_leaves((self.args, self.kwargs)) if isinstance(a, Ref)]
+
+    def weight_refs(self) -> list[WeightRef]:
+        return [a for a in iter_leaves((self.args, self.kwargs)) if isinstance(a, WeightRef)]
+
+    def out(self) -> TensorMeta:
+        meta = self.outputs[0]
+        if self.multi or meta is None:
+            raise AssertionError(f"node {self.name} has no single tensor output")
+        return meta
+
+
+@dataclass
+class Plan:
+    """A complete, typed engine graph. ``weights`` holds the tensors by name."""
+
+    mode: str
+    inputs: list[tuple[str, TensorMeta]]
+    nodes: list[Node]
+    outputs: list[Ref | WeightRef]
+    weights: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def layers(self) -> list[LayerInfo]:
+        metas = self.value_metas()
+        result = []
+        for node in self.nodes:
+            if not node.is_layer:
+                continue
+            ins = tuple(metas[r.name].dtype for r in node.refs())
+            ins += tuple(dtype_name(self.weights[w.name].dtype) for w in node.weight_refs())
+            outs = tuple(m.dtype for m in node.outputs if m is not None)
+            result.append(
+                LayerInfo(node.name, node.layer_type, node.key, ins, outs, node.tactic, node.tactic_hash)
+            )
+        return result
+
+    def value_metas(self) -> dict[str, TensorMeta]:
+        """Metadata of every value a Ref can name (graph inputs and single-output nodes)."""
+        metas = dict(self.inputs)
+        for node in self.nodes:
+            if not node.multi and node.outputs and node.outputs[0] is not None:
+                metas[node.name] = node.outputs[0]
+        return metas
+
+    def body_json(self) -> dict[str, Any]:
+        """Everything the fingerprint covers: the canonical plan without digests."""
+        return {
+            "format": PLAN_FORMAT,
+            "version": PLAN_VERSION,
+            "backend": "cpu",
+            "mode": self.mode,
+            "inputs": [{"name": n, **m.to_json()} for n, m in self.inputs],
+            "weights": [
+                {"name": n, **TensorMeta.of(t).to_json()} for n, t in sorted(self.weights.items())
+            ],
+            "nodes": [_node_json(n) for n in self.nodes],
+            "outputs": [encode_arg(o) for o in self.outputs],
+            "layers": [layer.to_json() for layer in self.layers()],
+        }
+
+    def fingerprint(self) -> str:
+        return digest(canonical_json(self.body_json()))
+
+    def weights_digest(self) -> str:
+        return weights_digest(self.weights)
+
+    def to_json(self) -> dict[str, Any]:
+        body = self.body_json()
+        return {**body, "fingerprint": digest(canonical_json(body)), "weights_digest": self.weights_digest()}
+
+
+def weights_digest(weights: Mapping[str, torch.Tensor]) -> str:
+    """Digest of names, dtypes, shapes and raw bytes, independent of storage layout."""
+    parts = []
+    for name in sorted(weights):
+        tensor = weights[name].detach().contiguous()
+        header = canonical_json([name, dtype_name(tensor.dtype), list(tensor.shape)])
+        parts += [header, tensor.reshape(-1).view(torch.uint8).numpy().tobytes()]
+    return digest(b"\0".join(parts))
+
+
+def iter_leaves(obj: Any) -> Iterator[Any]:
+    """Leaves of nested args (lists, tuples, dict values), in order."""
+    if isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from iter_leaves(item)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            yield from iter_leaves(item)
+    else:
+        yield obj
+
+
+def map_leaves(obj: Any, fn: Callable[[Any], Any]) -> Any:
+    """Rebuild nested args with ``fn`` applied to every leaf (lists stay lists, tuples tuples)."""
+    if isinstance(obj, list):
+        return [map_leaves(item, fn) for item in obj]
+    if isinstance(obj, tuple):
+        return tuple(map_leaves(item, fn) for item in obj)
+    if isinstance(obj, dict):
+        return {k: map_leaves(v, fn) for k, v in obj.items()}
+    return fn(obj)
+
+
+def op_packet(op: str) -> str:
+    """``aten::conv2d.default`` -> ``conv2d``; the allow-list and tactics key on it."""
+    match = _OP_NAME.match(op)
+    return match.group(1) if match else op
+
+
+def resolve_op(op: str, where: str) -> Callable[..., Any]:
+    """The callable an op name stands for, refusing anything off the allow-list."""
+    if op == GETITEM:
+        return operator.getitem
+    match = _OP_NAME.match(op)
+    if match is None or match.group(1) not in ALLOWED_OPS:
+        raise HarnessError(
+            f"{where}: op {op!r} is not supported by the CPU engine "
+            "(allowed: aten::<op>.<overload> for the ops listed in harness.engines.cpu.plan.ALLOWED_OPS)"
+        )
+    packet = getattr(torch.ops.aten, match.group(1), None)
+    overload = getattr(packet, match.group(2), None) if packet is not None else None
+    if overload is None:
+        raise HarnessError(f"{where}: op {op!r} does not exist in this PyTorch ({torch.__version__})")
+    return overload  # type: ignore[no-any-return]
+
+
+def op_name(target: Any) -> str:
+    """Plan name of an FX call_function target."""
+    if target is operator.getitem:
+        return GETITEM
+    if isinstance(target, torch._ops.OpOverload):
+        return f"{target._schema.name}.{target._overloadname}"
+    return repr(target)
+
+
+def encode_arg(value: Any) -> Any:
+    """Python argument -> JSON; tagged objects keep references and torch enums apart."""
+    if isinstance(value, Ref):
+        return {"ref": value.name}
+    if isinstance(value, WeightRef):
+        return {"weight": value.name}
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else {"float": repr(value)}
+    if isinstance(value, (list, tuple)):
+        return [encode_arg(v) for v in value]
+    if isinstance(value, torch.dtype):
+        return {"dtype": dtype_name(value)}
+    if isinstance(value, torch.device):
+        return {"device": str(value)}
+    if isinstance(value, torch.layout):
+        return {"layout": str(value).removeprefix("torch.")}
+    if isinstance(value, torch.memory_format):
+        return {"memory_format": str(value).removeprefix("torch.")}
+    raise HarnessError(f"argument {value!r} of type {type(value).__name__} cannot be stored in a plan")
+
+
+def decode_arg(value: Any, where: str) -> Any:
+    if isinstance(value, list):
+        return [decode_arg(v, where) for v in value]
+    if not isinstance(value, dict):
+        return value
+    if len(value) != 1:
+        raise HarnessError(f"{where}: malformed argument {value!r}")
+    (tag, payload), = value.items()
+    if not isinstance(payload, str):
+        raise HarnessError(f"{where}: malformed argument {value!r}")
+    if tag == "ref":
+        return Ref(payload)
+    if tag == "weight":
+        return WeightRef(payload)
+    if tag == "dtype":
+        return dtype_from_name(payload)
+    if tag == "float" and payload in ("inf", "-inf", "nan"):
+        return float(payload)
+    if tag == "device" and payload == "cpu":
+        return torch.device("cpu")
+    if tag == "layout" and payload == "strided":
+        return torch.strided
+    if tag == "memory_format" and payload in _MEMORY_FORMATS:
+        return _MEMORY_FORMATS[payload]
+    raise HarnessError(f"{where}: unsupported argument {value!r}")
+
+
+def _node_json(node: Node) -> dict[str, Any]:
+    return {
+        "name": node.name,
+        "op": node.op,
+        "args": [encode_arg(a) for a in node.args],
+        "kwargs": {k: encode_arg(v) for k, v in node.kwargs.items()},
+        "outputs": [None if m is None else m.to_json() for m in node.outputs],
+        "multi": node.multi,
+        "layer_type": node.layer_type,
+        "key": node.key,
+        "tactic": node.tactic,
+        "tactic_hash": node.tactic_hash,
+        "fused": list(node.fused),
+    }
+
+
+_META = {
+    "type": "object",
+    "required": ["shape", "dtype"],
+    "additionalProperties": False,
+    "properties": {
+        "shape": {"type": "array", "items": {"type": "integer", "minimum": 0}},
+        "dtype": {"enum": sorted(DTYPE_NAMES.values())},
+    },
+}
+_NAMED_META = {
+    "type": "object",
+    "required": ["name", "shape", "dtype"],
+    "additionalProperties": False,
+    "properties": {"name": {"type": "string", "minLength": 1}, **_META["properties"]},  # type: ignore[dict-item]
+}
+_STR = {"type": "string"}
+PLAN_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["format", "version", "backend", "mode", "inputs", "weights", "nodes", "outputs",
+                 "layers", "fingerprint", "weights_digest"],
+    "additionalProperties": False,
+    "properties": {
+        "format": {"const": PLAN_FORMAT},
+        "version": {"type": "integer"},
+        "backend": {"const": "cpu"},
+        "mode": _STR,
+        "inputs": {"type": "array", "items": _NAMED_META},
+        "weights": {"type": "array", "items": _NAMED_META},
+        "nodes": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["name", "op", "args", "kwargs", "outputs", "multi", "layer_type", "key",
+                             "tactic", "tactic_hash", "fused"],
+                "additionalProperties": False,
+                "properties": {
+                    "name": {"type": "string", "minLength": 1},
+                    "op": _STR,
+                    "args": {"type": "array"},
+                    "kwargs": {"type": "object"},
+                    "outputs": {"type": "array", "items": {"oneOf": [{"type": "null"}, _META]}},
+                    "multi": {"type": "boolean"},
+                    "layer_type": _STR,
+                    "key": _STR,
+                    "tactic": _STR,
+                    "tactic_hash": _STR,
+                    "fused": {"type": "array", "items": _STR},
+                },
+            },
+        },
+        "outputs": {"type": "array", "minItems": 1},
+        "layers": {"type": "array"},
+        "fingerprint": _STR,
+        "weights_digest": _STR,
+    },
+}
+
+
+def plan_from_json(obj: dict[str, Any], weights: dict[str, torch.Tensor], where: str) -> Plan:
+    """Rebuild a plan from validated JSON, checking every reference and op before use."""
+    if obj["version"] != PLAN_VERSION:
+        raise HarnessError(
+            f"{where}: plan schema version {obj['version']} is not supported "
+            f"(this harness reads version {PLAN_VERSION}); rebuild the engine"
+        )
+    declared = {w["name"]: TensorMeta(tuple(w["shape"]), w["dtype"]) for w in obj["weights"]}
+    actual = {n: TensorMeta.of(t) for n, t in weights.items()}
+    if declared != actual:
+        raise HarnessError(f"{where}: weights.safetensors does not hold the weights the plan declares")
+    inputs = [(i["name"], TensorMeta(tuple(i["shape"]), i["dtype"])) for i in obj["inputs"]]
+    known = {name for name, _ in inputs}
+    nodes = []
+    for raw in obj["nodes"]:
+        node_where = f"{where}: node {raw['name']!r}"
+        resolve_op(raw["op"], node_where)
+        outputs = tuple(None if m is None else TensorMeta(tuple(m["shape"]), m["dtype"]) for m in raw["outputs"])
+        node = Node(
+            name=raw["name"],
+            op=raw["op"],
+            args=tuple(decode_arg(a, node_where) for a in raw["args"]),
+            kwargs={k: decode_arg(v, node_where) for k, v in raw["kwargs"].items()},
+            outputs=outputs,
+            multi=raw["multi"],
+            layer_type=raw["layer_type"],
+            key=raw["key"],
+            tactic=raw["tactic"],
+            tactic_hash=raw["tactic_hash"],
+            fused=tuple(raw["fused"]),
+        )
+        _check_refs((node.args, node.kwargs), known, declared, node_where)
+        if node.name in known:
+            raise HarnessError(f"{node_where}: name defined twice")
+        known.add(node.name)
+        nodes.append(node)
+    outputs_refs = [decode_arg(o, f"{where}: outputs") for o in obj["outputs"]]
+    _check_refs(outputs_refs, known, declared, f"{where}: outputs")
+    return Plan(mode=obj["mode"], inputs=inputs, nodes=nodes, outputs=outputs_refs, weights=weights)
+
+
+def _check_refs(args: Any, known: set[str], weights: Mapping[str, TensorMeta], where: str) -> None:
+    for leaf in iter_leaves(args):
+        if isinstance(leaf, Ref) and leaf.name not in known:
+            raise HarnessError(f"{where}: refers to {leaf.name!r}, which is not defined before it")
+        if isinstance(leaf, WeightRef) and leaf.name not in weights:
+            raise HarnessError(f"{where}: refers to weight {leaf.name!r}, which the plan does not declare")
+

@@ -1,0 +1,434 @@
+"""Per-layer implementations ("tactics") of the CPU engine.
+
+Like GPU kernels, the implementations of one layer compute the same function
+with different memory layouts, libraries or orders of accumulation, so their
+results can differ in the last bits while all stay close to the exact value:
+convolution in NCHW, channels-last or without oneDNN; GEMM directly or split-K
+(partial products over chunks of the reduction dimension, accumulated in the
+layer's own dtype); softmax, layer norm and attention fused or decomposed.
+Every other op has the single tactic ``direct``.
+
+A tactic is named ``impl[precision]`` (``gemm_splitk2[bf16]``): the precision
+is part of the name because in weak modes it is one of the builder's choices.
+:func:`bind` turns (node, tactic) into a callable of the node's dynamic inputs
+with weights already prepared (pre-transposed, channels-last, contiguous), so
+the engine pays layout conversions once, at build or load, not per call.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import keyword
+import math
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from harness.engines.cpu.plan import (
+    Node,
+    Ref,
+    TensorMeta,
+    WeightRef,
+    map_leaves,
+    op_packet,
+    resolve_op,
+)
+from harness.errors import HarnessError
+
+Bound = Callable[..., Any]
+
+_TACTIC_NAME = re.compile(r"^(\w+)\[(\w+)\]$")
+_CL = torch.channels_last
+# Smallest reduction-chunk a split-K tactic may use: below it the extra
+# partial-sum traffic can only lose, so the candidate is not worth timing.
+_MIN_SPLIT_CHUNK = 16
+
+_LAYER_TYPES = {
+    "convolution": "conv1d conv2d conv3d convolution conv_transpose1d conv_transpose2d conv_transpose3d",
+    "matmul": "linear addmm mm bmm matmul baddbmm einsum",
+    "softmax": "softmax _softmax log_softmax _log_softmax",
+    "normalization": "layer_norm native_layer_norm batch_norm _native_batch_norm_legit_no_training "
+    "group_norm native_group_norm rms_norm",
+    "attention": "scaled_dot_product_attention",
+    "gather": "embedding index_select gather index",
+    "pooling": "max_pool1d max_pool2d max_pool3d max_pool2d_with_indices avg_pool1d avg_pool2d "
+    "avg_pool3d adaptive_avg_pool1d adaptive_avg_pool2d adaptive_max_pool2d",
+    "reduce": "mean sum amax amin max min argmax argmin var std prod cumsum linalg_vector_norm logsumexp",
+    "shuffle": "view reshape _unsafe_view flatten unflatten transpose t permute unsqueeze squeeze "
+    "expand slice select contiguous clone alias split split_with_sizes chunk unbind narrow repeat "
+    "tile flip roll movedim pixel_shuffle pad constant_pad_nd dropout lift_fresh_copy",
+    "concatenation": "cat stack",
+    "cast": "_to_copy to type_as",
+    "constant": "arange zeros ones full zeros_like ones_like full_like scalar_tensor",
+    "resize": "upsample_nearest2d upsample_bilinear2d",
+}
+_TYPE_OF = {packet: kind for kind, packets in _LAYER_TYPES.items() for packet in packets.split()}
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Placeholder for the i-th dynamic (Ref) input in a bound argument template."""
+
+    index: int
+
+
+def layer_type(node: Node) -> str:
+    """TensorRT-style layer type of a node ("convolution", "matmul", ..., "elementwise")."""
+    return _TYPE_OF.get(op_packet(node.op), "elementwise")
+
+
+def tactic_name(impl: str, precision: str) -> str:
+    return f"{impl}[{precision}]"
+
+
+def parse_tactic(name: str) -> tuple[str, str]:
+    """``gemm_splitk2[bf16]`` -> ("gemm_splitk2", "bf16")."""
+    match = _TACTIC_NAME.match(name)
+    if match is None:
+        raise HarnessError(f"malformed tactic name {name!r}; expected impl[precision], e.g. gemm_direct[fp32]")
+    return match.group(1), match.group(2)
+
+
+def tactic_hash(name: str) -> str:
+    """Stable 64-bit id of a tactic name, written like TensorRT's tactic hashes."""
+    return "0x" + hashlib.sha256(name.encode()).hexdigest()[:16]
+
+
+def impl_names(node: Node, metas: Mapping[str, TensorMeta], weights: Mapping[str, torch.Tensor]) -> list[str]:
+    """Implementations that can run ``node``; the first is the plain ATen call."""
+    packet = op_packet(node.op)
+    named = _named(node)
+    if packet in ("view", "_unsafe_view"):
+        # A view of a channels-last tensor may be impossible; a reshape gives
+        # the same values whatever the layout the producer's tactic chose.
+        return ["reshape"]
+    if packet in ("conv2d", "convolution") and _conv_ok(node, named):
+        # Without oneDNN, reduced-precision convolution falls back to a naive
+        # loop 50-100x slower: never a sensible candidate, so never timed.
+        extra = ["conv_no_mkldnn"] if node.out().dtype == "fp32" else []
+        return ["conv_nchw", "conv_channels_last", *extra]
+    if packet in _GEMM_OPERANDS:
+        k = _reduction_size(packet, named, metas, weights)
+        return ["gemm_direct"] + [f"gemm_splitk{n}" for n in (2, 4) if k // n >= _MIN_SPLIT_CHUNK]
+    if packet in _SOFTMAX_LOG:
+        undecomposable = named.get("dtype") is not None or named.get("half_to_float", False)
+        return ["softmax_fused"] + ([] if undecomposable else ["softmax_decomposed"])
+    if packet == "layer_norm" and not any(isinstance(named[a], Ref) for a in ("weight", "bias")):
+        return ["layernorm_fused", "layernorm_decomposed"]
+    if packet == "scaled_dot_product_attention" and named["dropout_p"] == 0.0 and not named["enable_gqa"]:
+        return ["sdpa_fused", "sdpa_math"]
+    return ["direct"]
+
+
+def bind(
+    node: Node, impl: str, metas: Mapping[str, TensorMeta], weights: Mapping[str, torch.Tensor]
+) -> Bound:
+    """Callable computing ``node`` with ``impl`` from its dynamic inputs (``node.refs()`` order)."""
+    valid = impl_names(node, metas, weights)
+    if impl not in valid:
+        raise HarnessError(f"layer {node.name!r} ({node.op}) has no implementation {impl!r}; valid: {', '.join(valid)}")
+    fn = resolve_op(node.op, f"layer {node.name!r}")
+    counter = iter(range(len(node.refs())))
+
+    def template(leaf: Any) -> Any:
+        if isinstance(leaf, Ref):
+            return Slot(next(counter))
+        if isinstance(leaf, WeightRef):
+            return weights[leaf.name]
+        return leaf
+
+    # Slots are numbered in argument order, the order node.refs() lists them.
+    named = {name: map_leaves(value, template) for name, value in _named(node).items()}
+    low = any(metas[r.name].dtype in ("fp16", "bf16") for r in node.refs())
+    return _BINDERS[impl](_Ctx(fn, named, op_packet(node.op), low))
+
+
+def make_call(fn: Callable[..., Any], args: Any, kwargs: Mapping[str, Any]) -> Bound:
+    """A generated ``lambda d0, d1: fn(d0, <const>, d1)``: no per-call argument shuffling.
+
+    Small scalars become literals, everything else (tensors, dtypes, floats,
+    strings) is bound by name, so plan contents never become code.
+    """
+    consts: dict[str, Any] = {"fn": fn}
+    slots: set[int] = set()
+
+    def expr(value: Any) -> str:
+        if isinstance(value, Slot):
+            slots.add(value.index)
+            return f"d{value.index}"
+        if isinstance(value, list):
+            return "[" + ", ".join(expr(v) for v in value) + "]"
+        if isinstance(value, tuple):
+            return "(" + "".join(expr(v) + ", " for v in value) + ")"
+        if value is None or isinstance(value, (bool, int)):
+            return repr(value)
+        name = f"c{len(consts)}"
+        consts[name] = value
+        return name
+
+    parts = [expr(a) for a in args]
+    for name, value in kwargs.items():
+        if not name.isidentifier() or keyword.iskeyword(name):
+            raise HarnessError(f"invalid keyword argument name {name!r}")
+        parts.append(f"{name}={expr(value)}")
+    params = ", ".join(f"d{i}" for i in range(max(slots, default=-1) + 1))
+    return eval(f"lambda {params}: fn({', '.join(parts)})", consts)  # type: ignore[no-any-return]
+
+
+# --- binding ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Ctx:
+    fn: Any  # the resolved OpOverload
+    named: dict[str, Any]  # schema name -> Slot | tensor | constant
+    packet: str
+    low: bool  # some dynamic input is fp16/bf16
+
+    def call(self, fn: Any = None, **changes: Any) -> Bound:
+        """``fn`` (default: the node's op) on the node's arguments, with some replaced."""
+        fn = self.fn if fn is None else fn
+        named = {**self.named, **changes}
+        args, kwargs = [], {}
+        for arg in fn._schema.arguments:
+            if arg.name not in named:
+                continue
+            if arg.kwarg_only:
+                kwargs[arg.name] = named[arg.name]
+            else:
+                args.append(named[arg.name])
+        return make_call(fn, args, kwargs)
+
+
+def _direct(ctx: _Ctx) -> Bound:
+    return ctx.call()
+
+
+def _reshape(ctx: _Ctx) -> Bound:
+    return ctx.call(torch.ops.aten.reshape.default)
+
+
+def _conv(layout: torch.memory_format, mkldnn: bool = True) -> Callable[[_Ctx], Bound]:
+    def binder(ctx: _Ctx) -> Bound:
+        base = ctx.call(weight=ctx.named["weight"].contiguous(memory_format=layout))
+        if mkldnn:
+            return lambda x, *rest: base(x.contiguous(memory_format=layout), *rest)
+
+        def without_onednn(x: torch.Tensor, *rest: Any) -> Any:
+            previous = torch.backends.mkldnn.enabled
+            torch.backends.mkldnn.enabled = False  # type: ignore[attr-defined]
+            try:
+                return base(x.contiguous(), *rest)
+            finally:
+                torch.backends.mkldnn.enabled = previous  # type: ignore[attr-defined]
+
+        return without_onednn
+
+    return binder
+
+
+def _gemm_direct(ctx: _Ctx) -> Bound:
+    if ctx.packet == "linear" and isinstance(ctx.named["weight"], torch.Tensor):
+        return ctx.call(weight=ctx.named["weight"].contiguous())
+    return ctx.call()
+
+
+def _split_k(parts: int) -> Callable[[_Ctx], Bound]:
+    """Sum of ``parts`` partial GEMMs over chunks of K, accumulated in the layer's dtype."""
+
+    def binder(ctx: _Ctx) -> Bound:
+        if ctx.packet == "linear":
+            return _split_linear(ctx, parts)
+        a_name, b_name = _GEMM_OPERANDS[ctx.packet]
+        get_a, get_b = _getter(ctx.named[a_name]), _getter(ctx.named[b_name])
+        get_bias = _getter(ctx.named["self"]) if ctx.packet == "addmm" else None
+        first, rest = _SPLIT_FNS[ctx.packet]
+
+        def split(*d: Any) -> Any:
+            a, b = get_a(d), get_b(d)
+            chunks = _chunks(a.shape[-1], parts)
+            s0 = chunks[0]
+            out = first(get_bias(d), a[..., s0], b[..., s0, :]) if get_bias else first(a[..., s0], b[..., s0, :])
+            for s in chunks[1:]:
+                out = rest(out, a[..., s], b[..., s, :])
+            return out
+
+        return split
+
+    return binder
+
+
+def _split_linear(ctx: _Ctx, parts: int) -> Bound:
+    weight, bias = ctx.named["weight"], ctx.named["bias"]
+    n, k = weight.shape
+    wt = weight.t().contiguous()
+    pieces = [(s, wt[s]) for s in _chunks(k, parts)]
+    (s0, w0), rest = pieces[0], pieces[1:]
+
+    def split(x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, k)
+        out = torch.mm(x2[:, s0], w0) if bias is None else torch.addmm(bias, x2[:, s0], w0)
+        for s, w in rest:
+            out = torch.addmm(out, x2[:, s], w)
+        return out.reshape(*x.shape[:-1], n)
+
+    return split
+
+
+def _softmax(ctx: _Ctx) -> Bound:
+    dim = ctx.named["dim"]
+    log = "log" in ctx.packet
+
+    def decomposed(x: torch.Tensor) -> torch.Tensor:
+        shifted = x - x.amax(dim, keepdim=True)
+        e = shifted.exp()
+        if log:
+            return shifted - e.sum(dim, keepdim=True).log()
+        return e / e.sum(dim, keepdim=True)
+
+    return decomposed
+
+
+def _layer_norm(ctx: _Ctx) -> Bound:
+    """mean/var formula; statistics in fp32 for fp16/bf16 input, as the fused kernel does."""
+    dims = tuple(range(-len(ctx.named["normalized_shape"]), 0))
+    eps = float(ctx.named["eps"])
+    weight, bias = ctx.named["weight"], ctx.named["bias"]
+    if ctx.low:
+        weight = None if weight is None else weight.float()
+        bias = None if bias is None else bias.float()
+
+    def decomposed(x: torch.Tensor) -> torch.Tensor:
+        xf = x.float() if ctx.low else x
+        centered = xf - xf.mean(dims, keepdim=True)
+        y = centered * torch.rsqrt(centered.square().mean(dims, keepdim=True) + eps)
+        if weight is not None:
+            y = y * weight
+        if bias is not None:
+            y = y + bias
+        return y.to(x.dtype)
+
+    return decomposed
+
+
+def _sdpa_math(ctx: _Ctx) -> Bound:
+    """Explicit attention: scores in the input dtype, softmax in fp32, then @ v."""
+    get_mask = _getter(ctx.named["attn_mask"])
+    causal, scale = bool(ctx.named["is_causal"]), ctx.named["scale"]
+
+    def math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *d: Any) -> torch.Tensor:
+        factor = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+        scores = (q @ k.transpose(-2, -1)).float() * factor
+        mask = get_mask((q, k, v, *d))
+        if causal:
+            keep = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril()
+            scores = scores.masked_fill(~keep, float("-inf"))
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+        return scores.softmax(-1).to(q.dtype) @ v
+
+    return math_attention
+
+
+def _getter(value: Any) -> Callable[[tuple[Any, ...]], Any]:
+    """Read a template value at call time: a dynamic input by slot, or the constant."""
+    if isinstance(value, Slot):
+        index = value.index
+        return lambda d: d[index]
+    return lambda d: value
+
+
+def _chunks(k: int, parts: int) -> list[slice]:
+    bounds = [k * i // parts for i in range(parts + 1)]
+    return [slice(lo, hi) for lo, hi in zip(bounds, bounds[1:], strict=False)]
+
+
+def _reduction_size(
+    packet: str, named: Mapping[str, Any], metas: Mapping[str, TensorMeta], weights: Mapping[str, torch.Tensor]
+) -> int:
+    """K of a GEMM node, or 0 when the node is not a plain 2-operand GEMM split-K can cut."""
+
+    def shape(value: Any) -> tuple[int, ...] | None:
+        if isinstance(value, Ref):
+            return metas[value.name].shape
+        if isinstance(value, WeightRef):
+            return tuple(weights[value.name].shape)
+        return None
+
+    a_name, b_name = _GEMM_OPERANDS[packet]
+    a, b = shape(named[a_name]), shape(named[b_name])
+    if a is None or b is None or len(a) < 1 or len(b) < 2:
+        return 0
+    if packet == "linear":
+        return b[1] if isinstance(named["weight"], WeightRef) and isinstance(named["input"], Ref) else 0
+    if packet == "addmm" and (named["beta"] != 1 or named["alpha"] != 1):
+        return 0
+    if packet == "matmul" and len(a) < 2:
+        return 0
+    return a[-1]
+
+
+# op -> (first operand, second operand) names in its schema
+_GEMM_OPERANDS = {
+    "linear": ("input", "weight"),
+    "addmm": ("mat1", "mat2"),
+    "mm": ("self", "mat2"),
+    "bmm": ("self", "mat2"),
+    "matmul": ("self", "other"),
+}
+# op -> (first partial product, accumulate a further partial into out)
+_SPLIT_FNS: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {
+    "addmm": (torch.addmm, torch.addmm),
+    "mm": (torch.mm, torch.addmm),
+    "bmm": (torch.bmm, torch.baddbmm),
+    "matmul": (torch.matmul, lambda out, a, b: out + torch.matmul(a, b)),
+}
+_SOFTMAX_LOG = ("softmax", "_softmax", "log_softmax", "_log_softmax")
+
+_BINDERS: dict[str, Callable[[_Ctx], Bound]] = {
+    "direct": _direct,
+    "reshape": _reshape,
+    "conv_nchw": _conv(torch.contiguous_format),
+    "conv_channels_last": _conv(_CL),
+    "conv_no_mkldnn": _conv(torch.contiguous_format, mkldnn=False),
+    "gemm_direct": _gemm_direct,
+    "gemm_splitk2": _split_k(2),
+    "gemm_splitk4": _split_k(4),
+    "softmax_fused": _direct,
+    "softmax_decomposed": _softmax,
+    "layernorm_fused": _direct,
+    "layernorm_decomposed": _layer_norm,
+    "sdpa_fused": _direct,
+    "sdpa_math": _sdpa_math,
+}
+
+
+def _named(node: Node) -> dict[str, Any]:
+    """Arguments by schema name, defaults filled in; unknown keywords are refused."""
+    fn = resolve_op(node.op, f"layer {node.name!r}")
+    arguments = fn._schema.arguments  # type: ignore[attr-defined]
+    names = {a.name for a in arguments}
+    unknown = sorted(set(node.kwargs) - names)
+    if unknown or len(node.args) > len(arguments):
+        raise HarnessError(f"layer {node.name!r}: arguments do not match {node.op} ({', '.join(unknown) or 'too many'})")
+    named: dict[str, Any] = {}
+    for i, arg in enumerate(arguments):
+        if i < len(node.args) and not arg.kwarg_only:
+            named[arg.name] = node.args[i]
+        elif arg.name in node.kwargs:
+            named[arg.name] = node.kwargs[arg.name]
+        elif arg.has_default_value():
+            named[arg.name] = arg.default_value
+    return named
+
+
+def _conv_ok(node: Node, named: Mapping[str, Any]) -> bool:
+    return (
+        isinstance(named["input"], Ref)
+        and isinstance(named["weight"], WeightRef)
+        and len(node.out().shape) == 4
+        and not named.get("transposed", False)
+    )

@@ -1,0 +1,53 @@
+"""Timing one candidate implementation the way an engine builder does.
+
+Each candidate runs on the layer's real input values (shapes, dtypes and
+memory layouts as the engine will see them): a few warm-up calls first, which
+absorb one-off costs such as oneDNN kernel generation and cache fills, then
+several timed calls of which the median is kept, so one preempted call does
+not decide a tactic. Close calls are still decided by noise; that is the
+point of recording the choice in a timing cache.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from harness.errors import HarnessError
+
+DEFAULT_WARMUP_RUNS = 2
+DEFAULT_TIMING_RUNS = 7
+
+
+@dataclass(frozen=True)
+class TimingOptions:
+    warmup_runs: int = DEFAULT_WARMUP_RUNS
+    timing_runs: int = DEFAULT_TIMING_RUNS
+
+    @staticmethod
+    def from_options(options: Mapping[str, Any]) -> TimingOptions:
+        """Read ``warmup_runs``/``timing_runs`` from builder options, refusing nonsense."""
+        warmup = options.get("warmup_runs", DEFAULT_WARMUP_RUNS)
+        runs = options.get("timing_runs", DEFAULT_TIMING_RUNS)
+        for name, value, least in (("warmup_runs", warmup, 0), ("timing_runs", runs, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise HarnessError(f"builder option {name}={value!r}: expected an integer >= {least}")
+        return TimingOptions(warmup_runs=warmup, timing_runs=runs)
+
+
+def median_ms(fn: Callable[..., Any], inputs: Sequence[Any], options: TimingOptions) -> float:
+    """Median wall time of ``fn(*inputs)`` in milliseconds, after warm-up, under inference mode."""
+    samples = []
+    with torch.inference_mode():
+        for _ in range(options.warmup_runs):
+            fn(*inputs)
+        for _ in range(options.timing_runs):
+            start = time.perf_counter_ns()
+            fn(*inputs)
+            samples.append(time.perf_counter_ns() - start)
+    return statistics.median(samples) / 1e6

@@ -1,0 +1,202 @@
+"""The contract every engine backend (cpu, onnxruntime, tensorrt) implements.
+
+A backend turns a typed graph plus a :class:`BuildConfig` and an optional
+timing cache into an :class:`Engine` and a :class:`BuildLog`. The log and the
+engine's per-layer :class:`LayerInfo` carry the same (layer name, key, tactic)
+triples as TensorRT's verbose builder log and engine inspector, so the timing
+cache tools, the rebuild report and ``cache verify`` work identically on every
+backend. Backends refuse a precision mode they cannot honour
+(:meth:`Backend.check_mode`) instead of silently running another one.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+from harness.errors import HarnessError
+
+if TYPE_CHECKING:
+    from harness.autocast import CompiledGraph
+    from harness.cache.timing_cache import Candidate, Provenance, TimingCache
+
+PRECISION_MODES = (
+    "fp32",
+    "fp16",
+    "bf16",
+    "weak-fp16",
+    "weak-bf16",
+    "autocast-fp16",
+    "autocast-bf16",
+    "amp-fp16",
+    "amp-bf16",
+    "explicit",
+)
+
+# The dtype vocabulary of LayerInfo, plans and explicit-precision files: short
+# names as users write them ("fp16", not "torch.float16" or TensorRT's "Half").
+DTYPE_NAMES: dict[torch.dtype, str] = {
+    torch.float32: "fp32",
+    torch.float16: "fp16",
+    torch.bfloat16: "bf16",
+    torch.float64: "fp64",
+    torch.int64: "int64",
+    torch.int32: "int32",
+    torch.int16: "int16",
+    torch.int8: "int8",
+    torch.uint8: "uint8",
+    torch.bool: "bool",
+}
+_DTYPES_BY_NAME = {name: dtype for dtype, name in DTYPE_NAMES.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """Short name of a tensor dtype ("fp32", "bf16", "int64", ...)."""
+    try:
+        return DTYPE_NAMES[dtype]
+    except KeyError:
+        raise HarnessError(
+            f"dtype {dtype} is not supported by the engines; supported: {', '.join(DTYPE_NAMES.values())}"
+        ) from None
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """Inverse of :func:`dtype_name`; an unknown name is an error naming the valid ones."""
+    try:
+        return _DTYPES_BY_NAME[name]
+    except KeyError:
+        raise HarnessError(f"unknown dtype {name!r}; valid: {', '.join(_DTYPES_BY_NAME)}") from None
+
+
+@dataclass(frozen=True)
+class BuildConfig:
+    """Everything besides the graph that decides which engine a build produces."""
+
+    mode: str
+    # JSON file mapping node-name regexes to dtypes ("fp32"|"fp16"|"bf16"), for mode "explicit".
+    explicit_path: str | None = None
+    # A layer whose key the cache lacks fails the build, naming the layer.
+    error_on_cache_miss: bool = False
+    editable_cache: bool = True
+    disable_cache: bool = False
+    ignore_cache_mismatch: bool = False
+    # Backend options that change kernels (timing iterations, tf32, optimization
+    # level); recorded in the cache provenance so a cache is reused only under them.
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class LayerInfo:
+    """One layer of a built engine, as TensorRT's engine inspector reports it.
+
+    Dtypes use the short names of :data:`DTYPE_NAMES`.
+    """
+
+    name: str
+    layer_type: str
+    key: str
+    input_dtypes: tuple[str, ...]
+    output_dtypes: tuple[str, ...]
+    tactic: str
+    tactic_hash: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "key": self.key,
+            "tactic": self.tactic,
+            "tactic_hash": self.tactic_hash,
+            "layer_type": self.layer_type,
+            "input_dtypes": list(self.input_dtypes),
+            "output_dtypes": list(self.output_dtypes),
+        }
+
+
+@dataclass(frozen=True)
+class LayerTiming:
+    """The autotuning record of one layer: every candidate timed and the one kept."""
+
+    layer: str
+    key: str
+    candidates: tuple[Candidate, ...]
+    chosen: str
+    chosen_hash: str
+    from_cache: bool
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "layer": self.layer,
+            "key": self.key,
+            "candidates": [
+                {"tactic": c.tactic, "tactic_hash": c.tactic_hash, "time_ms": c.time_ms}
+                for c in self.candidates
+            ],
+            "chosen": self.chosen,
+            "chosen_hash": self.chosen_hash,
+            "from_cache": self.from_cache,
+        }
+
+
+@dataclass
+class BuildLog:
+    """What a build did, kept next to the engine so a changed rebuild can be explained."""
+
+    backend: str
+    mode: str
+    layers: list[LayerTiming]
+    messages: list[str]
+    build_seconds: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "backend": self.backend,
+            "mode": self.mode,
+            "build_seconds": self.build_seconds,
+            "layers": [layer.to_json() for layer in self.layers],
+            "messages": list(self.messages),
+        }
+
+
+class Engine(Protocol):
+    backend: str
+    mode: str
+
+    def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]: ...
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write the engine as a directory (created or replaced file by file, atomically)."""
+        ...
+
+    def layers(self) -> list[LayerInfo]: ...
+
+    def fingerprint(self) -> str:
+        """Digest of the canonical plan: graph, dtypes and tactic per layer (not weights)."""
+        ...
+
+    def weights_digest(self) -> str: ...
+
+    def size_bytes(self) -> int: ...
+
+    def weight_bytes_by_dtype(self) -> dict[str, int]: ...
+
+
+class Backend(Protocol):
+    name: str
+
+    def supported_modes(self) -> tuple[str, ...]: ...
+
+    def check_mode(self, mode: str) -> None:
+        """Raise HarnessError with the reason when this backend cannot build ``mode``."""
+        ...
+
+    def provenance(self, config: BuildConfig) -> Provenance: ...
+
+    def build(
+        self, graph: CompiledGraph, config: BuildConfig, cache: TimingCache | None
+    ) -> tuple[Engine, BuildLog]: ...
+
+    def load(self, path: str | os.PathLike[str]) -> Engine: ...

@@ -1,0 +1,192 @@
+"""Per-layer facts of a built TensorRT engine, from the engine inspector's JSON.
+
+The engine must be built with ``ProfilingVerbosity.DETAILED``; otherwise the
+inspector lists bare layer names. Two layouts exist:
+
+* TensorRT 10.x: top-level ``"Bindings"`` (list of names); each layer tensor
+  has one ``"Format/Datatype"`` string such as
+  ``"Row major linear FP16 format"`` (or just ``"Half"`` for Myelin layers).
+* TensorRT 11.x: ``"Bindings"`` is replaced by ``"I/O Tensors"`` (objects
+  with ``Name``, ``IOMode``, ``DataType``, ...), and the tensor field
+  ``"Format/Datatype"`` is split into ``"Format"`` and a data type field.
+  NVIDIA's own parser (trt-samples-for-hackathon-cn, tensorrt_cookbook
+  ``get_engine_tensor_info``) reads the split field as ``"Datatype"`` while
+  the ``I/O Tensors`` objects spell it ``"DataType"``; both are accepted.
+
+Data types are normalised ("FP16", "Half" -> "float16") so layers compare
+across layouts; formats are kept as TensorRT wrote them.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+from harness.cache.timing_cache import CacheEntry, normalize_hash
+from harness.engines.tensorrt.versions import TrtApi, load_tensorrt
+from harness.errors import HarnessError
+from harness.fileio import canonical_json, digest
+
+if TYPE_CHECKING:
+    import tensorrt
+
+Layout = Literal["10.x", "11.x"]
+
+_DTYPES = {
+    "float": "float32",
+    "fp32": "float32",
+    "float32": "float32",
+    "half": "float16",
+    "fp16": "float16",
+    "float16": "float16",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "double": "float64",
+    "fp8": "fp8",
+    "fp4": "fp4",
+    "int4": "int4",
+    "int8": "int8",
+    "uint8": "uint8",
+    "int32": "int32",
+    "int64": "int64",
+    "bool": "bool",
+}
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    dtype: str
+    format: str
+    dimensions: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class InspectedLayer:
+    """One engine layer. ``tactic_value`` is absent for some fused layers; compare names."""
+
+    name: str
+    layer_type: str
+    inputs: tuple[TensorInfo, ...]
+    outputs: tuple[TensorInfo, ...]
+    tactic_name: str | None
+    tactic_value: str | None
+
+
+@dataclass(frozen=True)
+class EngineInformation:
+    layout: Layout
+    layers: tuple[InspectedLayer, ...]
+    io_tensors: tuple[str, ...]
+
+
+def _canonical_dtype(text: str) -> str:
+    return _DTYPES.get(text.strip().lower(), text.strip())
+
+
+def _dtype_from_combined(text: str) -> str:
+    # "Row major linear FP16 format" / "Channel major BFloat16 format where ..." -> the word
+    # before "format"; Myelin tensors just say "Half" or "Float".
+    words = text.replace(".", "").split()
+    if "format" in words[1:]:
+        return _canonical_dtype(words[words.index("format", 1) - 1])
+    return _canonical_dtype(words[-1]) if words else ""
+
+
+def _tensor(obj: Any, where: str) -> TensorInfo:
+    if not isinstance(obj, Mapping) or not isinstance(obj.get("Name"), str):
+        raise HarnessError(f"{where}: tensor entry without a Name: {obj!r}")
+    dims = tuple(int(d) for d in obj.get("Dimensions", []))
+    if "Format/Datatype" in obj:
+        combined = str(obj["Format/Datatype"])
+        return TensorInfo(obj["Name"], _dtype_from_combined(combined), combined, dims)
+    dtype = obj.get("Datatype", obj.get("DataType"))
+    if dtype is None:
+        raise HarnessError(
+            f"{where}: tensor {obj['Name']!r} has neither 'Format/Datatype' (10.x) nor "
+            "'Datatype'/'DataType' (11.x)"
+        )
+    return TensorInfo(obj["Name"], _canonical_dtype(str(dtype)), str(obj.get("Format", "")), dims)
+
+
+def _layer(obj: Any, where: str) -> InspectedLayer:
+    if isinstance(obj, str):
+        raise HarnessError(
+            f"{where}: layers are bare names; rebuild the engine with "
+            "config.profiling_verbosity = ProfilingVerbosity.DETAILED"
+        )
+    if not isinstance(obj, Mapping) or not isinstance(obj.get("Name"), str):
+        raise HarnessError(f"{where}: layer entry without a Name")
+    here = f"{where}: layer {obj['Name']!r}"
+    tactic_name = obj.get("TacticName")
+    tactic_value = obj.get("TacticValue")
+    return InspectedLayer(
+        name=obj["Name"],
+        layer_type=str(obj.get("LayerType", "")),
+        inputs=tuple(_tensor(t, here) for t in obj.get("Inputs", [])),
+        outputs=tuple(_tensor(t, here) for t in obj.get("Outputs", [])),
+        tactic_name=None if tactic_name is None else str(tactic_name),
+        tactic_value=None if tactic_value is None else str(tactic_value),
+    )
+
+
+def _layout(obj: Mapping[str, Any], raw_layers: list[Any]) -> Layout:
+    if "I/O Tensors" in obj:
+        return "11.x"
+    if "Bindings" in obj:
+        return "10.x"
+    # Single-layer output (get_layer_information) has neither key: look at the tensors.
+    for raw in raw_layers:
+        for tensor in [*raw.get("Inputs", []), *raw.get("Outputs", [])]:
+            return "10.x" if "Format/Datatype" in tensor else "11.x"
+    raise HarnessError(
+        "engine information: cannot tell the inspector layout (no Bindings, I/O Tensors or tensors)"
+    )
+
+
+def parse_engine_information(
+    data: str | Mapping[str, Any], where: str = "engine information"
+) -> EngineInformation:
+    """Parse ``get_engine_information(LayerInformationFormat.JSON)`` output of either layout."""
+    if isinstance(data, str):
+        try:
+            data = json.loads(data)
+        except json.JSONDecodeError as exc:
+            raise HarnessError(
+                f"{where}: not valid JSON ({exc.msg} at line {exc.lineno})"
+            ) from None
+    if not isinstance(data, Mapping) or not isinstance(data.get("Layers"), list):
+        raise HarnessError(f"{where}: expected an object with a 'Layers' list")
+    raw_layers = data["Layers"]
+    layers = tuple(_layer(item, where) for item in raw_layers)
+    layout = _layout(data, raw_layers)
+    # 10.x lists I/O names; 11.x lists objects that carry the name.
+    io_raw = data.get("I/O Tensors", data.get("Bindings", []))
+    names = [t.get("Name") if isinstance(t, Mapping) else t for t in io_raw]
+    io_tensors = tuple(name for name in names if isinstance(name, str))
+    if len(io_tensors) != len(names):
+        raise HarnessError(f"{where}: I/O tensor entries must be names or objects with a Name")
+    return EngineInformation(layout, layers, io_tensors)
+
+
+def engine_information_json(engine: tensorrt.ICudaEngine, trt_module: TrtApi | None = None) -> str:
+    """The inspector's JSON for a whole engine (thin call into TensorRT)."""
+    trt = load_tensorrt(trt_module)
+    inspector = engine.create_engine_inspector()
+    return inspector.get_engine_information(trt.LayerInformationFormat.JSON)
+
+
+def trt_fingerprint(layers: Iterable[InspectedLayer], cache_entries: Iterable[CacheEntry]) -> str:
+    """Digest of the tactic decisions: per-key tactic hashes and per-layer tactic names.
+
+    Never plan or cache bytes: those differ between two GPUs of the same model
+    even when every decision is identical. Both lists are sorted, so the order
+    in which the inspector or the cache lists things does not matter.
+    """
+    payload = {
+        "keys": sorted([e.key.lower(), normalize_hash(e.tactic_hash)] for e in cache_entries),
+        "layers": sorted([layer.name, layer.tactic_name or ""] for layer in layers),
+    }
+    return digest(canonical_json(payload))

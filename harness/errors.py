@@ -1,0 +1,15 @@
+"""One exception type for every user-facing failure.
+
+Anything the user can fix (a bad flag, a corrupt file, a model that does not
+export) raises :class:`HarnessError` with a message that names the culprit and
+says what would be valid. The command line turns it into ``error: ...`` on
+stderr and exit code 2; everything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+
+class HarnessError(Exception):
+    """A failure caused by input the user can correct."""
+
+    exit_code = 2

@@ -1,0 +1,101 @@
+"""Export a model with ``torch.export`` and make the graph standalone.
+
+``torch.export`` (pre-dispatch / training IR) keeps ``with torch.autocast``
+regions as ``torch.ops.higher_order.wrap_with_autocast`` nodes and keeps
+composite ops such as ``aten.linear`` whole, which is what both the rule-based
+classifier and exact AMP semantics need. The exported graph takes weights as
+placeholder inputs; engines and passes want a graph whose only inputs are the
+user's tensors, so weights become ``get_attr`` constants owned by the module.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind, OutputKind
+
+from harness.errors import HarnessError
+
+
+def export_program(module: torch.nn.Module, example_inputs: Sequence[Any]) -> ExportedProgram:
+    """``torch.export.export`` with failures turned into one clear error."""
+    if not isinstance(module, torch.nn.Module):
+        raise HarnessError(f"expected a torch.nn.Module or ExportedProgram, got {type(module).__name__}")
+    args = tuple(example_inputs)
+    if not args or not all(isinstance(a, torch.Tensor) for a in args):
+        kinds = ", ".join(type(a).__name__ for a in args) or "nothing"
+        raise HarnessError(f"example inputs must be a non-empty tuple of tensors (got {kinds})")
+    try:
+        return torch.export.export(module.eval(), args)
+    except Exception as exc:  # export raises many unrelated types; the user needs the text
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise HarnessError(
+            f"model {type(module).__name__} failed to export with torch.export: {type(exc).__name__}: {first}. "
+            "The model must be traceable by torch.export (no data-dependent Python control flow)."
+        ) from exc
+
+
+def _attr_name(target: str, taken: set[str]) -> str:
+    base = re.sub(r"\W", "_", target) or "const"
+    if base[0].isdigit():
+        base = "_" + base
+    name, i = base, 1
+    while name in taken:
+        name, i = f"{base}_{i}", i + 1
+    taken.add(name)
+    return name
+
+
+def standalone_graph(ep: ExportedProgram) -> torch.fx.GraphModule:
+    """A GraphModule whose placeholders are the user inputs and whose weights are ``get_attr``.
+
+    Outputs are returned as a flat tuple. Each weight node keeps its state-dict
+    name in ``meta["weight_name"]`` so reports can name it. Buffer mutation
+    (a module left in training mode) is refused: an inference graph must be pure.
+    """
+    sig = ep.graph_signature
+    bad_out = [s for s in sig.output_specs if s.kind != OutputKind.USER_OUTPUT]
+    if bad_out:
+        raise HarnessError(
+            f"the model mutates state during forward ({bad_out[0].kind.name} of {bad_out[0].target}); "
+            "call model.eval() and remove in-place updates of buffers"
+        )
+    gm = copy.deepcopy(ep.graph_module)  # never mutate the caller's program
+    taken = set(dict(gm.named_children())) | set(dict(gm.named_parameters())) | set(dict(gm.named_buffers()))
+    constants = {**ep.state_dict, **ep.constants}
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for spec, node in zip(sig.input_specs, placeholders, strict=True):
+        if spec.kind == InputKind.USER_INPUT:
+            continue
+        if spec.kind not in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
+            raise HarnessError(f"unsupported exported input {spec.arg.name} of kind {spec.kind.name}")
+        tensor = constants[spec.target].detach()
+        attr = _attr_name(spec.target, taken)
+        gm.register_buffer(attr, tensor)
+        with gm.graph.inserting_before(node):
+            get = gm.graph.get_attr(attr)
+        get.meta.update(node.meta)
+        get.meta["weight_name"] = spec.target
+        node.replace_all_uses_with(get)
+        gm.graph.erase_node(node)
+    output = gm.graph.output_node()
+    outs = output.args[0]
+    output.args = (tuple(outs) if isinstance(outs, (list, tuple)) else (outs,),)
+    # Lifted export graphs order weights first; keep the user inputs first too.
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def load_graph(model: torch.nn.Module | ExportedProgram, example_inputs: Sequence[Any] | None) -> torch.fx.GraphModule:
+    """Accept an ``nn.Module`` with example inputs, or an ``ExportedProgram``."""
+    if isinstance(model, ExportedProgram):
+        return standalone_graph(model)
+    if example_inputs is None:
+        raise HarnessError("an nn.Module needs example inputs to export")
+    return standalone_graph(export_program(model, example_inputs))

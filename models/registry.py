@@ -1,0 +1,284 @@
+"""Where the harness gets its models: built-in zoo names or a user's own file.
+
+A model is more than an ``nn.Module``: calibration and benchmarks need example
+inputs, a few calibration batches shaped like them, and (where labelled data
+exist) a task metric. :class:`ModelSpec` bundles those so every stage sees the
+same inputs, and :func:`load` resolves either a registered name or
+``path/to/file.py:factory`` into one.
+
+Reproducibility is part of the contract: factories run with the caller's
+global RNG state saved and restored, build their weights from a local seeded
+generator (:func:`seeded_init`), and each :func:`load` hands out a private copy
+of a memoized spec so a caller converting the module in place (``.half()``)
+cannot change what the next caller gets.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import hashlib
+import importlib.util
+import inspect
+import math
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from harness.errors import HarnessError
+
+Factory = Callable[[], "ModelSpec"]
+
+_FACTORIES: dict[str, Factory] = {}
+
+_EXPECTED_RETURN = "a ModelSpec or a (torch.nn.Module, tuple of example input tensors) pair"
+
+
+@dataclass(frozen=True, eq=False)
+class ModelSpec:
+    """A model plus the data every harness stage runs it on.
+
+    ``eq=False``: field-wise equality would compare tensors elementwise and
+    fail; two specs are the same only if they are the same object.
+    """
+
+    name: str
+    description: str
+    module: torch.nn.Module
+    example_inputs: tuple[torch.Tensor, ...]
+    calibration_data: list[tuple[torch.Tensor, ...]]
+    evaluate: Callable[[Callable[..., Any]], float] | None = None
+
+
+def register(name: str) -> Callable[[Factory], Factory]:
+    """Decorator adding a zero-argument factory to the zoo under ``name``.
+
+    The returned function is the factory wrapped so that it never moves the
+    caller's global RNG (module constructors draw from it even when the
+    factory re-initializes every weight afterwards).
+    """
+
+    def decorator(factory: Factory) -> Factory:
+        if name in _FACTORIES:
+            raise HarnessError(
+                f"model name {name!r} is registered twice "
+                f"(already by {_FACTORIES[name].__module__}); choose another name"
+            )
+        isolated = _rng_isolated(factory)
+        _FACTORIES[name] = isolated
+        return isolated
+
+    return decorator
+
+
+def available() -> list[str]:
+    """Registered model names, sorted."""
+    return sorted(_FACTORIES)
+
+
+def load(name_or_path: str) -> ModelSpec:
+    """Resolve a zoo name or ``path/to/file.py:factory`` into a private ModelSpec copy.
+
+    Inference mode is switched off while building and copying: specs are
+    memoized, and tensors created under the first caller's ``inference_mode``
+    could never take part in autograd or export tracing afterwards.
+    """
+    with torch.inference_mode(False):
+        if ":" in name_or_path:
+            path_text, _, factory_name = name_or_path.rpartition(":")
+            spec = _built_from_file(*_file_key(path_text, factory_name, name_or_path))
+        elif name_or_path in _FACTORIES:
+            spec = _built_registered(name_or_path)
+        else:
+            valid = ", ".join(available()) or "(none registered)"
+            raise HarnessError(
+                f"unknown model {name_or_path!r}; valid names: {valid}; "
+                "or give a user model as path/to/file.py:factory"
+            )
+        return copy.deepcopy(spec)
+
+
+def seeded_init(module: torch.nn.Module, generator: torch.Generator, gain: float = 1.0) -> None:
+    """Re-draw every weight matrix/kernel (and its bias) from ``generator``.
+
+    Weights are uniform in +-gain/sqrt(fan_in) (gain 1 is PyTorch's Linear
+    default, sqrt(6) is He-uniform for ReLU stacks). Drawing from a local
+    generator in module order makes the zoo bit-identical across processes
+    without touching global RNG state. 1-D parameters that are not biases of
+    such a weight (norm scales and shifts) keep their constructor values.
+    """
+    with torch.no_grad():
+        for sub in module.modules():
+            own = dict(sub.named_parameters(recurse=False))
+            for param in own.values():
+                if param.dim() >= 2:
+                    param.uniform_(-_bound(param, gain), _bound(param, gain), generator=generator)
+            weight, bias = own.get("weight"), own.get("bias")
+            if weight is not None and bias is not None and weight.dim() >= 2:
+                bias.uniform_(-_bound(weight, gain), _bound(weight, gain), generator=generator)
+
+
+def default_calibration_data(
+    example_inputs: Sequence[torch.Tensor], batches: int = 4, seed: int = 0
+) -> list[tuple[torch.Tensor, ...]]:
+    """Random stand-in calibration batches for models that come without data.
+
+    Floating inputs become uniform values in (-1, 1) of the example's shape and
+    dtype; integer and bool inputs (token ids, masks) keep the example values
+    because random ids could fall outside the model's vocabulary.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    return [
+        tuple(
+            (torch.rand(t.shape, generator=generator) * 2 - 1).to(t.dtype)
+            if t.is_floating_point()
+            else t.clone()
+            for t in example_inputs
+        )
+        for _ in range(batches)
+    ]
+
+
+def _bound(weight: torch.Tensor, gain: float) -> float:
+    return gain / math.sqrt(weight[0].numel())
+
+
+def _rng_isolated(factory: Factory) -> Factory:
+    @functools.wraps(factory)
+    def wrapper() -> ModelSpec:
+        with torch.random.fork_rng(devices=[]):
+            return factory()
+
+    return wrapper
+
+
+@functools.cache
+def _built_registered(name: str) -> ModelSpec:
+    return _checked(_FACTORIES[name](), f"model {name!r}")
+
+
+def _file_key(path_text: str, factory_name: str, original: str) -> tuple[str, int, str]:
+    """Validate ``path:factory`` and key the build cache on the file's mtime (edits rebuild)."""
+    form = f"expected path/to/file.py:factory, got {original!r}"
+    if not path_text or not factory_name.isidentifier():
+        raise HarnessError(f"bad model reference: {form}")
+    path = Path(path_text).expanduser().resolve()
+    if path.suffix != ".py":
+        raise HarnessError(f"model file {path_text!r} is not a .py file; {form}")
+    if not path.is_file():
+        raise HarnessError(f"model file {path_text!r} does not exist; {form}")
+    return str(path), path.stat().st_mtime_ns, factory_name
+
+
+@functools.cache
+def _built_from_file(path: str, mtime_ns: int, factory_name: str) -> ModelSpec:
+    del mtime_ns  # only part of the cache key
+    module = _import_file(Path(path))
+    factory = getattr(module, factory_name, None)
+    if not callable(factory):
+        defined = sorted(
+            n
+            for n, obj in vars(module).items()
+            if inspect.isfunction(obj)
+            and obj.__module__ == module.__name__
+            and not n.startswith("_")
+        )
+        raise HarnessError(
+            f"model file {path} has no callable factory {factory_name!r}; "
+            f"functions defined there: {', '.join(defined) or '(none)'}"
+        )
+    culprit = f"factory {factory_name!r} in {path}"
+    try:
+        result = _rng_isolated(factory)()
+    except HarnessError:
+        raise
+    except Exception as exc:
+        raise HarnessError(f"{culprit} raised {type(exc).__name__}: {exc}") from exc
+    return _checked(_as_spec(result, factory_name, culprit), culprit)
+
+
+def _import_file(path: Path) -> ModuleType:
+    """Import a user's model file under a private module name derived from its path."""
+    module_name = "harness_user_model_" + hashlib.sha256(str(path).encode()).hexdigest()[:16]
+    import_spec = importlib.util.spec_from_file_location(module_name, path)
+    if import_spec is None or import_spec.loader is None:
+        raise HarnessError(f"model file {path} cannot be imported as a Python module")
+    module = importlib.util.module_from_spec(import_spec)
+    # Registered before execution: dataclasses (and anything else resolving
+    # cls.__module__) in the user's file look their module up in sys.modules.
+    sys.modules[module_name] = module
+    try:
+        import_spec.loader.exec_module(module)
+    except Exception as exc:
+        del sys.modules[module_name]
+        raise HarnessError(
+            f"model file {path} failed to import: {type(exc).__name__}: {exc}"
+        ) from exc
+    return module
+
+
+def _as_spec(result: object, name: str, culprit: str) -> ModelSpec:
+    """Accept a ModelSpec as is, or wrap a bare (module, example_inputs) pair."""
+    if isinstance(result, ModelSpec):
+        return result
+    if (
+        isinstance(result, tuple)
+        and len(result) == 2
+        and isinstance(result[0], torch.nn.Module)
+        and isinstance(result[1], (tuple, list))
+        and all(isinstance(t, torch.Tensor) for t in result[1])
+    ):
+        inputs = tuple(result[1])
+        return ModelSpec(
+            name=name,
+            description=f"user model from {culprit}",
+            module=result[0],
+            example_inputs=inputs,
+            calibration_data=default_calibration_data(inputs),
+            evaluate=None,
+        )
+    raise HarnessError(f"{culprit} returned {type(result).__name__}; expected {_EXPECTED_RETURN}")
+
+
+def _checked(spec: ModelSpec, culprit: str) -> ModelSpec:
+    """Enforce the invariants later stages rely on, and put the module in eval mode."""
+    if not isinstance(spec.module, torch.nn.Module):
+        raise HarnessError(
+            f"{culprit}: module is {type(spec.module).__name__}; expected a torch.nn.Module"
+        )
+    inputs = spec.example_inputs
+    if (
+        not isinstance(inputs, tuple)
+        or not inputs
+        or not all(isinstance(t, torch.Tensor) for t in inputs)
+    ):
+        raise HarnessError(
+            f"{culprit}: example_inputs must be a non-empty tuple of tensors, "
+            f"got {type(inputs).__name__}"
+        )
+    if not spec.calibration_data:
+        raise HarnessError(f"{culprit}: calibration_data is empty; give at least one batch")
+    for i, batch in enumerate(spec.calibration_data):
+        if (
+            not isinstance(batch, tuple)
+            or len(batch) != len(inputs)
+            or any(
+                not isinstance(t, torch.Tensor) or t.shape != e.shape or t.dtype != e.dtype
+                for t, e in zip(batch, inputs, strict=True)
+            )
+        ):
+            raise HarnessError(
+                f"{culprit}: calibration batch {i} does not match example_inputs; "
+                f"expected a tuple of {_describe(inputs)}"
+            )
+    spec.module.eval()
+    return spec
+
+
+def _describe(tensors: Sequence[torch.Tensor]) -> str:
+    return ", ".join(f"{t.dtype} {tuple(t.shape)}" for t in tensors)

@@ -1,0 +1,108 @@
+"""AMP mode's contract: bit-identical to eager ``torch.autocast`` on CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import models
+from harness.autocast import compile
+from tests.conftest import as_tuple, bits_equal
+
+DTYPES = [torch.bfloat16, torch.float16]
+
+
+def assert_matches_eager(module, inputs, dtype):
+    cg = compile(module, inputs, mode="amp", low_precision_type=dtype)
+    with torch.autocast("cpu", dtype=dtype), torch.inference_mode():
+        ref = as_tuple(module(*inputs))
+    out = cg(*inputs)
+    assert len(out) == len(ref)
+    for a, b in zip(out, ref):
+        assert a.dtype == b.dtype, (a.dtype, b.dtype)
+        assert bits_equal(a, b), (a.float() - b.float()).abs().max()
+    return cg
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", ["resnet", "transformer", "overflow", "digits"])
+def test_zoo_models_bit_identical(name, dtype):
+    spec = models.load(name)
+    cg = assert_matches_eager(spec.module, spec.example_inputs, dtype)
+    assert cg.report.counts().get("amp:lower_precision_fp", 0) > 0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_lenet_fails_exactly_where_eager_fails(dtype):
+    # The seed's lenet feeds a low-precision activation into fc1 inside its
+    # disabled region; eager autocast raises on the dtype mismatch, so must we.
+    spec = models.load("lenet")
+    with pytest.raises(RuntimeError, match="same dtype"), torch.autocast("cpu", dtype=dtype):
+        spec.module(*spec.example_inputs)
+    cg = compile(spec.module, spec.example_inputs, mode="amp", low_precision_type=dtype)
+    assert {r.precision for r in cg.report.rows if r.module == "fc1"} == {"fp32"}
+    with pytest.raises(RuntimeError, match="same dtype"):
+        cg(*spec.example_inputs)
+
+
+class Ops(nn.Module):
+    """softmax, log_softmax, layer_norm, sum, cumsum, norm, cat/stack and an int input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(3)
+        self.emb = nn.Embedding(50, 16)
+        self.lin = nn.Linear(16, 16)
+        self.ln = nn.LayerNorm(16)
+        self.conv = nn.Conv1d(4, 4, 3, padding=1)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+
+    def forward(self, x, ids):
+        # Note: ``t.float()`` is a no-op at export time (everything is fp32 then) and
+        # torch.export makes later uses of ``t`` alias it; under autocast eager sees two
+        # tensors. So each ``.float()`` here is the last use of its input.
+        e = self.emb(ids)  # int input
+        h = self.lin(x + e)  # lower_precision_fp
+        n = self.ln(h)  # unlisted on CPU: runs in h's dtype
+        s = h.sum(-1, keepdim=True) + torch.cumsum(n, -1)
+        nrm = torch.norm(h, dim=-1, keepdim=True)
+        mm = torch.einsum("bij,bkj->bik", h, n)  # composite whose bmm is listed
+        cv = self.conv(x[..., :4].transpose(1, 2).contiguous())
+        d = torch.cdist(h, n)
+        a = torch.softmax(h, -1) + F.log_softmax(h.float(), -1)
+        c = torch.cat([a, x], -1)  # promote: fp32 wins
+        st = torch.stack([s, n.float()])
+        return c, st, s + nrm, mm, cv, d
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_op_coverage_bit_identical(dtype):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 5, 16, generator=g)
+    ids = torch.randint(0, 50, (2, 5), generator=g)
+    cg = assert_matches_eager(Ops().eval(), (x, ids), dtype)
+    ops = {r.op for r in cg.report.rows}
+    assert "aten.bmm.default" in ops and "aten.einsum.default" not in ops  # expanded like eager
+    assert any(r.rule == "amp:promote" for r in cg.report.rows)
+    assert any(r.rule == "amp:fp32" and r.op.startswith("aten.cdist") for r in cg.report.rows)
+
+
+def test_amp_disabled_is_the_plain_model():
+    spec = models.load("transformer")
+    cg = compile(spec.module, spec.example_inputs, mode="amp", low_precision_type=torch.bfloat16, amp_enabled=False)
+    ref = as_tuple(spec.module(*spec.example_inputs))
+    assert all(bits_equal(a, b) for a, b in zip(cg(*spec.example_inputs), ref))
+    assert cg.report.casts_inserted == 0
+
+
+def test_typed_graph_ignores_ambient_autocast():
+    spec = models.load("resnet")
+    cg = compile(spec.module, spec.example_inputs, mode="rule", low_precision_type=torch.bfloat16)
+    plain = cg(*spec.example_inputs)
+    with torch.autocast("cpu", dtype=torch.float16):
+        under = cg(*spec.example_inputs)
+    assert all(bits_equal(a, b) for a, b in zip(plain, under))

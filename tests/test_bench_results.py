@@ -1,0 +1,324 @@
+"""Results documents: schema, interrupted writes, shard merge, baselines, machine info, tables."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from harness.bench.accuracy import TaskAccuracy, compare_outputs, output_digest
+from harness.bench.latency import measure_latency
+from harness.bench.machine import (
+    MACHINE_ID_ENV,
+    cpu_info,
+    git_info,
+    machine_id,
+    machine_info,
+    slug,
+)
+from harness.bench.memory import measure_memory, weight_bytes
+from harness.bench.results import (
+    SCHEMA_VERSION,
+    CaseResult,
+    ResultsWriter,
+    baseline_path,
+    load_results,
+    merge_results,
+    new_run_path,
+    promote_baseline,
+    results_dir,
+    write_results,
+)
+from harness.bench.stats import Summary
+from harness.bench.tables import format_bytes, format_ns, results_table
+from harness.bench.telemetry import TelemetrySampler
+from harness.errors import HarnessError
+
+MACHINE = {"id": "test-machine-2c", "cpu": {"model": "test"}}
+GIT = {"commit": "0" * 40, "dirty": False}
+SETTINGS = {"warmup_s": 0.0, "min_duration_s": 0.01}
+
+
+def real_case(model: str, mode: str, dtype: torch.dtype = torch.float32) -> CaseResult:
+    """Measure a real (tiny) linear layer in ``dtype`` against its fp32 result."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 16, generator=gen)
+    w = torch.randn(16, 10, generator=gen)
+    reference = x @ w
+    xl, wl = x.to(dtype), w.to(dtype)
+
+    def run() -> torch.Tensor:
+        return (xl @ wl).float()
+
+    with TelemetrySampler(interval_s=0.05) as tel:
+        latency = measure_latency(run, warmup_s=0.0, min_iters=10, min_duration_s=0.01, max_iters=50)
+        out, memory = measure_memory(run)
+    return CaseResult(
+        model=model,
+        mode=mode,
+        backend="cpu",
+        latency=latency,
+        memory=memory,
+        accuracy=compare_outputs(out, reference, logits=True),
+        task_accuracy=TaskAccuracy("top1", 0.75, 4),
+        telemetry=tel.summary(),
+        engine_fingerprint=f"sha256:{mode}",
+        output_digest=output_digest(out),
+        layers=[{"name": "linear", "tactic": "gemm"}],
+    )
+
+
+def new_writer(path: Path, settings: dict[str, Any] | None = None, machine: dict[str, Any] | None = None) -> ResultsWriter:
+    return ResultsWriter.create(path, settings=settings or SETTINGS, machine=machine or MACHINE, git=GIT)
+
+
+def test_interrupted_writer_keeps_finished_cases(tmp_path: Path) -> None:
+    path = tmp_path / "run.json"
+    writer = new_writer(path)
+    assert load_results(path)["cases"] == [] and load_results(path)["complete"] is False
+    writer.add(real_case("mlp", "fp32"))
+    writer.add(CaseResult.failed("mlp", "fp16", "cpu", "engine build failed: layer fc2"))
+    # never finished (the process "died" here): the file has both cases
+    doc = load_results(path)
+    assert doc["complete"] is False and doc["schema_version"] == SCHEMA_VERSION
+    assert [(c["mode"], c["status"]) for c in doc["cases"]] == [("fp32", "ok"), ("fp16", "failed")]
+    ok = doc["cases"][0]
+    assert len(ok["latency"]["samples_ns"]) == ok["latency"]["iterations"]
+    assert ok["accuracy"]["identical"] is True and ok["memory"]["peak_rss_bytes"] > 0
+    assert ok["telemetry"]["samples"] >= 2 and ok["layers"] == [{"name": "linear", "tactic": "gemm"}]
+
+
+def test_context_manager_finishes_only_on_success(tmp_path: Path) -> None:
+    good = tmp_path / "good.json"
+    with new_writer(good) as w:
+        w.add(real_case("mlp", "fp32"))
+    assert load_results(good)["complete"] is True
+
+    bad = tmp_path / "bad.json"
+    with pytest.raises(KeyboardInterrupt), new_writer(bad) as w:
+        w.add(real_case("mlp", "fp32"))
+        raise KeyboardInterrupt
+    doc = load_results(bad)
+    assert doc["complete"] is False and len(doc["cases"]) == 1
+
+
+def test_writer_refuses_duplicates_existing_files_and_invalid_cases(tmp_path: Path) -> None:
+    path = tmp_path / "run.json"
+    w = new_writer(path)
+    w.add(CaseResult.failed("m", "fp32", "cpu", "boom"))
+    with pytest.raises(HarnessError, match="m/fp32/cpu was already recorded"):
+        w.add(CaseResult.failed("m", "fp32", "cpu", "boom"))
+    with pytest.raises(HarnessError, match="already exists"):
+        new_writer(path)
+    with pytest.raises(HarnessError, match="invalid at status"):
+        w.add({"model": "m", "mode": "bf16", "backend": "cpu", "status": "maybe"})
+    with pytest.raises(HarnessError, match="error"):  # a failed case must say why
+        w.add({"model": "m", "mode": "bf16", "backend": "cpu", "status": "failed"})
+    assert len(load_results(path)["cases"]) == 1
+
+
+def test_resume_continues_an_interrupted_run(tmp_path: Path) -> None:
+    path = tmp_path / "run.json"
+    new_writer(path).add(CaseResult.failed("m", "fp32", "cpu", "x"))
+    with pytest.raises(HarnessError, match="settings"):
+        ResultsWriter.resume(path, settings={"other": 1}, machine=MACHINE, git=GIT)
+    with pytest.raises(HarnessError, match="machine id"):
+        ResultsWriter.resume(path, settings=SETTINGS, machine={"id": "elsewhere"}, git=GIT)
+    w = ResultsWriter.resume(path, settings=SETTINGS, machine=MACHINE, git=GIT)
+    assert w.has("m", "fp32", "cpu") and not w.has("m", "fp16", "cpu")
+    w.add(CaseResult.failed("m", "fp16", "cpu", "y"))
+    w.finish()
+    assert [c["mode"] for c in load_results(path)["cases"]] == ["fp32", "fp16"]
+    with pytest.raises(HarnessError, match="nothing to resume"):
+        ResultsWriter.resume(path, settings=SETTINGS, machine=MACHINE, git=GIT)
+
+
+def _finished_run(path: Path) -> dict[str, Any]:
+    with new_writer(path) as w:
+        w.add(real_case("mlp", "fp32"))
+    return load_results(path)
+
+
+def test_load_rejects_corrupt_truncated_and_wrong_version(tmp_path: Path) -> None:
+    good = tmp_path / "good.json"
+    _finished_run(good)
+    text = good.read_text()
+
+    def broken(name: str, content: str) -> Path:
+        p = tmp_path / name
+        p.write_text(content)
+        return p
+
+    truncated = broken("truncated.json", text[: len(text) // 2])
+    with pytest.raises(HarnessError, match=r"truncated\.json: not valid JSON"):
+        load_results(truncated)
+    with pytest.raises(HarnessError, match=r"garbage\.json: not valid JSON"):
+        load_results(broken("garbage.json", "\x00\x01 not json"))
+    doc = json.loads(text)
+    doc["schema_version"] = 2
+    with pytest.raises(HarnessError, match=r"v2\.json: schema_version 2 is not supported; this harness reads version 1"):
+        load_results(broken("v2.json", json.dumps(doc)))
+    with pytest.raises(HarnessError, match=r"list\.json: not a results document"):
+        load_results(broken("list.json", "[1, 2]"))
+    doc = json.loads(text)
+    del doc["cases"][0]["latency"]["samples_ns"]
+    with pytest.raises(HarnessError, match=r"nosamples\.json: invalid at cases/0/latency"):
+        load_results(broken("nosamples.json", json.dumps(doc)))
+    doc = json.loads(text)
+    doc["cases"][0]["latency"]["samples_ns"].append(5)
+    with pytest.raises(HarnessError, match=r"count\.json: case mlp/fp32/cpu has \d+ latency samples but \d+ iterations"):
+        load_results(broken("count.json", json.dumps(doc)))
+    doc = json.loads(text)
+    doc["cases"].append(doc["cases"][0])
+    with pytest.raises(HarnessError, match="appears twice"):
+        load_results(broken("dup.json", json.dumps(doc)))
+    with pytest.raises(HarnessError, match="no such file"):
+        load_results(tmp_path / "absent.json")
+    # the failed loads left every file as it was
+    assert truncated.read_text() == text[: len(text) // 2]
+
+
+def _shard(path: Path, cases: list[CaseResult], *, finish: bool = True, **kw: Any) -> Path:
+    w = new_writer(path, **kw)
+    for c in cases:
+        w.add(c)
+    if finish:
+        w.finish()
+    return path
+
+
+def test_merge_shards(tmp_path: Path) -> None:
+    a = _shard(tmp_path / "a.json", [real_case("mlp", "fp32"), real_case("mlp", "bf16", torch.bfloat16)])
+    b = _shard(tmp_path / "b.json", [real_case("cnn", "fp32")], finish=False)
+    merged = merge_results([a, b])
+    assert [(c["model"], c["mode"]) for c in merged["cases"]] == [("mlp", "fp32"), ("mlp", "bf16"), ("cnn", "fp32")]
+    assert merged["complete"] is False  # one shard was interrupted
+    assert merged["machine"] == MACHINE and merged["settings"] == SETTINGS
+    out = tmp_path / "merged.json"
+    write_results(out, merged)
+    assert load_results(out) == merged
+
+    dup = _shard(tmp_path / "dup.json", [CaseResult.failed("mlp", "bf16", "cpu", "x")])
+    with pytest.raises(HarnessError, match=r"mlp/bf16/cpu is in both .*a\.json and .*dup\.json"):
+        merge_results([a, dup])
+    other_settings = _shard(tmp_path / "s.json", [], settings={"warmup_s": 1.0})
+    with pytest.raises(HarnessError, match=r"cannot merge .*s\.json with .*a\.json: settings differ"):
+        merge_results([a, other_settings])
+    other_machine = _shard(tmp_path / "m.json", [], machine={"id": "gpu-box"})
+    with pytest.raises(HarnessError, match="machine id differs"):
+        merge_results([a, other_machine])
+    with pytest.raises(HarnessError, match="at least one"):
+        merge_results([])
+
+
+def test_paths_and_promote_baseline(tmp_path: Path) -> None:
+    root = tmp_path / "results"
+    assert results_dir(root, "box-1") == root / "box-1"
+    assert baseline_path(root, "box-1") == root / "box-1" / "baseline.json"
+    assert new_run_path(root, "box-1", "2025-03-04T05:06:07Z") == root / "box-1" / "run-20250304T050607Z.json"
+    for bad in ("../up", "a/b", "", ".hidden"):
+        with pytest.raises(HarnessError, match="not a valid directory name"):
+            results_dir(root, bad)
+
+    run = new_run_path(root, MACHINE["id"], "2025-03-04T05:06:07Z")
+    doc = _finished_run(run)
+    dest = promote_baseline(run, root)
+    assert dest == baseline_path(root, MACHINE["id"]) and load_results(dest) == doc
+    before = dest.read_bytes()
+
+    partial = _shard(tmp_path / "partial.json", [CaseResult.failed("m", "fp32", "cpu", "x")], finish=False)
+    with pytest.raises(HarnessError, match="incomplete"):
+        promote_baseline(partial, root)
+    corrupt = tmp_path / "corrupt.json"
+    corrupt.write_text(run.read_text()[:100])
+    with pytest.raises(HarnessError, match="corrupt.json"):
+        promote_baseline(corrupt, root)
+    assert dest.read_bytes() == before  # a bad run never replaces the baseline
+
+
+def test_results_table(tmp_path: Path) -> None:
+    fp32 = real_case("mlp", "fp32")
+    assert fp32.latency is not None
+    bf16 = real_case("mlp", "bf16", torch.bfloat16)
+    # fixed latency so the speed-up column has a hand value
+    bf16.latency = measure_latency(lambda: None, warmup_s=0.0, min_iters=3, max_iters=3, min_duration_s=0.0)
+    object.__setattr__(bf16.latency, "summary", Summary.from_samples([fp32.latency.summary.median / 4] * 3))
+    bf16.memory = bf16.memory and type(bf16.memory)(weight_bytes=weight_bytes([torch.zeros(8, dtype=torch.bfloat16)]))
+    doc = {"machine": MACHINE, "git": {"commit": "abcdef1234567890", "dirty": True}, "complete": False,
+           "cases": [fp32.to_dict(), bf16.to_dict(), CaseResult.failed("mlp", "fp16", "cpu", "build failed\ntrace").to_dict()]}  # fmt: skip
+    text = results_table(doc)
+    assert "machine test-machine-2c, commit abcdef123456 (dirty), 3 cases, INCOMPLETE" in text
+    lines = text.splitlines()
+    bf16_line = next(line for line in lines if " bf16 " in line)
+    assert "x4.00" in bf16_line and "16 B" in bf16_line
+    assert "failed: build failed" in text and "trace" not in text
+    md = results_table(doc, fmt="github")
+    assert md.splitlines()[2].startswith("| model") and "|---" in md.replace(":", "-")
+    assert format_ns(1_500_000) == "1.5 ms" and format_ns(999) == "999 ns" and format_ns(2.5e9) == "2.5 s"
+    assert format_bytes(3 << 20) == "3.0 MiB" and format_bytes(None) == ""
+
+
+def test_cpu_info_from_cpuinfo_text(tmp_path: Path) -> None:
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(
+        "processor\t: 0\nmodel name\t: Intel(R) Xeon(R) Platinum 8480+\n"
+        "flags\t\t: fpu vme sse sse2 avx avx2 fma f16c avx512f avx512_bf16 avx512_fp16 amx_tile amx_bf16 amx_int8 md_clear\n"
+    )
+    info = cpu_info(cpuinfo)
+    assert info["model"] == "Intel(R) Xeon(R) Platinum 8480+"
+    assert info["isa_flags"] == sorted(
+        ["sse", "sse2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8"]
+    )
+    assert info["logical_cores"] >= 1
+
+
+def test_machine_id_and_slug(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(MACHINE_ID_ENV, raising=False)
+    assert slug("Intel(R) Xeon(R) Platinum 8480+") == "intel-xeon-platinum-8480"
+    cpu = {"model": "AMD EPYC 7763 64-Core Processor", "logical_cores": 16}
+    assert machine_id(cpu, {"devices": []}) == "amd-epyc-7763-64-core-processor-16c"
+    gpus = {"devices": [{"name": "NVIDIA A100-SXM4-40GB"}, {"name": "NVIDIA A100-SXM4-40GB"}]}
+    assert machine_id(cpu, gpus) == "nvidia-a100-sxm4-40gb-x2"
+    monkeypatch.setenv(MACHINE_ID_ENV, "ci-l4")
+    assert machine_id(cpu, gpus) == "ci-l4"
+    monkeypatch.setenv(MACHINE_ID_ENV, "bad/id")
+    with pytest.raises(HarnessError, match="not a valid directory name"):
+        machine_id(cpu, gpus)
+
+
+def test_real_machine_info_is_stable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(MACHINE_ID_ENV, raising=False)
+    a, b = machine_info(), machine_info()
+    assert a["id"] == b["id"] and re.fullmatch(r"[a-z0-9-]+", a["id"])
+    assert a["torch"]["version"] == torch.__version__ and a["torch"]["threads"] == torch.get_num_threads()
+    flags = set(Path("/proc/cpuinfo").read_text().split("flags", 1)[1].splitlines()[0].split())
+    assert set(a["cpu"]["isa_flags"]) <= flags
+    assert a["tensorrt"] is None or isinstance(a["tensorrt"], str)
+    json.dumps(a)  # serializable as is
+
+
+def _git(repo: Path, *args: str) -> str:
+    return subprocess.run(
+        ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(repo), *args],
+        check=True, capture_output=True, text=True,
+    ).stdout.strip()  # fmt: skip
+
+
+def test_git_info_on_a_scratch_repository(tmp_path: Path) -> None:
+    assert git_info(tmp_path) == {"commit": None, "dirty": None}  # not a repository
+    _git(tmp_path, "init", "-q")
+    assert git_info(tmp_path) == {"commit": None, "dirty": None}  # no commit yet
+    (tmp_path / "f.txt").write_text("1")
+    _git(tmp_path, "add", "f.txt")
+    _git(tmp_path, "commit", "-q", "-m", "x")
+    head = _git(tmp_path, "rev-parse", "HEAD")
+    assert git_info(tmp_path) == {"commit": head, "dirty": False}
+    (tmp_path / "untracked.json").write_text("{}")
+    assert git_info(tmp_path)["dirty"] is False  # result files do not make a run dirty
+    (tmp_path / "f.txt").write_text("2")
+    assert git_info(tmp_path) == {"commit": head, "dirty": True}
