@@ -69,7 +69,11 @@ def test_nan_and_inf_are_counted_and_excluded() -> None:
     assert m["compared"] == 2 and m["count"] == 4
     assert d["max_abs_error"] == 0.5 and d["mean_abs_error"] == pytest.approx(0.25)
     all_bad = compare_outputs(torch.full((2,), float("nan")), ref[:2])
-    assert all_bad.max_abs_error is None and all_bad.cosine is None and all_bad.to_dict()["nan_count"] == 2
+    assert (
+        all_bad.max_abs_error is None
+        and all_bad.cosine is None
+        and all_bad.to_dict()["nan_count"] == 2
+    )
 
 
 def test_top1_agreement_over_last_dim() -> None:
@@ -78,7 +82,9 @@ def test_top1_agreement_over_last_dim() -> None:
     out[1] = torch.tensor([0.1, 0.8, 0.1])  # argmax 0 -> 1
     assert compare_outputs(out, ref, logits=True).top1_agreement == pytest.approx(0.75)
     # leading dims are flattened into rows: (2, 2, 3) is four rows
-    assert compare_outputs(out.reshape(2, 2, 3), ref.reshape(2, 2, 3), logits=True).top1_agreement == pytest.approx(0.75)
+    assert compare_outputs(
+        out.reshape(2, 2, 3), ref.reshape(2, 2, 3), logits=True
+    ).top1_agreement == pytest.approx(0.75)
 
 
 def test_cosine_edge_cases() -> None:
@@ -90,8 +96,14 @@ def test_cosine_edge_cases() -> None:
 
 
 def test_multiple_outputs_report_the_worst() -> None:
-    ref = (torch.tensor([1.0, 1.0]), {"b": torch.tensor([2.0, 2.0, 2.0, 2.0]), "a": torch.tensor([5.0])})
-    out = (torch.tensor([1.0, 1.5]), {"b": torch.tensor([2.0, 2.0, 2.0, 2.1]), "a": torch.tensor([5.0])})
+    ref = (
+        torch.tensor([1.0, 1.0]),
+        {"b": torch.tensor([2.0, 2.0, 2.0, 2.0]), "a": torch.tensor([5.0])},
+    )
+    out = (
+        torch.tensor([1.0, 1.5]),
+        {"b": torch.tensor([2.0, 2.0, 2.0, 2.1]), "a": torch.tensor([5.0])},
+    )
     acc = compare_outputs(out, ref)
     assert len(acc.outputs) == 3
     # dict entries come in sorted key order: a before b
@@ -99,13 +111,17 @@ def test_multiple_outputs_report_the_worst() -> None:
     assert acc.max_abs_error == pytest.approx(0.5)
     # mean over all 7 compared elements: (0.5 + 0.1) / 7
     assert acc.mean_abs_error == pytest.approx(0.6 / 7)
-    assert acc.cosine == acc.outputs[0].cosine < acc.outputs[2].cosine
+    first, last = acc.outputs[0].cosine, acc.outputs[2].cosine
+    assert first is not None and last is not None
+    assert acc.cosine == first < last
 
 
 def test_structure_errors_name_the_output() -> None:
     with pytest.raises(HarnessError, match="2 output tensors, the reference 1"):
         compare_outputs((torch.zeros(2), torch.zeros(2)), torch.zeros(2))
-    with pytest.raises(HarnessError, match=r"output 0: shape \(3,\) differs from the reference shape \(2,\)"):
+    with pytest.raises(
+        HarnessError, match=r"output 0: shape \(3,\) differs from the reference shape \(2,\)"
+    ):
         compare_outputs(torch.zeros(3), torch.zeros(2))
     with pytest.raises(HarnessError, match=r"output\[1\] is a str"):
         flatten_outputs((torch.zeros(1), "x"))

@@ -30,7 +30,9 @@ def test_measure_latency_structure_on_real_torch_op() -> None:
     a = torch.randn(32, 32)
     fn = Counter(lambda: torch.mm(a, a))
     sync = Counter()
-    r = measure_latency(fn, warmup_s=0.01, min_iters=25, min_duration_s=0.05, sync=sync, batch_size=4)
+    r = measure_latency(
+        fn, warmup_s=0.01, min_iters=25, min_duration_s=0.05, sync=sync, batch_size=4
+    )
     assert r.iterations >= 25 and r.duration_s >= 0.05
     assert len(r.samples_ns) == r.iterations == r.summary.count
     assert all(isinstance(s, int) and s > 0 for s in r.samples_ns)
@@ -55,7 +57,13 @@ def test_max_iters_caps_the_loop_and_threshold_override() -> None:
     fn = Counter()
     shared = Summary.from_samples([50, 60, 70])
     r = measure_latency(
-        fn, warmup_s=0.0, min_iters=5, max_iters=5, min_duration_s=60.0, cov_threshold=0.5, overhead=shared
+        fn,
+        warmup_s=0.0,
+        min_iters=5,
+        max_iters=5,
+        min_duration_s=60.0,
+        cov_threshold=0.5,
+        overhead=shared,
     )
     assert r.iterations == 5 and r.warmup_iterations == 1 and fn.calls == 6
     assert r.overhead is shared and r.cov_threshold == 0.5 and r.unstable == (r.summary.cov > 0.5)
@@ -109,12 +117,19 @@ def test_peak_rss_measures_the_run() -> None:
 
 def test_weight_bytes_by_dtype_counts_shared_tensors_once() -> None:
     w = torch.zeros(3, 4)  # 48 bytes
-    state = {"a.weight": w, "tied.weight": w, "b": torch.zeros(10, dtype=torch.float16), "c": torch.zeros(2, dtype=torch.bfloat16)}
+    state = {
+        "a.weight": w,
+        "tied.weight": w,
+        "b": torch.zeros(10, dtype=torch.float16),
+        "c": torch.zeros(2, dtype=torch.bfloat16),
+    }
     assert weight_bytes(state) == {"bfloat16": 4, "float16": 20, "float32": 48}
     assert weight_bytes([torch.zeros(5, dtype=torch.int8)]) == {"int8": 5}
     report = MemoryReport(weight_bytes=weight_bytes(state), engine_bytes=100)
     d = report.to_dict()
-    assert d["weight_bytes_total"] == 72 and d["engine_bytes"] == 100 and d["peak_rss_bytes"] is None
+    assert (
+        d["weight_bytes_total"] == 72 and d["engine_bytes"] == 100 and d["peak_rss_bytes"] is None
+    )
 
 
 def test_path_size_of_file_and_directory(tmp_path: Path) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ from harness.bench.machine import (
     machine_info,
     slug,
 )
-from harness.bench.memory import measure_memory, weight_bytes
+from harness.bench.memory import MemoryReport, measure_memory, weight_bytes
 from harness.bench.results import (
     SCHEMA_VERSION,
     CaseResult,
@@ -39,7 +40,7 @@ from harness.bench.tables import format_bytes, format_ns, results_table
 from harness.bench.telemetry import TelemetrySampler
 from harness.errors import HarnessError
 
-MACHINE = {"id": "test-machine-2c", "cpu": {"model": "test"}}
+MACHINE: dict[str, Any] = {"id": "test-machine-2c", "cpu": {"model": "test"}}
 GIT = {"commit": "0" * 40, "dirty": False}
 SETTINGS = {"warmup_s": 0.0, "min_duration_s": 0.01}
 
@@ -56,7 +57,9 @@ def real_case(model: str, mode: str, dtype: torch.dtype = torch.float32) -> Case
         return (xl @ wl).float()
 
     with TelemetrySampler(interval_s=0.05) as tel:
-        latency = measure_latency(run, warmup_s=0.0, min_iters=10, min_duration_s=0.01, max_iters=50)
+        latency = measure_latency(
+            run, warmup_s=0.0, min_iters=10, min_duration_s=0.01, max_iters=50
+        )
         out, memory = measure_memory(run)
     return CaseResult(
         model=model,
@@ -73,8 +76,12 @@ def real_case(model: str, mode: str, dtype: torch.dtype = torch.float32) -> Case
     )
 
 
-def new_writer(path: Path, settings: dict[str, Any] | None = None, machine: dict[str, Any] | None = None) -> ResultsWriter:
-    return ResultsWriter.create(path, settings=settings or SETTINGS, machine=machine or MACHINE, git=GIT)
+def new_writer(
+    path: Path, settings: dict[str, Any] | None = None, machine: dict[str, Any] | None = None
+) -> ResultsWriter:
+    return ResultsWriter.create(
+        path, settings=settings or SETTINGS, machine=machine or MACHINE, git=GIT
+    )
 
 
 def test_interrupted_writer_keeps_finished_cases(tmp_path: Path) -> None:
@@ -90,7 +97,9 @@ def test_interrupted_writer_keeps_finished_cases(tmp_path: Path) -> None:
     ok = doc["cases"][0]
     assert len(ok["latency"]["samples_ns"]) == ok["latency"]["iterations"]
     assert ok["accuracy"]["identical"] is True and ok["memory"]["peak_rss_bytes"] > 0
-    assert ok["telemetry"]["samples"] >= 2 and ok["layers"] == [{"name": "linear", "tactic": "gemm"}]
+    assert ok["telemetry"]["samples"] >= 2 and ok["layers"] == [
+        {"name": "linear", "tactic": "gemm"}
+    ]
 
 
 def test_context_manager_finishes_only_on_success(tmp_path: Path) -> None:
@@ -161,7 +170,10 @@ def test_load_rejects_corrupt_truncated_and_wrong_version(tmp_path: Path) -> Non
         load_results(broken("garbage.json", "\x00\x01 not json"))
     doc = json.loads(text)
     doc["schema_version"] = 2
-    with pytest.raises(HarnessError, match=r"v2\.json: schema_version 2 is not supported; this harness reads version 1"):
+    with pytest.raises(
+        HarnessError,
+        match=r"v2\.json: schema_version 2 is not supported; this harness reads version 1",
+    ):
         load_results(broken("v2.json", json.dumps(doc)))
     with pytest.raises(HarnessError, match=r"list\.json: not a results document"):
         load_results(broken("list.json", "[1, 2]"))
@@ -171,7 +183,10 @@ def test_load_rejects_corrupt_truncated_and_wrong_version(tmp_path: Path) -> Non
         load_results(broken("nosamples.json", json.dumps(doc)))
     doc = json.loads(text)
     doc["cases"][0]["latency"]["samples_ns"].append(5)
-    with pytest.raises(HarnessError, match=r"count\.json: case mlp/fp32/cpu has \d+ latency samples but \d+ iterations"):
+    with pytest.raises(
+        HarnessError,
+        match=r"count\.json: case mlp/fp32/cpu has \d+ latency samples but \d+ iterations",
+    ):
         load_results(broken("count.json", json.dumps(doc)))
     doc = json.loads(text)
     doc["cases"].append(doc["cases"][0])
@@ -193,10 +208,16 @@ def _shard(path: Path, cases: list[CaseResult], *, finish: bool = True, **kw: An
 
 
 def test_merge_shards(tmp_path: Path) -> None:
-    a = _shard(tmp_path / "a.json", [real_case("mlp", "fp32"), real_case("mlp", "bf16", torch.bfloat16)])
+    a = _shard(
+        tmp_path / "a.json", [real_case("mlp", "fp32"), real_case("mlp", "bf16", torch.bfloat16)]
+    )
     b = _shard(tmp_path / "b.json", [real_case("cnn", "fp32")], finish=False)
     merged = merge_results([a, b])
-    assert [(c["model"], c["mode"]) for c in merged["cases"]] == [("mlp", "fp32"), ("mlp", "bf16"), ("cnn", "fp32")]
+    assert [(c["model"], c["mode"]) for c in merged["cases"]] == [
+        ("mlp", "fp32"),
+        ("mlp", "bf16"),
+        ("cnn", "fp32"),
+    ]
     assert merged["complete"] is False  # one shard was interrupted
     assert merged["machine"] == MACHINE and merged["settings"] == SETTINGS
     out = tmp_path / "merged.json"
@@ -207,7 +228,9 @@ def test_merge_shards(tmp_path: Path) -> None:
     with pytest.raises(HarnessError, match=r"mlp/bf16/cpu is in both .*a\.json and .*dup\.json"):
         merge_results([a, dup])
     other_settings = _shard(tmp_path / "s.json", [], settings={"warmup_s": 1.0})
-    with pytest.raises(HarnessError, match=r"cannot merge .*s\.json with .*a\.json: settings differ"):
+    with pytest.raises(
+        HarnessError, match=r"cannot merge .*s\.json with .*a\.json: settings differ"
+    ):
         merge_results([a, other_settings])
     other_machine = _shard(tmp_path / "m.json", [], machine={"id": "gpu-box"})
     with pytest.raises(HarnessError, match="machine id differs"):
@@ -220,7 +243,10 @@ def test_paths_and_promote_baseline(tmp_path: Path) -> None:
     root = tmp_path / "results"
     assert results_dir(root, "box-1") == root / "box-1"
     assert baseline_path(root, "box-1") == root / "box-1" / "baseline.json"
-    assert new_run_path(root, "box-1", "2025-03-04T05:06:07Z") == root / "box-1" / "run-20250304T050607Z.json"
+    assert (
+        new_run_path(root, "box-1", "2025-03-04T05:06:07Z")
+        == root / "box-1" / "run-20250304T050607Z.json"
+    )
     for bad in ("../up", "a/b", "", ".hidden"):
         with pytest.raises(HarnessError, match="not a valid directory name"):
             results_dir(root, bad)
@@ -231,7 +257,9 @@ def test_paths_and_promote_baseline(tmp_path: Path) -> None:
     assert dest == baseline_path(root, MACHINE["id"]) and load_results(dest) == doc
     before = dest.read_bytes()
 
-    partial = _shard(tmp_path / "partial.json", [CaseResult.failed("m", "fp32", "cpu", "x")], finish=False)
+    partial = _shard(
+        tmp_path / "partial.json", [CaseResult.failed("m", "fp32", "cpu", "x")], finish=False
+    )
     with pytest.raises(HarnessError, match="incomplete"):
         promote_baseline(partial, root)
     corrupt = tmp_path / "corrupt.json"
@@ -241,25 +269,34 @@ def test_paths_and_promote_baseline(tmp_path: Path) -> None:
     assert dest.read_bytes() == before  # a bad run never replaces the baseline
 
 
-def test_results_table(tmp_path: Path) -> None:
+def test_results_table() -> None:
     fp32 = real_case("mlp", "fp32")
-    assert fp32.latency is not None
     bf16 = real_case("mlp", "bf16", torch.bfloat16)
-    # fixed latency so the speed-up column has a hand value
-    bf16.latency = measure_latency(lambda: None, warmup_s=0.0, min_iters=3, max_iters=3, min_duration_s=0.0)
-    object.__setattr__(bf16.latency, "summary", Summary.from_samples([fp32.latency.summary.median / 4] * 3))
-    bf16.memory = bf16.memory and type(bf16.memory)(weight_bytes=weight_bytes([torch.zeros(8, dtype=torch.bfloat16)]))
-    doc = {"machine": MACHINE, "git": {"commit": "abcdef1234567890", "dirty": True}, "complete": False,
-           "cases": [fp32.to_dict(), bf16.to_dict(), CaseResult.failed("mlp", "fp16", "cpu", "build failed\ntrace").to_dict()]}  # fmt: skip
+    assert fp32.latency is not None and bf16.latency is not None
+    # bf16 at exactly a quarter of the fp32 median: the speed-up column reads x4.00
+    quarter = [round(fp32.latency.summary.median / 4)] * 3
+    bf16.latency = replace(bf16.latency, summary=Summary.from_samples(quarter), iterations=3)
+    bf16.memory = MemoryReport(weight_bytes=weight_bytes([torch.zeros(8, dtype=torch.bfloat16)]))
+    failed = CaseResult.failed("mlp", "fp16", "cpu", "build failed\ntraceback follows")
+    doc = {
+        "machine": MACHINE,
+        "git": {"commit": "abcdef1234567890", "dirty": True},
+        "complete": False,
+        "cases": [fp32.to_dict(), bf16.to_dict(), failed.to_dict()],
+    }
     text = results_table(doc)
     assert "machine test-machine-2c, commit abcdef123456 (dirty), 3 cases, INCOMPLETE" in text
-    lines = text.splitlines()
-    bf16_line = next(line for line in lines if " bf16 " in line)
-    assert "x4.00" in bf16_line and "16 B" in bf16_line
-    assert "failed: build failed" in text and "trace" not in text
+    rows = {line.split()[1]: line for line in text.splitlines()[4:]}
+    assert "x1.00" in rows["fp32"] and "1.000000" in rows["fp32"]  # cosine of an exact fp32 run
+    assert "x4.00" in rows["bf16"] and "16 B" in rows["bf16"]
+    assert rows["fp16"].rstrip().endswith("failed: build failed")
     md = results_table(doc, fmt="github")
-    assert md.splitlines()[2].startswith("| model") and "|---" in md.replace(":", "-")
-    assert format_ns(1_500_000) == "1.5 ms" and format_ns(999) == "999 ns" and format_ns(2.5e9) == "2.5 s"
+    assert md.splitlines()[2].startswith("| model") and md.splitlines()[3].startswith("|--")
+    assert (
+        format_ns(1_500_000) == "1.5 ms"
+        and format_ns(999) == "999 ns"
+        and format_ns(2.5e9) == "2.5 s"
+    )
     assert format_bytes(3 << 20) == "3.0 MiB" and format_bytes(None) == ""
 
 
@@ -272,7 +309,20 @@ def test_cpu_info_from_cpuinfo_text(tmp_path: Path) -> None:
     info = cpu_info(cpuinfo)
     assert info["model"] == "Intel(R) Xeon(R) Platinum 8480+"
     assert info["isa_flags"] == sorted(
-        ["sse", "sse2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8"]
+        [
+            "sse",
+            "sse2",
+            "avx",
+            "avx2",
+            "fma",
+            "f16c",
+            "avx512f",
+            "avx512_bf16",
+            "avx512_fp16",
+            "amx_tile",
+            "amx_bf16",
+            "amx_int8",
+        ]
     )
     assert info["logical_cores"] >= 1
 
@@ -295,7 +345,10 @@ def test_real_machine_info_is_stable(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(MACHINE_ID_ENV, raising=False)
     a, b = machine_info(), machine_info()
     assert a["id"] == b["id"] and re.fullmatch(r"[a-z0-9-]+", a["id"])
-    assert a["torch"]["version"] == torch.__version__ and a["torch"]["threads"] == torch.get_num_threads()
+    assert (
+        a["torch"]["version"] == torch.__version__
+        and a["torch"]["threads"] == torch.get_num_threads()
+    )
     flags = set(Path("/proc/cpuinfo").read_text().split("flags", 1)[1].splitlines()[0].split())
     assert set(a["cpu"]["isa_flags"]) <= flags
     assert a["tensorrt"] is None or isinstance(a["tensorrt"], str)

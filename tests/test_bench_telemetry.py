@@ -168,9 +168,13 @@ def test_summarize_hand_values() -> None:
         return TelemetrySample(t, cpu, per_core, cpu, 2000.0, 100, None, gpu)
 
     samples = [
-        sample(0.0, None, {"util_percent": 0, "energy_mj": 1000, "clock_event_reasons": ["GpuIdle"]}),
+        sample(
+            0.0, None, {"util_percent": 0, "energy_mj": 1000, "clock_event_reasons": ["GpuIdle"]}
+        ),
         sample(0.1, 80.0, {"util_percent": 90, "energy_mj": 1500, "clock_event_reasons": []}),
-        sample(0.2, 40.0, {"util_percent": 60, "energy_mj": 2600, "clock_event_reasons": ["SyncBoost"]}),
+        sample(
+            0.2, 40.0, {"util_percent": 60, "energy_mj": 2600, "clock_event_reasons": ["SyncBoost"]}
+        ),
     ]
     s = summarize(samples, interval_s=0.1, gpu_status="ok", gpu_name="G")
     assert s["duration_s"] == pytest.approx(0.2)

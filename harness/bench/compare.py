@@ -9,7 +9,7 @@ which differ between two GPUs of one model even when every choice matches.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -77,7 +77,7 @@ def _delta(
 
 
 def tactic_diffs(
-    layers_a: list[Mapping[str, str]] | None, layers_b: list[Mapping[str, str]] | None
+    layers_a: Sequence[Mapping[str, str]] | None, layers_b: Sequence[Mapping[str, str]] | None
 ) -> list[TacticDiff] | None:
     """Layers whose tactic differs, in the order of ``a`` then layers only in ``b``."""
     if layers_a is None or layers_b is None:

@@ -17,7 +17,7 @@ import re
 import resource
 import sys
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -67,7 +67,7 @@ class MemoryReport:
     peak_rss_bytes: int | None = None
     rss_before_bytes: int | None = None
     peak_rss_method: RssMethod | None = None
-    weight_bytes: dict[str, int] = field(default_factory=dict)
+    weight_bytes: dict[str, int] | None = None
     engine_bytes: int | None = None
     engine_device_bytes: int | None = None
     gpu: dict[str, int] | None = None
@@ -77,8 +77,10 @@ class MemoryReport:
             "peak_rss_bytes": self.peak_rss_bytes,
             "rss_before_bytes": self.rss_before_bytes,
             "peak_rss_method": self.peak_rss_method,
-            "weight_bytes": dict(self.weight_bytes),
-            "weight_bytes_total": sum(self.weight_bytes.values()),
+            "weight_bytes": dict(self.weight_bytes) if self.weight_bytes is not None else None,
+            "weight_bytes_total": sum(self.weight_bytes.values())
+            if self.weight_bytes is not None
+            else None,
             "engine_bytes": self.engine_bytes,
             "engine_device_bytes": self.engine_device_bytes,
             "gpu": self.gpu,

@@ -90,10 +90,10 @@ _MEMORY: dict[str, Any] = {
         "rss_before_bytes": _OPT_INT,
         "peak_rss_method": {"enum": ["vmhwm", "ru_maxrss", None]},
         "weight_bytes": {
-            "type": "object",
+            "type": ["object", "null"],
             "additionalProperties": {"type": "integer", "minimum": 0},
         },
-        "weight_bytes_total": {"type": "integer", "minimum": 0},
+        "weight_bytes_total": {"type": ["integer", "null"], "minimum": 0},
         "engine_bytes": _OPT_INT,
         "engine_device_bytes": _OPT_INT,
         "gpu": {"type": ["object", "null"], "additionalProperties": {"type": "integer"}},

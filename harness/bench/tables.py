@@ -100,8 +100,9 @@ def results_rows(doc: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]:
 def results_table(doc: Mapping[str, Any], fmt: str = "simple") -> str:
     """A title line (machine, commit, completeness) and the per-case table."""
     git = doc["git"]
-    commit = (git["commit"] or "no commit")[:12] + (" (dirty)" if git["dirty"] else "")
-    title = f"machine {doc['machine']['id']}, commit {commit}, {len(doc['cases'])} cases"
+    commit = f"commit {git['commit'][:12]}" if git["commit"] else "no git commit"
+    commit += " (dirty)" if git["dirty"] else ""
+    title = f"machine {doc['machine']['id']}, {commit}, {len(doc['cases'])} cases"
     if not doc["complete"]:
         title += ", INCOMPLETE (interrupted run)"
     header, rows = results_rows(doc)
@@ -110,7 +111,8 @@ def results_table(doc: Mapping[str, Any], fmt: str = "simple") -> str:
 
 def gate_table(report: GateReport, fmt: str = "simple") -> str:
     """One row per case, with the latency statistics behind the verdict."""
-    header = ["case", "verdict", "ratio", "p (slower)", "ratio CI", "findings"]
+    # p of the one-sided test in the direction the median moved
+    header = ["case", "verdict", "ratio", "p", "ratio CI", "findings"]
     rows = []
     for v in report.cases:
         lat = v.latency
@@ -124,7 +126,7 @@ def gate_table(report: GateReport, fmt: str = "simple") -> str:
                 format_key(v.key),
                 v.verdict,
                 f"x{lat.ratio:.3f}" if lat else "",
-                f"{lat.p_slower:.2g}" if lat else "",
+                f"{lat.p_slower if lat.ratio >= 1 else lat.p_faster:.2g}" if lat else "",
                 ci,
                 "; ".join(f.message for f in v.findings),
             ]

@@ -86,7 +86,15 @@ def standalone_graph(ep: ExportedProgram) -> torch.fx.GraphModule:
     output = gm.graph.output_node()
     outs = output.args[0]
     output.args = (tuple(outs) if isinstance(outs, (list, tuple)) else (outs,),)
-    # Lifted export graphs order weights first; keep the user inputs first too.
+    for node in gm.graph.nodes:
+        target = node.target
+        if node.op == "call_function" and isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable:
+            for arg, a in zip(target._schema.arguments, node.args):
+                if arg.is_write and isinstance(a, torch.fx.Node) and a.op == "get_attr":
+                    raise HarnessError(
+                        f"node {node.name} ({target}) updates {a.meta.get('weight_name', a.target)} in place; "
+                        "an inference graph must not mutate its weights or buffers (call model.eval())"
+                    )
     gm.graph.lint()
     gm.recompile()
     return gm

@@ -62,7 +62,7 @@ class PassManager:
         return gm
 
 
-DEFAULT_PASSES = ("remove_asserts", "remove_dropout", "remove_detach")
+DEFAULT_PASSES = ("remove_asserts", "remove_dropout", "remove_detach", "functionalize_inplace")
 
 
 def default_pass_manager() -> PassManager:

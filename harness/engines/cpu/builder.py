@@ -1,0 +1,337 @@
+"""The CPU engine builder: choose a tactic (and in weak modes a precision) per layer.
+
+Layers are visited in graph order. A layer with a single implementation is
+taken as is. Otherwise its key is looked up in the timing cache; on a hit the
+cached tactic is used without timing, on a miss every candidate is timed on
+the layer's real inputs (the build runs the graph forward on the compiled
+graph's example inputs, with the tactics already chosen upstream, so inputs
+have the shapes, dtypes and memory layouts the engine will see) and the
+fastest is kept and recorded.
+
+Strong modes obey the graph's dtypes exactly. In weak modes the graph is fp32
+and each compute layer may also run in the low precision: the candidates are
+(precision x implementation), each timed including the cost of casting its
+inputs from whatever dtype the producer chose, and the chosen precision is
+made explicit in the plan with cast ("reformat") layers and converted weights.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import operator
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from harness.cache.timing_cache import CacheEntry, Candidate, TimingCache
+from harness.engines.cpu import tactics
+from harness.engines.cpu.lowering import lower
+from harness.engines.cpu.plan import (
+    GETITEM,
+    Node,
+    Plan,
+    Ref,
+    TensorMeta,
+    WeightRef,
+    encode_arg,
+    iter_leaves,
+    map_leaves,
+)
+from harness.engines.cpu.timing import TimingOptions, median_ms
+from harness.engines.modes import is_weak, low_dtype
+from harness.engines.protocol import BuildConfig, LayerTiming, dtype_from_name, dtype_name
+from harness.errors import HarnessError
+from harness.fileio import canonical_json
+
+FLOAT_DTYPES = ("fp32", "fp16", "bf16", "fp64")
+# Layer types whose precision a weak-mode build chooses by timing.
+CHOOSABLE = frozenset(
+    "convolution matmul softmax normalization attention elementwise pooling reduce concatenation resize".split()
+)
+# Layer types that only move data: they run in whatever dtype their input arrives in.
+PASSTHROUGH = frozenset(("shuffle", "gather"))
+
+
+@dataclass(frozen=True)
+class _Variant:
+    """One way to run a layer: the typed node, its input casts and its candidate tactics."""
+
+    precision: str
+    node: Node  # refs still name the producers; casts are applied in front
+    casts: tuple[str | None, ...]  # per ref: dtype to cast to, None to pass as is
+    impls: tuple[str, ...]
+
+
+def layer_key(node: Node, graph_metas: Mapping[str, TensorMeta], weights: Mapping[str, torch.Tensor], precisions: Sequence[str]) -> str:
+    """TensorRT-style per-layer key: "0x" + 32 hex of (name, op, shapes, dtypes, attributes)."""
+
+    def describe(leaf: Any) -> Any:
+        if isinstance(leaf, Ref):
+            return {"tensor": graph_metas[leaf.name].to_json()}
+        if isinstance(leaf, WeightRef):
+            return {"weight": TensorMeta.of(weights[leaf.name]).to_json()}
+        return encode_arg(leaf)
+
+    material = {
+        "layer": node.name,
+        "op": node.op,
+        "args": [describe(a) for a in iter_leaves(node.args)],
+        "kwargs": {k: [describe(a) for a in iter_leaves(v)] for k, v in sorted(node.kwargs.items())},
+        "outputs": [None if m is None else m.to_json() for m in node.outputs],
+        "fused": list(node.fused),
+        "precisions": list(precisions),
+    }
+    return "0x" + hashlib.sha256(canonical_json(material)).hexdigest()[:32]
+
+
+class PlanBuilder:
+    """One build: lowering, then a tactic (and precision) decision per layer."""
+
+    def __init__(self, config: BuildConfig, cache: TimingCache | None, timing: TimingOptions) -> None:
+        self.config = config
+        self.cache = None if config.disable_cache else cache
+        self.timing = timing
+        self.weak_low = dtype_name(low) if is_weak(config.mode) and (low := low_dtype(config.mode)) else None
+        self.messages: list[str] = []
+        self.timings: list[LayerTiming] = []
+
+    def build(self, gm: torch.fx.GraphModule, example_inputs: Sequence[torch.Tensor]) -> Plan:
+        graph, self.messages = lower(gm, self.config.mode)
+        self.graph_metas = graph.value_metas()
+        self.plan = Plan(graph.mode, list(graph.inputs), [], [], dict(graph.weights))
+        self.runtime = dict(graph.inputs)  # value name -> meta as the engine produces it
+        self.renames: dict[str, str] = {}  # graph value -> plan value (differs for multi outputs)
+        self.cast_names: dict[tuple[str, str], str] = {}
+        self.values: dict[str, Any] = {name: t for (name, _), t in zip(graph.inputs, example_inputs, strict=True)}
+        self.executed = 0
+        for node in graph.nodes:
+            if node.op == GETITEM:
+                self._emit_getitem(node)
+            else:
+                self._decide(node)
+        for out in graph.outputs:
+            self.plan.outputs.append(self._output(out))
+        used = {leaf.name for n in self.plan.nodes for leaf in iter_leaves((n.args, n.kwargs)) if isinstance(leaf, WeightRef)}
+        used |= {o.name for o in self.plan.outputs if isinstance(o, WeightRef)}
+        self.plan.weights = {k: v for k, v in self.plan.weights.items() if k in used}
+        return self.plan
+
+    # --- decisions ----------------------------------------------------------------------
+
+    def _decide(self, node: Node) -> None:
+        variants = self._variants(node)
+        candidates = [(v, impl) for v in variants for impl in v.impls]
+        names = [tactics.tactic_name(impl, v.precision) for v, impl in candidates]
+        key = layer_key(node, self.graph_metas, self.plan.weights, [v.precision for v in variants])
+        if len(candidates) == 1:
+            chosen, record = 0, LayerTiming(node.name, key, (), names[0], tactics.tactic_hash(names[0]), False)
+        else:
+            chosen, record = self._select(node, key, candidates, names)
+        self.timings.append(record)
+        variant, impl = candidates[chosen]
+        emitted = self._emit(variant, key, names[chosen])
+        self.renames[node.name] = emitted.name
+
+    def _select(self, node: Node, key: str, candidates: list[tuple[_Variant, str]], names: list[str]) -> tuple[int, LayerTiming]:
+        entry = self.cache.query(key) if self.cache is not None else None
+        if entry is not None:
+            if entry.tactic not in names:
+                raise HarnessError(
+                    f"timing cache entry for layer {node.name!r} (key {key}) selects tactic {entry.tactic!r}, "
+                    f"which this layer does not have; valid tactics: {', '.join(names)}"
+                )
+            index = names.index(entry.tactic)
+            return index, LayerTiming(node.name, key, entry.candidates, entry.tactic, entry.tactic_hash, True)
+        if self.config.error_on_cache_miss:
+            raise HarnessError(
+                f"layer {node.name!r} (key {key}) is not in the timing cache and would have to be timed "
+                f"({len(names)} candidates); the build was told to fail on a cache miss"
+            )
+        self._materialize()
+        inputs = [self.values[self._plan_name(r.name)] for r in node.refs()]
+        timed = tuple(
+            Candidate(name, tactics.tactic_hash(name), median_ms(self._timed_fn(variant, impl), inputs, self.timing))
+            for (variant, impl), name in zip(candidates, names, strict=True)
+        )
+        index = min(range(len(timed)), key=lambda i: timed[i].time_ms)
+        best = timed[index]
+        if self.cache is not None and self.config.editable_cache:
+            self.cache.update(CacheEntry(key, node.name, best.tactic, best.tactic_hash, best.time_ms, timed))
+        return index, LayerTiming(node.name, key, timed, best.tactic, best.tactic_hash, False)
+
+    def _variants(self, node: Node) -> list[_Variant]:
+        refs = node.refs()
+        in_dtypes = [self.runtime[self._plan_name(r.name)].dtype for r in refs]
+        graph_dtypes = [self.graph_metas[r.name].dtype for r in refs]
+        kind = tactics.layer_type(node)
+        if self.weak_low is not None and kind in CHOOSABLE and self._all_fp32(node, graph_dtypes):
+            return [self._retyped(node, p, in_dtypes) for p in ("fp32", self.weak_low)]
+        if self.weak_low is not None and kind in PASSTHROUGH:
+            float_in = {d for d in in_dtypes if d in FLOAT_DTYPES}
+            if len(float_in) == 1:
+                (dtype,) = float_in
+                outputs = tuple(None if m is None else self._float_as(m, dtype) for m in node.outputs)
+                return [self._variant(replace(node, outputs=outputs), (None,) * len(refs))]
+        # Strong typing (and fixed layers in weak mode): the graph's dtypes exactly.
+        casts = tuple(g if g != d else None for g, d in zip(graph_dtypes, in_dtypes, strict=True))
+        return [self._variant(node, casts)]
+
+    def _all_fp32(self, node: Node, graph_dtypes: list[str]) -> bool:
+        float_weights = [self.plan.weights[w.name] for w in node.weight_refs() if self.plan.weights[w.name].is_floating_point()]
+        return (
+            all(d == "fp32" for d in graph_dtypes if d in FLOAT_DTYPES)
+            and all(w.dtype == torch.float32 for w in float_weights)
+            and all(m is not None and m.dtype == "fp32" for m in node.outputs)
+            and not any(isinstance(leaf, torch.dtype) for leaf in iter_leaves((node.args, node.kwargs)))
+        )
+
+    def _retyped(self, node: Node, precision: str, in_dtypes: list[str]) -> _Variant:
+        """``node`` run in ``precision``: float inputs cast, float weights converted once."""
+
+        def convert(leaf: Any) -> Any:
+            if isinstance(leaf, WeightRef) and precision != "fp32" and self.plan.weights[leaf.name].is_floating_point():
+                return WeightRef(self._converted_weight(leaf.name, precision))
+            return leaf
+
+        typed = replace(
+            node,
+            args=map_leaves(node.args, convert),
+            kwargs=map_leaves(node.kwargs, convert),
+            outputs=tuple(None if m is None else self._float_as(m, precision) for m in node.outputs),
+        )
+        casts = tuple(precision if d in FLOAT_DTYPES and d != precision else None for d in in_dtypes)
+        return self._variant(typed, casts)
+
+    def _variant(self, node: Node, casts: tuple[str | None, ...]) -> _Variant:
+        metas = self._typed_metas(node, casts)
+        precision = _compute_precision(node, [metas[r.name] for r in node.refs()])
+        return _Variant(precision, node, casts, tuple(tactics.impl_names(node, metas, self.plan.weights)))
+
+    def _typed_metas(self, node: Node, casts: tuple[str | None, ...]) -> dict[str, TensorMeta]:
+        """Metas of the node's inputs as the chosen variant receives them (after casts)."""
+        metas = {}
+        for ref, cast in zip(node.refs(), casts, strict=True):
+            meta = self.runtime[self._plan_name(ref.name)]
+            metas[ref.name] = meta if cast is None else TensorMeta(meta.shape, cast)
+        return metas
+
+    def _converted_weight(self, name: str, precision: str) -> str:
+        converted = f"{name}.{precision}"
+        if converted not in self.plan.weights:
+            self.plan.weights[converted] = self.plan.weights[name].to(dtype_from_name(precision))
+        return converted
+
+    @staticmethod
+    def _float_as(meta: TensorMeta, dtype: str) -> TensorMeta:
+        return TensorMeta(meta.shape, dtype) if meta.dtype in FLOAT_DTYPES else meta
+
+    # --- emission -------------------------------------------------------------------------
+
+    def _emit(self, variant: _Variant, key: str, tactic: str) -> Node:
+        refs = iter(variant.node.refs())
+        casts = iter(variant.casts)
+
+        def rename(leaf: Any) -> Any:
+            if not isinstance(leaf, Ref):
+                return leaf
+            next(refs)
+            cast = next(casts)
+            source = self._plan_name(leaf.name)
+            return Ref(source if cast is None else self._cast(source, cast))
+
+        node = replace(
+            variant.node,
+            args=map_leaves(variant.node.args, rename),
+            kwargs=map_leaves(variant.node.kwargs, rename),
+            layer_type=tactics.layer_type(variant.node),
+            key=key,
+            tactic=tactic,
+            tactic_hash=tactics.tactic_hash(tactic),
+        )
+        self._append(node)
+        return node
+
+    def _emit_getitem(self, node: Node) -> None:
+        source, index = node.args
+        producer = self._plan_name(source.name)
+        produced = next(n for n in reversed(self.plan.nodes) if n.name == producer)
+        meta = produced.outputs[index]
+        emitted = replace(node, args=(Ref(producer), index), outputs=(meta,))
+        self._append(emitted)
+        self.renames[node.name] = emitted.name
+
+    def _cast(self, source: str, dtype: str) -> str:
+        """Name of ``source`` converted to ``dtype``, adding one reformat layer per pair."""
+        if (source, dtype) in self.cast_names:
+            return self.cast_names[(source, dtype)]
+        meta = self.runtime[source]
+        name = f"{source}.to_{dtype}"
+        node = Node(
+            name,
+            "aten::_to_copy.default",
+            (Ref(source),),
+            {"dtype": dtype_from_name(dtype)},
+            (TensorMeta(meta.shape, dtype),),
+            layer_type="reformat",
+        )
+        node.key = layer_key(node, self.runtime, self.plan.weights, [dtype])
+        node.tactic = tactics.tactic_name("direct", dtype)
+        node.tactic_hash = tactics.tactic_hash(node.tactic)
+        self._append(node)
+        self.timings.append(LayerTiming(name, node.key, (), node.tactic, node.tactic_hash, False))
+        self.cast_names[(source, dtype)] = name
+        return name
+
+    def _append(self, node: Node) -> None:
+        self.plan.nodes.append(node)
+        if not node.multi and node.outputs and node.outputs[0] is not None:
+            self.runtime[node.name] = node.outputs[0]
+
+    def _output(self, out: Ref | WeightRef) -> Ref | WeightRef:
+        if isinstance(out, WeightRef):
+            return out
+        source = self._plan_name(out.name)
+        wanted = self.graph_metas[out.name].dtype
+        return Ref(source if self.runtime[source].dtype == wanted else self._cast(source, wanted))
+
+    def _plan_name(self, graph_name: str) -> str:
+        return self.renames.get(graph_name, graph_name)
+
+    # --- execution during the build --------------------------------------------------------
+
+    def _materialize(self) -> None:
+        """Run the plan built so far (chosen tactics) up to its end, so timing sees real inputs."""
+        metas = self.runtime
+        with torch.inference_mode():
+            for node in self.plan.nodes[self.executed :]:
+                args = [self.values[r.name] for r in node.refs()]
+                if node.op == GETITEM:
+                    self.values[node.name] = operator.getitem(args[0], node.args[1])
+                else:
+                    impl, _ = tactics.parse_tactic(node.tactic)
+                    self.values[node.name] = tactics.bind(node, impl, metas, self.plan.weights)(*args)
+        self.executed = len(self.plan.nodes)
+
+    def _timed_fn(self, variant: _Variant, impl: str) -> Callable[..., Any]:
+        metas = self._typed_metas(variant.node, variant.casts)
+        fn = tactics.bind(variant.node, impl, metas, self.plan.weights)
+        if not any(variant.casts):
+            return fn
+        targets = [None if c is None else dtype_from_name(c) for c in variant.casts]
+
+        def with_casts(*inputs: Any) -> Any:
+            return fn(*(x if t is None else x.to(t) for x, t in zip(inputs, targets, strict=True)))
+
+        return with_casts
+
+
+def _compute_precision(node: Node, input_metas: list[TensorMeta]) -> str:
+    """The dtype a layer computes in: its float output's, else its float input's."""
+    for meta in (*node.outputs, *input_metas):
+        if meta is not None and meta.dtype in FLOAT_DTYPES:
+            return meta.dtype
+    first = node.outputs[0] if node.outputs else None
+    return first.dtype if first is not None else "none"

@@ -1,0 +1,242 @@
+"""From a typed FX graph to the CPU engine's plan, with the builder's graph rewrites.
+
+Rewrites are the ones an inference engine makes before autotuning, and each
+keeps the numbers within rounding of the graph's own:
+- assertion nodes and dead code are dropped;
+- constant subgraphs (nodes fed only by weights, e.g. a slice of a position
+  table or a transposed weight) are evaluated once into new weights;
+- an inference ``batch_norm`` right after a convolution is folded into the
+  convolution's weight and bias (computed in float64, rounded once to the
+  convolution's dtype), as TensorRT and oneDNN do.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections import Counter
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.fx
+
+from harness.engines.cpu.plan import (
+    GETITEM,
+    Node,
+    Plan,
+    Ref,
+    TensorMeta,
+    WeightRef,
+    iter_leaves,
+    map_leaves,
+    op_name,
+    op_packet,
+    resolve_op,
+)
+from harness.errors import HarnessError
+
+_DROPPED = ("_assert_tensor_metadata", "_assert_scalar", "_assert_async", "sym_constrain_range_for_size")
+_CONVS = ("conv2d", "convolution")
+
+
+def lower(gm: torch.fx.GraphModule, mode: str) -> tuple[Plan, list[str]]:
+    """The plan of ``gm`` (tactics not chosen yet) and messages describing the rewrites."""
+    plan = _translate(gm, mode)
+    messages: list[str] = []
+    _drop_dead(plan)
+    folded = _fold_constants(plan)
+    if folded:
+        messages.append(f"constant-folded {folded} node(s) fed only by weights")
+    for conv, bn in _fold_batch_norms(plan):
+        messages.append(f"folded batch_norm {bn} into convolution {conv}")
+    _drop_dead(plan)
+    return plan, messages
+
+
+def _translate(gm: torch.fx.GraphModule, mode: str) -> Plan:
+    inputs: list[tuple[str, TensorMeta]] = []
+    nodes: list[Node] = []
+    weights: dict[str, torch.Tensor] = {}
+    outputs: list[Ref | WeightRef] = []
+    refs: dict[str, Ref | WeightRef] = {}
+
+    def arg(value: Any) -> Any:
+        if isinstance(value, torch.fx.Node):
+            return refs[value.name]
+        return value
+
+    for fx_node in gm.graph.nodes:
+        where = f"graph node {fx_node.name!r}"
+        if fx_node.op == "placeholder":
+            inputs.append((fx_node.name, _meta(fx_node.meta.get("val"), where)))
+            refs[fx_node.name] = Ref(fx_node.name)
+        elif fx_node.op == "get_attr":
+            value = _attr(gm, fx_node.target)
+            if not isinstance(value, torch.Tensor):
+                raise HarnessError(f"{where}: attribute {fx_node.target} is a {type(value).__name__}, not a tensor")
+            weights[fx_node.name] = value.detach()
+            refs[fx_node.name] = WeightRef(fx_node.name)
+        elif fx_node.op == "call_function":
+            if isinstance(fx_node.target, torch._ops.OpOverload) and fx_node.target._opname in _DROPPED:
+                continue
+            op = op_name(fx_node.target)
+            if fx_node.target is not operator.getitem:
+                resolve_op(op, where)
+            val = fx_node.meta.get("val")
+            multi = isinstance(val, (tuple, list))
+            metas = tuple(
+                _meta(v, where) if isinstance(v, torch.Tensor) else None for v in (val if multi else (val,))
+            )
+            nodes.append(
+                Node(
+                    fx_node.name,
+                    op,
+                    tuple(map_leaves(tuple(fx_node.args), arg)),
+                    dict(map_leaves(dict(fx_node.kwargs), arg)),
+                    metas,
+                    multi,
+                )
+            )
+            refs[fx_node.name] = Ref(fx_node.name)
+        elif fx_node.op == "output":
+            outputs = [arg(o) for o in iter_leaves(fx_node.args[0])]
+        else:
+            raise HarnessError(f"{where}: {fx_node.op} nodes are not supported; compile the model first")
+    return Plan(mode=mode, inputs=inputs, nodes=nodes, outputs=outputs, weights=weights)
+
+
+def _meta(val: Any, where: str) -> TensorMeta:
+    if not isinstance(val, torch.Tensor):
+        raise HarnessError(f"{where}: no tensor metadata (meta['val']); the graph must come from torch.export")
+    try:
+        return TensorMeta.of(val)
+    except TypeError:
+        raise HarnessError(f"{where}: dynamic shape {tuple(val.shape)}; the CPU engine needs static shapes") from None
+
+
+def _attr(gm: torch.nn.Module, target: Any) -> Any:
+    value: Any = gm
+    for part in str(target).split("."):
+        value = getattr(value, part)
+    return value
+
+
+def _drop_dead(plan: Plan) -> None:
+    live = {o.name for o in plan.outputs}
+    kept = []
+    for node in reversed(plan.nodes):
+        if node.name in live:
+            kept.append(node)
+            live.update(leaf.name for leaf in iter_leaves((node.args, node.kwargs)) if isinstance(leaf, (Ref, WeightRef)))
+    plan.nodes = kept[::-1]
+    plan.weights = {name: t for name, t in plan.weights.items() if name in live}
+
+
+def _fold_constants(plan: Plan) -> int:
+    """Evaluate nodes with no dynamic input once; their users then see a weight."""
+    folded = 0
+    replacements: dict[str, WeightRef] = {}
+    kept = []
+    for node in plan.nodes:
+        _substitute(node, replacements)
+        if node.refs() or node.multi or node.op == GETITEM:
+            kept.append(node)
+            continue
+        fn = resolve_op(node.op, f"layer {node.name!r}")
+        args, kwargs = map_leaves((node.args, node.kwargs), lambda leaf: _weight_value(plan, leaf))
+        with torch.inference_mode():
+            value = fn(*args, **kwargs)
+        name = _fresh(plan.weights, node.name)
+        plan.weights[name] = value.detach().clone(memory_format=torch.contiguous_format)
+        replacements[node.name] = WeightRef(name)
+        folded += 1
+    plan.nodes = kept
+    plan.outputs = [replacements.get(o.name, o) if isinstance(o, Ref) else o for o in plan.outputs]
+    return folded
+
+
+def _fold_batch_norms(plan: Plan) -> list[tuple[str, str]]:
+    users = Counter(r.name for node in plan.nodes for r in node.refs())
+    users.update(o.name for o in plan.outputs if isinstance(o, Ref))
+    producers = {node.name: node for node in plan.nodes}
+    folded: list[tuple[str, str]] = []
+    replacements: dict[str, Ref] = {}
+    kept = []
+    for node in plan.nodes:
+        _substitute(node, replacements)
+        conv = _foldable_conv(node, producers, users, plan)
+        if conv is None:
+            kept.append(node)
+            continue
+        _fold_into(conv, node, plan)
+        replacements[node.name] = Ref(conv.name)
+        folded.append((conv.name, node.name))
+    plan.nodes = kept
+    plan.outputs = [replacements.get(o.name, o) if isinstance(o, Ref) else o for o in plan.outputs]
+    return folded
+
+
+def _foldable_conv(bn: Node, producers: dict[str, Node], users: Counter[str], plan: Plan) -> Node | None:
+    if bn.op != "aten::batch_norm.default" or len(bn.args) < 8:
+        return None
+    source, *params = bn.args[:5]
+    training = bn.args[5]
+    if training or not isinstance(source, Ref) or not all(p is None or isinstance(p, WeightRef) for p in params):
+        return None
+    if params[2] is None or params[3] is None:  # running statistics
+        return None
+    conv = producers.get(source.name)
+    if conv is None or op_packet(conv.op) not in _CONVS or users[conv.name] != 1 or conv.multi:
+        return None
+    weight = conv.args[1] if len(conv.args) > 1 else None
+    bias = conv.args[2] if len(conv.args) > 2 else None
+    transposed = op_packet(conv.op) == "convolution" and bool(conv.args[6])
+    if transposed or not isinstance(weight, WeightRef) or not (bias is None or isinstance(bias, WeightRef)):
+        return None
+    if conv.out() != bn.out() or not plan.weights[weight.name].is_floating_point():
+        return None
+    return conv
+
+
+def _fold_into(conv: Node, bn: Node, plan: Plan) -> None:
+    gamma, beta, mean, var = (None if p is None else plan.weights[p.name].double() for p in bn.args[1:5])
+    eps = float(bn.args[7])
+    weight_ref = conv.args[1]
+    assert isinstance(weight_ref, WeightRef) and mean is not None and var is not None
+    weight = plan.weights[weight_ref.name]
+    bias_ref = conv.args[2] if len(conv.args) > 2 else None
+    bias = plan.weights[bias_ref.name].double() if isinstance(bias_ref, WeightRef) else torch.zeros_like(mean)
+    scale = torch.rsqrt(var + eps) * (gamma if gamma is not None else 1.0)
+    new_weight = weight.double() * scale.reshape(-1, *([1] * (weight.dim() - 1)))
+    new_bias = (bias - mean) * scale + (beta if beta is not None else 0.0)
+    w_name = _fresh(plan.weights, f"{conv.name}.folded_weight")
+    plan.weights[w_name] = new_weight.to(weight.dtype).contiguous()
+    b_name = _fresh(plan.weights, f"{conv.name}.folded_bias")
+    plan.weights[b_name] = new_bias.to(weight.dtype).contiguous()
+    args = list(conv.args) + [None] * max(0, 3 - len(conv.args))
+    args[1], args[2] = WeightRef(w_name), WeightRef(b_name)
+    conv.args = tuple(args)
+    conv.fused = (*conv.fused, bn.name)
+
+
+def _substitute(node: Node, replacements: dict[str, Any]) -> None:
+    if not replacements:
+        return
+
+    def swap(leaf: Any) -> Any:
+        return replacements.get(leaf.name, leaf) if isinstance(leaf, Ref) else leaf
+
+    node.args = map_leaves(node.args, swap)
+    node.kwargs = map_leaves(node.kwargs, swap)
+
+
+def _weight_value(plan: Plan, leaf: Any) -> Any:
+    return plan.weights[leaf.name] if isinstance(leaf, WeightRef) else leaf
+
+
+def _fresh(taken: Iterable[str], base: str) -> str:
+    names = set(taken)
+    name, i = base, 1
+    while name in names:
+        name, i = f"{base}_{i}", i + 1
+    return name

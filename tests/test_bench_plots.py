@@ -1,0 +1,76 @@
+"""Pareto front on hand cases; plots written as decodable PNGs next to the results."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import matplotlib.image
+
+from harness.bench.plots import pareto_front, plot_results
+
+
+def test_pareto_front_hand_cases() -> None:
+    # (latency, error): fp32 slow+exact, fp16 fast+some error, bf16 dominated by fp16,
+    # autocast between the two, weak slower and worse than autocast
+    points = [(10.0, 0.0), (3.0, 1e-3), (3.5, 2e-3), (5.0, 1e-4), (6.0, 2e-4)]
+    assert pareto_front(points) == [1, 3, 0]  # ordered by latency
+    assert pareto_front([]) == []
+    assert pareto_front([(1.0, 1.0)]) == [0]
+    # equal points do not dominate each other; a tie in one coordinate does
+    assert pareto_front([(2.0, 2.0), (2.0, 2.0), (2.0, 3.0), (3.0, 2.0)]) == [0, 1]
+    # a chain where each point beats the next on both axes has one winner
+    assert pareto_front([(3.0, 3.0), (2.0, 2.0), (1.0, 1.0)]) == [2]
+
+
+def _case(
+    model: str,
+    mode: str,
+    median_ms: float,
+    cosine: float | None,
+    backend: str = "cpu",
+    status: str = "ok",
+) -> dict[str, Any]:
+    if status != "ok":
+        return {"model": model, "mode": mode, "backend": backend, "status": status, "error": "boom"}
+    ns = median_ms * 1e6
+    return {
+        "model": model,
+        "mode": mode,
+        "backend": backend,
+        "status": "ok",
+        "latency": {"summary": {"median": ns, "p95": ns * 1.2}},
+        "accuracy": {
+            "cosine": cosine,
+            "max_abs_error": None if cosine is None else (1 - cosine) * 10,
+        },
+    }
+
+
+def test_plot_results_writes_decodable_pngs(tmp_path: Path) -> None:
+    doc = {
+        "machine": {"id": "box"},
+        "cases": [
+            _case("resnet/tiny", "fp32", 10.0, 1.0),  # exact: drawn at the floor of the log axis
+            _case("resnet/tiny", "fp16", 3.0, 0.9999),
+            _case("resnet/tiny", "bf16", 3.5, 0.999),
+            _case("resnet/tiny", "fp16", 2.0, 0.99, backend="onnxruntime"),
+            _case("mlp", "fp32", 1.0, 1.0 - 1e-9),
+            _case("mlp", "fp16", 0.4, 0.9995),
+            _case("broken", "fp16", 0.0, None, status="failed"),
+            _case("nocos", "fp16", 1.0, None),
+        ],
+    }
+    results = tmp_path / "runs" / "run-20250101T000000Z.json"
+    paths = plot_results(doc, results)
+    # one plot per model with something to plot; model names made file-safe
+    assert paths == [
+        results.parent / "run-20250101T000000Z-mlp.png",
+        results.parent / "run-20250101T000000Z-resnet_tiny.png",
+    ]
+    for p in paths:
+        image = matplotlib.image.imread(p)
+        assert image.shape[0] == 500 and image.shape[1] == 700 and image.shape[2] in (3, 4)
+        assert image[..., :3].std() > 0  # something was drawn
+    more = plot_results(doc, results, error_metric="max_abs_error")
+    assert more == paths

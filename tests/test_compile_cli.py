@@ -1,0 +1,59 @@
+"""``harness compile`` end to end through the real entry point."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from harness.cli.main import main
+
+
+def test_table_for_the_seed_example(capsys):
+    assert main(["compile", "--model", "lenet", "--exclude", "^conv2d$"]) == 0
+    out = capsys.readouterr().out
+    assert "matches nodes_to_exclude '^conv2d$'" in out
+    assert "nodes_to_exclude" in out and "autocast_region" in out
+
+
+def test_json_output(capsys):
+    assert main(["compile", "--model", "digits", "--low", "bf16", "--mode", "amp", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["model"] == "digits" and doc["mode"] == "amp" and doc["low_precision_type"] == "bf16"
+    assert doc["counts"]["amp:lower_precision_fp"] >= 2
+    assert {"name", "op", "module", "precision", "reason", "input_dtypes", "output_dtypes"} <= set(doc["rows"][0])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--exclude", "(bad"], "invalid regular expression '(bad'"),
+    (["--exclude-op", "aten.nosuch"], "no operator 'nosuch'"),
+    (["--low", "fp8"], "unknown dtype 'fp8'"),
+    (["--max-reduction-depth", "0"], "--max-reduction-depth must be a positive integer"),
+])
+def test_bad_flags_exit_2(argv, message, capsys):
+    assert main(["compile", "--model", "lenet", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_unknown_model_and_unexportable_model_exit_2(tmp_path, capsys):
+    assert main(["compile", "--model", "nosuch"]) == 2
+    assert "valid names: digits, lenet" in capsys.readouterr().err
+    f = tmp_path / "dyn.py"
+    f.write_text(
+        "import torch\n"
+        "class M(torch.nn.Module):\n"
+        "    def forward(self, x):\n"
+        "        return x * 2 if x.sum() > 0 else x\n"
+        "def make():\n"
+        "    return M(), (torch.randn(3),)\n"
+    )
+    assert main(["compile", "--model", f"{f}:make"]) == 2
+    assert "failed to export with torch.export" in capsys.readouterr().err
+
+
+def test_python_dash_m_entry_point():
+    r = subprocess.run([sys.executable, "-m", "harness", "compile", "--model", "digits", "--json"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["model"] == "digits"

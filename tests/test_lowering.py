@@ -1,0 +1,119 @@
+"""Front end and lowering passes: the graph stays valid and computes the same values."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from harness.errors import HarnessError
+from harness.frontend.export import export_program, load_graph, standalone_graph
+from harness.lowering.decompose import DecompositionTable, decompose, resolve_op
+from harness.lowering.pass_manager import PassManager, default_pass_manager
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(6, 6)
+        self.d = nn.Dropout(0.5)
+        self.register_buffer("scale", torch.tensor(2.0))
+
+    def forward(self, x, y):
+        h = self.d(self.l(x)).detach()
+        return torch.einsum("bi,bj->bij", h, y) * self.scale, h
+
+
+X = (torch.randn(3, 6), torch.randn(3, 4))
+
+
+def _targets(gm):
+    return [n.target for n in gm.graph.nodes if n.op == "call_function"]
+
+
+def test_standalone_graph_has_user_inputs_and_weight_attrs():
+    m = Net().eval()
+    ep = export_program(m, X)
+    gm = standalone_graph(ep)
+    assert [n.name for n in gm.graph.nodes if n.op == "placeholder"] == ["x", "y"]
+    weights = {n.meta["weight_name"] for n in gm.graph.nodes if n.op == "get_attr"}
+    assert weights == {"l.weight", "l.bias", "scale"}
+    assert all(torch.equal(a, b) for a, b in zip(gm(*X), m(*X)))
+    # the caller's program is not mutated
+    assert sum(n.op == "placeholder" for n in ep.graph.nodes) == 5
+
+
+def test_default_passes_remove_dropout_and_detach_and_keep_values():
+    m = Net().eval()
+    gm = default_pass_manager()(load_graph(m, X))
+    targets = _targets(gm)
+    assert torch.ops.aten.dropout.default not in targets and torch.ops.aten.detach.default not in targets
+    assert all(torch.equal(a, b) for a, b in zip(gm(*X), m(*X)))
+
+
+def test_decomposition_table_enable_disable():
+    m = Net().eval()
+    gm = decompose(load_graph(m, X), DecompositionTable())
+    assert torch.ops.aten.einsum.default not in _targets(gm)
+    assert any(n.meta.get("decomposed_from") == "einsum" for n in gm.graph.nodes)
+    assert all(torch.equal(a, b) for a, b in zip(gm(*X), m(*X)))  # C++ composite: same bits
+
+    kept = decompose(load_graph(m, X), DecompositionTable().disable(["aten.einsum"]))
+    assert torch.ops.aten.einsum.default in _targets(kept)
+
+    lin = decompose(load_graph(m, X), DecompositionTable(frozenset()).enable(["aten.linear.default"]))
+    assert torch.ops.aten.linear.default not in _targets(lin)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(lin(*X), m(*X)))
+
+
+@pytest.mark.parametrize("name, match", [
+    ("conv2d", "not of the form aten.NAME"),
+    ("aten.nope", "no operator 'nope'"),
+    ("aten.add.nope", "unknown overload"),
+])
+def test_bad_op_names(name, match):
+    with pytest.raises(HarnessError, match=match):
+        resolve_op(name)
+
+
+def test_unknown_pass_is_named():
+    with pytest.raises(HarnessError, match="unknown lowering pass 'fold_everything'; valid: functionalize_inplace, remove_asserts"):
+        PassManager.from_names(["fold_everything"])
+
+
+def test_pass_that_breaks_the_graph_is_caught_where_it_broke():
+    def broken(gm):
+        out = gm.graph.output_node()
+        gm.graph.erase_node(next(n for n in gm.graph.nodes if n.op == "placeholder"))  # still used
+        return gm
+
+    with pytest.raises(Exception):
+        PassManager([("broken", broken)])(load_graph(Net().eval(), X))
+
+
+def test_buffer_mutation_is_refused():
+    class Counter(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("calls", torch.zeros(()))
+
+        def forward(self, x):
+            self.calls.add_(1)
+            return x * 2
+
+    with pytest.raises(HarnessError, match="updates calls in place"):
+        standalone_graph(torch.export.export(Counter(), (torch.randn(4),)))
+
+
+def test_inplace_ops_on_activations_become_values():
+    class M(nn.Module):
+        def forward(self, x):
+            y = x * 2
+            y.relu_()
+            return y + 1, x
+
+    x = torch.randn(5)
+    gm = default_pass_manager()(load_graph(M(), (x,)))
+    assert torch.ops.aten.relu_.default not in _targets(gm)
+    out = gm(x)
+    assert torch.equal(out[0], (x * 2).relu() + 1) and torch.equal(out[1], x)
