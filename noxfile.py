@@ -42,3 +42,17 @@ def lint(session: nox.Session) -> None:
     session.install("--no-deps", "tensorrt-stubs")
     session.run("ruff", "check", "harness", "models", "tests", "noxfile.py")
     session.run("mypy")
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """Benchmark the model zoo across precision modes (posargs go to ``harness bench``)."""
+    _install(session, "gpu")
+    session.run("harness", "bench", *session.posargs)
+
+
+@nox.session
+def gate(session: nox.Session) -> None:
+    """Gate the newest run against this machine's baseline (posargs go to ``harness gate``)."""
+    _install(session)
+    session.run("harness", "gate", *session.posargs)

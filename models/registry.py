@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from harness.autocast.calibrate import default_calibration_data  # noqa: F401  (re-exported for model files)
 from harness.errors import HarnessError
 
 Factory = Callable[[], "ModelSpec"]
@@ -121,27 +122,6 @@ def seeded_init(module: torch.nn.Module, generator: torch.Generator, gain: float
             weight, bias = own.get("weight"), own.get("bias")
             if weight is not None and bias is not None and weight.dim() >= 2:
                 bias.uniform_(-_bound(weight, gain), _bound(weight, gain), generator=generator)
-
-
-def default_calibration_data(
-    example_inputs: Sequence[torch.Tensor], batches: int = 4, seed: int = 0
-) -> list[tuple[torch.Tensor, ...]]:
-    """Random stand-in calibration batches for models that come without data.
-
-    Floating inputs become uniform values in (-1, 1) of the example's shape and
-    dtype; integer and bool inputs (token ids, masks) keep the example values
-    because random ids could fall outside the model's vocabulary.
-    """
-    generator = torch.Generator().manual_seed(seed)
-    return [
-        tuple(
-            (torch.rand(t.shape, generator=generator) * 2 - 1).to(t.dtype)
-            if t.is_floating_point()
-            else t.clone()
-            for t in example_inputs
-        )
-        for _ in range(batches)
-    ]
 
 
 def _bound(weight: torch.Tensor, gain: float) -> float:

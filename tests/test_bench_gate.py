@@ -203,6 +203,12 @@ def test_determinism_regressions() -> None:
         pinned=True,
     )
     assert len(det(pinned)) == 1
+    # ... or the whole run was built with pinned caches
+    unpinned_change = _with(
+        base, engine_fingerprint="sha256:engine-2", timing_cache_digest="sha256:cache-b"
+    )
+    unpinned_change["settings"]["pinned"] = True
+    assert len(det(unpinned_change)) == 1
     # same engine, different bits out
     assert det(_with(base, output_digest="sha256:" + "f" * 64)) == [
         "same engine fingerprint but the outputs changed"

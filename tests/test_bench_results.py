@@ -189,6 +189,12 @@ def test_load_rejects_corrupt_truncated_and_wrong_version(tmp_path: Path) -> Non
     ):
         load_results(broken("count.json", json.dumps(doc)))
     doc = json.loads(text)
+    doc["cases"][0]["latency"]["samples_ns"][0] = 1.5
+    with pytest.raises(
+        HarnessError, match=r"float\.json: case mlp/fp32/cpu has latency samples that are not"
+    ):
+        load_results(broken("float.json", json.dumps(doc)))
+    doc = json.loads(text)
     doc["cases"].append(doc["cases"][0])
     with pytest.raises(HarnessError, match="appears twice"):
         load_results(broken("dup.json", json.dumps(doc)))

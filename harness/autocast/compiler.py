@@ -30,10 +30,10 @@ from harness.autocast.cleanup import CLEANUP
 from harness.autocast.regions import Region, inline_autocast_regions
 from harness.autocast.report import PrecisionReport, build_report
 from harness.autocast.rules import Context, effective_state
-from harness.autocast.settings import AutocastSettings, compile_patterns, parse_dtype, DTYPES
+from harness.autocast.settings import DTYPES, AutocastSettings, compile_patterns, parse_dtype
 from harness.errors import HarnessError
-from harness.fxutil import fake_mode_of, splice, trace_call
 from harness.frontend.export import export_program, standalone_graph
+from harness.fxutil import fake_mode_of, splice, trace_call
 from harness.lowering.decompose import DecompositionTable, decompose
 from harness.lowering.pass_manager import PassManager, default_pass_manager
 

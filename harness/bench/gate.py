@@ -14,7 +14,8 @@ sees how uncertain the ratio is. Improvements mirror regressions: ratio below
 Accuracy regressions are absolute (tolerances in :class:`AccuracyTolerances`):
 more error than the baseline by more than a fixed amount, or any new NaN/Inf.
 Determinism regressions are exact: with a pinned timing cache (the case says
-``pinned`` or both runs used a cache with the same digest) the engine
+``pinned``, the run's settings say ``"pinned": true``, or both runs used a
+cache with the same digest) the engine
 fingerprint must not change, and with an identical engine fingerprint the
 output digest must not change.
 """
@@ -215,10 +216,12 @@ def _accuracy(
         worse(f"task {bt['name']}", bt["value"], ct["value"], tol.task_accuracy_drop, False)
 
 
-def _determinism(base: Mapping[str, Any], cur: Mapping[str, Any], verdict: CaseVerdict) -> None:
+def _determinism(
+    base: Mapping[str, Any], cur: Mapping[str, Any], run_pinned: bool, verdict: CaseVerdict
+) -> None:
     bf, cf = base.get("engine_fingerprint"), cur.get("engine_fingerprint")
     bc, cc = base.get("timing_cache_digest"), cur.get("timing_cache_digest")
-    pinned = bool(cur.get("pinned")) or (bc is not None and bc == cc)
+    pinned = run_pinned or bool(cur.get("pinned")) or (bc is not None and bc == cc)
     if pinned and bf is not None and cf is not None and bf != cf:
         verdict.findings.append(
             Finding(
@@ -243,6 +246,7 @@ def _check_case(
     tol: AccuracyTolerances,
     resamples: int,
     fail_on_unstable: bool,
+    run_pinned: bool,
 ) -> CaseVerdict:
     verdict = CaseVerdict(case_key(cur))
     if cur["status"] == "failed":
@@ -257,7 +261,7 @@ def _check_case(
     if base.get("latency") is not None and cur.get("latency") is not None:
         _latency(base["latency"], cur["latency"], threshold, alpha, resamples, verdict)
     _accuracy(base, cur, tol, verdict)
-    _determinism(base, cur, verdict)
+    _determinism(base, cur, run_pinned, verdict)
     if fail_on_unstable:
         verdict.findings = [
             Finding(f.kind, "regression", f.message) if f.kind == "unstable" else f
@@ -320,6 +324,7 @@ def gate(
                 tol=tol,
                 resamples=bootstrap_resamples,
                 fail_on_unstable=fail_on_unstable,
+                run_pinned=current_doc["settings"].get("pinned") is True,
             )
         )
     for key in base_cases.keys() - cur_cases.keys():

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import gc
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -68,6 +69,17 @@ def _noop() -> None:
     return None
 
 
+@contextmanager
+def _gc_paused() -> Iterator[None]:
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 def _cpu_loop(
     fn: Callable[[], object],
     sync: Callable[[], object] | None,
@@ -108,12 +120,13 @@ def _cuda_loop(
     """
     import torch
 
+    torch.cuda.synchronize()  # warm-up work still queued must not overlap the first samples
     clock = time.perf_counter_ns
     pairs: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
     n = 0
     begin = clock()
     deadline = begin + min_duration_ns
-    while True:
+    while True:  # events are created per iteration: cheap next to any GPU kernel
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
         start.record()
@@ -130,7 +143,7 @@ def _cuda_loop(
     return [round(s.elapsed_time(e) * 1e6) for s, e in pairs], elapsed
 
 
-def _check_timer(timer: str) -> Callable[..., tuple[list[int], int]]:
+def _loop_for(timer: str) -> Callable[..., tuple[list[int], int]]:
     if timer == "cpu":
         return _cpu_loop
     if timer == "cuda":
@@ -149,14 +162,9 @@ def measure_overhead(
     *, timer: Timer = "cpu", min_iters: int = 2000, min_duration_s: float = 0.05
 ) -> Summary:
     """Per-iteration cost of the timing loop itself, around an empty call (ns)."""
-    loop = _check_timer(timer)
-    gc_was_enabled = gc.isenabled()
-    gc.disable()
-    try:
+    loop = _loop_for(timer)
+    with _gc_paused():
         samples, _ = loop(_noop, None, min_iters, int(min_duration_s * 1e9), None)
-    finally:
-        if gc_was_enabled:
-            gc.enable()
     return Summary.from_samples(samples, unit="ns")
 
 
@@ -190,12 +198,10 @@ def measure_latency(
         raise HarnessError("warmup_s and min_duration_s must not be negative")
     if batch_size < 1:
         raise HarnessError(f"batch_size must be at least 1, got {batch_size}")
-    loop = _check_timer(timer)
+    loop = _loop_for(timer)
     threshold = DEFAULT_COV_THRESHOLD[timer] if cov_threshold is None else cov_threshold
 
-    gc_was_enabled = gc.isenabled()
-    gc.disable()
-    try:
+    with _gc_paused():
         warm_begin = time.perf_counter_ns()
         warm_deadline = warm_begin + int(warmup_s * 1e9)
         warm_iters = 0
@@ -208,9 +214,6 @@ def measure_latency(
             if warm_end >= warm_deadline:
                 break
         samples, elapsed_ns = loop(fn, sync, min_iters, int(min_duration_s * 1e9), max_iters)
-    finally:
-        if gc_was_enabled:
-            gc.enable()
 
     summary = Summary.from_samples(samples, unit="ns")
     return LatencyResult(

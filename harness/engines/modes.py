@@ -8,7 +8,6 @@ decides each layer's precision.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -34,7 +33,9 @@ _EXPLICIT_SCHEMA = {
 
 def check_mode_name(mode: str) -> None:
     if mode not in PRECISION_MODES:
-        raise HarnessError(f"unknown precision mode {mode!r}; valid modes: {', '.join(PRECISION_MODES)}")
+        raise HarnessError(
+            f"unknown precision mode {mode!r}; valid modes: {', '.join(PRECISION_MODES)}"
+        )
 
 
 def is_weak(mode: str) -> bool:
@@ -59,6 +60,21 @@ def load_explicit(path: str | Path) -> dict[str, torch.dtype]:
     return {pattern: EXPLICIT_DTYPES[name] for pattern, name in obj.items()}
 
 
+# precision mode -> compiler mode (weak modes build the fp32 graph)
+_COMPILER_MODES = {
+    "fp32": "fp32",
+    "fp16": "full",
+    "bf16": "full",
+    "weak-fp16": "fp32",
+    "weak-bf16": "fp32",
+    "autocast-fp16": "rule",
+    "autocast-bf16": "rule",
+    "amp-fp16": "amp",
+    "amp-bf16": "amp",
+    "explicit": "explicit",
+}
+
+
 def compile_for_mode(spec: ModelSpec, mode: str, explicit_path: str | None) -> CompiledGraph:
     """Compile ``spec`` into the typed graph that precision ``mode`` asks a backend to build."""
     from harness.autocast import compile
@@ -70,21 +86,12 @@ def compile_for_mode(spec: ModelSpec, mode: str, explicit_path: str | None) -> C
             if mode == "explicit"
             else f"an explicit precision file was given, but mode is {mode!r}; use mode 'explicit'"
         )
-    low = low_dtype(mode)
-    kwargs: dict[str, object] = {"calibration_data": spec.calibration_data}
-    explicit: Mapping[str, torch.dtype] | None = None
-    if mode == "fp32" or is_weak(mode):
-        compiler_mode = "fp32"
-    elif mode in ("fp16", "bf16"):
-        compiler_mode = "full"
-    elif mode.startswith("autocast-"):
-        compiler_mode = "rule"
-    elif mode.startswith("amp-"):
-        compiler_mode = "amp"
-    else:
-        assert explicit_path is not None
-        compiler_mode = "explicit"
-        explicit = load_explicit(explicit_path)
-    if low is not None and not is_weak(mode):
-        kwargs["low_precision_type"] = low
-    return compile(spec.module, spec.example_inputs, mode=compiler_mode, explicit=explicit, **kwargs)
+    explicit = load_explicit(explicit_path) if explicit_path is not None else None
+    return compile(
+        spec.module,
+        spec.example_inputs,
+        mode=_COMPILER_MODES[mode],
+        low_precision_type=None if is_weak(mode) else low_dtype(mode),
+        explicit=explicit,
+        calibration_data=spec.calibration_data,
+    )

@@ -89,7 +89,7 @@ def standalone_graph(ep: ExportedProgram) -> torch.fx.GraphModule:
     for node in gm.graph.nodes:
         target = node.target
         if node.op == "call_function" and isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable:
-            for arg, a in zip(target._schema.arguments, node.args):
+            for arg, a in zip(target._schema.arguments, node.args, strict=False):
                 if arg.is_write and isinstance(a, torch.fx.Node) and a.op == "get_attr":
                     raise HarnessError(
                         f"node {node.name} ({target}) updates {a.meta.get('weight_name', a.target)} in place; "

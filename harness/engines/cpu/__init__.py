@@ -25,8 +25,22 @@ __all__ = ["CpuBackend", "CpuEngine"]
 BUILDER_OPTIONS = ("timing_runs", "warmup_runs")
 # CPU features that decide which kernels oneDNN and ATen may pick.
 _RELEVANT_FLAGS = (
-    "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
-    "avx512_fp16", "avx_vnni", "amx_tile", "amx_bf16", "amx_fp16", "amx_int8", "asimd", "sve",
+    "avx2",
+    "fma",
+    "f16c",
+    "avx512f",
+    "avx512bw",
+    "avx512vl",
+    "avx512_vnni",
+    "avx512_bf16",
+    "avx512_fp16",
+    "avx_vnni",
+    "amx_tile",
+    "amx_bf16",
+    "amx_fp16",
+    "amx_int8",
+    "asimd",
+    "sve",
 )
 
 
@@ -64,16 +78,22 @@ class CpuBackend:
             },
         )
 
-    def build(self, graph, config: BuildConfig, cache: TimingCache | None) -> tuple[CpuEngine, BuildLog]:
+    def build(
+        self, graph, config: BuildConfig, cache: TimingCache | None
+    ) -> tuple[CpuEngine, BuildLog]:
         self.check_mode(config.mode)
         timing = _timing_options(config)
         if cache is not None and not config.disable_cache:
-            check_compatible(cache, self.provenance(config), config.ignore_cache_mismatch, "timing cache")
+            check_compatible(
+                cache, self.provenance(config), config.ignore_cache_mismatch, "timing cache"
+            )
         start = time.perf_counter()
         builder = PlanBuilder(config, cache, timing)
         plan = builder.build(graph.graph_module, graph.example_inputs)
         engine = CpuEngine(plan)
-        log = BuildLog("cpu", config.mode, builder.timings, builder.messages, time.perf_counter() - start)
+        log = BuildLog(
+            "cpu", config.mode, builder.timings, builder.messages, time.perf_counter() - start
+        )
         return engine, log
 
     def load(self, path: str | os.PathLike[str]) -> CpuEngine:
@@ -85,7 +105,9 @@ def _timing_options(config: BuildConfig) -> TimingOptions:
 
     unknown = sorted(set(config.options) - set(BUILDER_OPTIONS))
     if unknown:
-        raise HarnessError(f"unknown cpu builder option(s) {', '.join(unknown)}; valid: {', '.join(BUILDER_OPTIONS)}")
+        raise HarnessError(
+            f"unknown cpu builder option(s) {', '.join(unknown)}; valid: {', '.join(BUILDER_OPTIONS)}"
+        )
     return TimingOptions.from_options(config.options)
 
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import hashlib
 import operator
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -65,7 +64,12 @@ class _Variant:
     impls: tuple[str, ...]
 
 
-def layer_key(node: Node, graph_metas: Mapping[str, TensorMeta], weights: Mapping[str, torch.Tensor], precisions: Sequence[str]) -> str:
+def layer_key(
+    node: Node,
+    graph_metas: Mapping[str, TensorMeta],
+    weights: Mapping[str, torch.Tensor],
+    precisions: Sequence[str],
+) -> str:
     """TensorRT-style per-layer key: "0x" + 32 hex of (name, op, shapes, dtypes, attributes)."""
 
     def describe(leaf: Any) -> Any:
@@ -79,7 +83,9 @@ def layer_key(node: Node, graph_metas: Mapping[str, TensorMeta], weights: Mappin
         "layer": node.name,
         "op": node.op,
         "args": [describe(a) for a in iter_leaves(node.args)],
-        "kwargs": {k: [describe(a) for a in iter_leaves(v)] for k, v in sorted(node.kwargs.items())},
+        "kwargs": {
+            k: [describe(a) for a in iter_leaves(v)] for k, v in sorted(node.kwargs.items())
+        },
         "outputs": [None if m is None else m.to_json() for m in node.outputs],
         "fused": list(node.fused),
         "precisions": list(precisions),
@@ -90,11 +96,15 @@ def layer_key(node: Node, graph_metas: Mapping[str, TensorMeta], weights: Mappin
 class PlanBuilder:
     """One build: lowering, then a tactic (and precision) decision per layer."""
 
-    def __init__(self, config: BuildConfig, cache: TimingCache | None, timing: TimingOptions) -> None:
+    def __init__(
+        self, config: BuildConfig, cache: TimingCache | None, timing: TimingOptions
+    ) -> None:
         self.config = config
         self.cache = None if config.disable_cache else cache
         self.timing = timing
-        self.weak_low = dtype_name(low) if is_weak(config.mode) and (low := low_dtype(config.mode)) else None
+        self.weak_low = (
+            dtype_name(low) if is_weak(config.mode) and (low := low_dtype(config.mode)) else None
+        )
         self.messages: list[str] = []
         self.timings: list[LayerTiming] = []
 
@@ -105,7 +115,9 @@ class PlanBuilder:
         self.runtime = dict(graph.inputs)  # value name -> meta as the engine produces it
         self.renames: dict[str, str] = {}  # graph value -> plan value (differs for multi outputs)
         self.cast_names: dict[tuple[str, str], str] = {}
-        self.values: dict[str, Any] = {name: t for (name, _), t in zip(graph.inputs, example_inputs, strict=True)}
+        self.values: dict[str, Any] = {
+            name: t for (name, _), t in zip(graph.inputs, example_inputs, strict=True)
+        }
         self.executed = 0
         for node in graph.nodes:
             if node.op == GETITEM:
@@ -114,7 +126,12 @@ class PlanBuilder:
                 self._decide(node)
         for out in graph.outputs:
             self.plan.outputs.append(self._output(out))
-        used = {leaf.name for n in self.plan.nodes for leaf in iter_leaves((n.args, n.kwargs)) if isinstance(leaf, WeightRef)}
+        used = {
+            leaf.name
+            for n in self.plan.nodes
+            for leaf in iter_leaves((n.args, n.kwargs))
+            if isinstance(leaf, WeightRef)
+        }
         used |= {o.name for o in self.plan.outputs if isinstance(o, WeightRef)}
         self.plan.weights = {k: v for k, v in self.plan.weights.items() if k in used}
         return self.plan
@@ -127,15 +144,20 @@ class PlanBuilder:
         names = [tactics.tactic_name(impl, v.precision) for v, impl in candidates]
         key = layer_key(node, self.graph_metas, self.plan.weights, [v.precision for v in variants])
         if len(candidates) == 1:
-            chosen, record = 0, LayerTiming(node.name, key, (), names[0], tactics.tactic_hash(names[0]), False)
+            chosen, record = (
+                0,
+                LayerTiming(node.name, key, (), names[0], tactics.tactic_hash(names[0]), False),
+            )
         else:
             chosen, record = self._select(node, key, candidates, names)
         self.timings.append(record)
         variant, impl = candidates[chosen]
-        emitted = self._emit(variant, key, names[chosen])
+        emitted = self._emit(variant, key, names[chosen], tuned=len(candidates) > 1)
         self.renames[node.name] = emitted.name
 
-    def _select(self, node: Node, key: str, candidates: list[tuple[_Variant, str]], names: list[str]) -> tuple[int, LayerTiming]:
+    def _select(
+        self, node: Node, key: str, candidates: list[tuple[_Variant, str]], names: list[str]
+    ) -> tuple[int, LayerTiming]:
         entry = self.cache.query(key) if self.cache is not None else None
         if entry is not None:
             if entry.tactic not in names:
@@ -144,7 +166,9 @@ class PlanBuilder:
                     f"which this layer does not have; valid tactics: {', '.join(names)}"
                 )
             index = names.index(entry.tactic)
-            return index, LayerTiming(node.name, key, entry.candidates, entry.tactic, entry.tactic_hash, True)
+            return index, LayerTiming(
+                node.name, key, entry.candidates, entry.tactic, entry.tactic_hash, True
+            )
         if self.config.error_on_cache_miss:
             raise HarnessError(
                 f"layer {node.name!r} (key {key}) is not in the timing cache and would have to be timed "
@@ -153,13 +177,19 @@ class PlanBuilder:
         self._materialize()
         inputs = [self.values[self._plan_name(r.name)] for r in node.refs()]
         timed = tuple(
-            Candidate(name, tactics.tactic_hash(name), median_ms(self._timed_fn(variant, impl), inputs, self.timing))
+            Candidate(
+                name,
+                tactics.tactic_hash(name),
+                median_ms(self._timed_fn(variant, impl), inputs, self.timing),
+            )
             for (variant, impl), name in zip(candidates, names, strict=True)
         )
         index = min(range(len(timed)), key=lambda i: timed[i].time_ms)
         best = timed[index]
         if self.cache is not None and self.config.editable_cache:
-            self.cache.update(CacheEntry(key, node.name, best.tactic, best.tactic_hash, best.time_ms, timed))
+            self.cache.update(
+                CacheEntry(key, node.name, best.tactic, best.tactic_hash, best.time_ms, timed)
+            )
         return index, LayerTiming(node.name, key, timed, best.tactic, best.tactic_hash, False)
 
     def _variants(self, node: Node) -> list[_Variant]:
@@ -173,26 +203,38 @@ class PlanBuilder:
             float_in = {d for d in in_dtypes if d in FLOAT_DTYPES}
             if len(float_in) == 1:
                 (dtype,) = float_in
-                outputs = tuple(None if m is None else self._float_as(m, dtype) for m in node.outputs)
+                outputs = tuple(
+                    None if m is None else self._float_as(m, dtype) for m in node.outputs
+                )
                 return [self._variant(replace(node, outputs=outputs), (None,) * len(refs))]
         # Strong typing (and fixed layers in weak mode): the graph's dtypes exactly.
         casts = tuple(g if g != d else None for g, d in zip(graph_dtypes, in_dtypes, strict=True))
         return [self._variant(node, casts)]
 
     def _all_fp32(self, node: Node, graph_dtypes: list[str]) -> bool:
-        float_weights = [self.plan.weights[w.name] for w in node.weight_refs() if self.plan.weights[w.name].is_floating_point()]
+        float_weights = [
+            self.plan.weights[w.name]
+            for w in node.weight_refs()
+            if self.plan.weights[w.name].is_floating_point()
+        ]
         return (
             all(d == "fp32" for d in graph_dtypes if d in FLOAT_DTYPES)
             and all(w.dtype == torch.float32 for w in float_weights)
             and all(m is not None and m.dtype == "fp32" for m in node.outputs)
-            and not any(isinstance(leaf, torch.dtype) for leaf in iter_leaves((node.args, node.kwargs)))
+            and not any(
+                isinstance(leaf, torch.dtype) for leaf in iter_leaves((node.args, node.kwargs))
+            )
         )
 
     def _retyped(self, node: Node, precision: str, in_dtypes: list[str]) -> _Variant:
         """``node`` run in ``precision``: float inputs cast, float weights converted once."""
 
         def convert(leaf: Any) -> Any:
-            if isinstance(leaf, WeightRef) and precision != "fp32" and self.plan.weights[leaf.name].is_floating_point():
+            if (
+                isinstance(leaf, WeightRef)
+                and precision != "fp32"
+                and self.plan.weights[leaf.name].is_floating_point()
+            ):
                 return WeightRef(self._converted_weight(leaf.name, precision))
             return leaf
 
@@ -200,15 +242,21 @@ class PlanBuilder:
             node,
             args=map_leaves(node.args, convert),
             kwargs=map_leaves(node.kwargs, convert),
-            outputs=tuple(None if m is None else self._float_as(m, precision) for m in node.outputs),
+            outputs=tuple(
+                None if m is None else self._float_as(m, precision) for m in node.outputs
+            ),
         )
-        casts = tuple(precision if d in FLOAT_DTYPES and d != precision else None for d in in_dtypes)
+        casts = tuple(
+            precision if d in FLOAT_DTYPES and d != precision else None for d in in_dtypes
+        )
         return self._variant(typed, casts)
 
     def _variant(self, node: Node, casts: tuple[str | None, ...]) -> _Variant:
         metas = self._typed_metas(node, casts)
         precision = _compute_precision(node, [metas[r.name] for r in node.refs()])
-        return _Variant(precision, node, casts, tuple(tactics.impl_names(node, metas, self.plan.weights)))
+        return _Variant(
+            precision, node, casts, tuple(tactics.impl_names(node, metas, self.plan.weights))
+        )
 
     def _typed_metas(self, node: Node, casts: tuple[str | None, ...]) -> dict[str, TensorMeta]:
         """Metas of the node's inputs as the chosen variant receives them (after casts)."""
@@ -230,7 +278,7 @@ class PlanBuilder:
 
     # --- emission -------------------------------------------------------------------------
 
-    def _emit(self, variant: _Variant, key: str, tactic: str) -> Node:
+    def _emit(self, variant: _Variant, key: str, tactic: str, tuned: bool) -> Node:
         refs = iter(variant.node.refs())
         casts = iter(variant.casts)
 
@@ -250,6 +298,7 @@ class PlanBuilder:
             key=key,
             tactic=tactic,
             tactic_hash=tactics.tactic_hash(tactic),
+            tuned=tuned,
         )
         self._append(node)
         return node
@@ -312,7 +361,9 @@ class PlanBuilder:
                     self.values[node.name] = operator.getitem(args[0], node.args[1])
                 else:
                     impl, _ = tactics.parse_tactic(node.tactic)
-                    self.values[node.name] = tactics.bind(node, impl, metas, self.plan.weights)(*args)
+                    self.values[node.name] = tactics.bind(node, impl, metas, self.plan.weights)(
+                        *args
+                    )
         self.executed = len(self.plan.nodes)
 
     def _timed_fn(self, variant: _Variant, impl: str) -> Callable[..., Any]:

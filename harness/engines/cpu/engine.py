@@ -35,7 +35,14 @@ from harness.engines.cpu.plan import (
 )
 from harness.engines.protocol import LayerInfo, dtype_from_name, dtype_name
 from harness.errors import HarnessError
-from harness.fileio import atomic_write_bytes, atomic_write_json, canonical_json, digest, read_json, validate
+from harness.fileio import (
+    atomic_write_bytes,
+    atomic_write_json,
+    canonical_json,
+    digest,
+    read_json,
+    validate,
+)
 
 PLAN_FILE = "plan.json"
 WEIGHTS_FILE = "weights.safetensors"
@@ -47,15 +54,25 @@ class CpuEngine:
     def __init__(self, plan: Plan) -> None:
         self.plan = plan
         self.mode = plan.mode
-        self._expected = [(name, tuple(meta.shape), dtype_from_name(meta.dtype)) for name, meta in plan.inputs]
+        self._expected = [
+            (name, tuple(meta.shape), dtype_from_name(meta.dtype)) for name, meta in plan.inputs
+        ]
         self._run = _compile(plan)
 
     def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if len(inputs) != len(self._expected):
             raise HarnessError(f"engine takes {len(self._expected)} input(s), got {len(inputs)}")
         for tensor, (name, shape, dtype) in zip(inputs, self._expected, strict=True):
-            if not isinstance(tensor, torch.Tensor) or tensor.dtype != dtype or tuple(tensor.shape) != shape:
-                got = f"{tensor.dtype} {tuple(tensor.shape)}" if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+            if (
+                not isinstance(tensor, torch.Tensor)
+                or tensor.dtype != dtype
+                or tuple(tensor.shape) != shape
+            ):
+                got = (
+                    f"{tensor.dtype} {tuple(tensor.shape)}"
+                    if isinstance(tensor, torch.Tensor)
+                    else type(tensor).__name__
+                )
                 raise HarnessError(f"engine input {name!r}: expected {dtype} {shape}, got {got}")
         with torch.inference_mode():
             return self._run(*inputs)  # type: ignore[no-any-return]
@@ -96,14 +113,18 @@ class CpuEngine:
         directory = Path(path)
         plan_path, weights_path = directory / PLAN_FILE, directory / WEIGHTS_FILE
         if not directory.is_dir():
-            raise HarnessError(f"engine {directory}: not a directory (expected {PLAN_FILE} and {WEIGHTS_FILE} in it)")
+            raise HarnessError(
+                f"engine {directory}: not a directory (expected {PLAN_FILE} and {WEIGHTS_FILE} in it)"
+            )
         where = f"engine plan {plan_path}"
         obj = read_json(plan_path, what="engine plan")
         _check_version(obj, where)
         validate(obj, PLAN_SCHEMA, where)
         body = {k: v for k, v in obj.items() if k not in ("fingerprint", "weights_digest")}
         if digest(canonical_json(body)) != obj["fingerprint"]:
-            raise HarnessError(f"{where}: contents do not match the recorded fingerprint; the file was modified or corrupted")
+            raise HarnessError(
+                f"{where}: contents do not match the recorded fingerprint; the file was modified or corrupted"
+            )
         weights = _read_weights(weights_path)
         plan = plan_from_json(obj, weights, where)
         if plan.weights_digest() != obj["weights_digest"]:
@@ -116,7 +137,7 @@ class CpuEngine:
 
 def _check_version(obj: Any, where: str) -> None:
     if not isinstance(obj, dict) or obj.get("format") != PLAN_FORMAT:
-        raise HarnessError(f"{where}: not a CPU engine plan (expected \"format\": \"{PLAN_FORMAT}\")")
+        raise HarnessError(f'{where}: not a CPU engine plan (expected "format": "{PLAN_FORMAT}")')
     if obj.get("version") != PLAN_VERSION:
         raise HarnessError(
             f"{where}: plan schema version {obj.get('version')!r} is not supported "
@@ -134,7 +155,9 @@ def _read_weights(path: Path) -> dict[str, torch.Tensor]:
     try:
         return safetensors.torch.load(data)
     except Exception as exc:  # safetensors raises its own error types for every kind of damage
-        raise HarnessError(f"engine weights {path}: not a valid safetensors file ({exc}); it may be truncated or corrupt") from None
+        raise HarnessError(
+            f"engine weights {path}: not a valid safetensors file ({exc}); it may be truncated or corrupt"
+        ) from None
 
 
 def _compile(plan: Plan) -> Callable[..., tuple[torch.Tensor, ...]]:
@@ -157,7 +180,13 @@ def _compile(plan: Plan) -> Callable[..., tuple[torch.Tensor, ...]]:
             impl, _ = tactics.parse_tactic(node.tactic)
             namespace[f"f{index}"] = tactics.bind(node, impl, metas, plan.weights)
             lines.append(f"    {var} = f{index}({args})")
-        dead = sorted({variables[r.name] for r in node.refs() if last_use[r.name] == index and r.name not in outputs})
+        dead = sorted(
+            {
+                variables[r.name]
+                for r in node.refs()
+                if last_use[r.name] == index and r.name not in outputs
+            }
+        )
         if dead:
             lines.append(f"    del {', '.join(dead)}")
     results = []
@@ -170,4 +199,3 @@ def _compile(plan: Plan) -> Callable[..., tuple[torch.Tensor, ...]]:
     lines.append(f"    return ({''.join(r + ', ' for r in results)})")
     exec(compile("\n".join(lines), "<cpu-engine>", "exec"), namespace)
     return namespace["run"]  # type: ignore[no-any-return]
-

@@ -35,7 +35,12 @@ from harness.engines.cpu.plan import (
 )
 from harness.errors import HarnessError
 
-_DROPPED = ("_assert_tensor_metadata", "_assert_scalar", "_assert_async", "sym_constrain_range_for_size")
+_DROPPED = (
+    "_assert_tensor_metadata",
+    "_assert_scalar",
+    "_assert_async",
+    "sym_constrain_range_for_size",
+)
 _CONVS = ("conv2d", "convolution")
 
 
@@ -73,11 +78,16 @@ def _translate(gm: torch.fx.GraphModule, mode: str) -> Plan:
         elif fx_node.op == "get_attr":
             value = _attr(gm, fx_node.target)
             if not isinstance(value, torch.Tensor):
-                raise HarnessError(f"{where}: attribute {fx_node.target} is a {type(value).__name__}, not a tensor")
+                raise HarnessError(
+                    f"{where}: attribute {fx_node.target} is a {type(value).__name__}, not a tensor"
+                )
             weights[fx_node.name] = value.detach()
             refs[fx_node.name] = WeightRef(fx_node.name)
         elif fx_node.op == "call_function":
-            if isinstance(fx_node.target, torch._ops.OpOverload) and fx_node.target._opname in _DROPPED:
+            if (
+                isinstance(fx_node.target, torch._ops.OpOverload)
+                and fx_node.target._opname in _DROPPED
+            ):
                 continue
             op = op_name(fx_node.target)
             if fx_node.target is not operator.getitem:
@@ -85,7 +95,8 @@ def _translate(gm: torch.fx.GraphModule, mode: str) -> Plan:
             val = fx_node.meta.get("val")
             multi = isinstance(val, (tuple, list))
             metas = tuple(
-                _meta(v, where) if isinstance(v, torch.Tensor) else None for v in (val if multi else (val,))
+                _meta(v, where) if isinstance(v, torch.Tensor) else None
+                for v in (val if multi else (val,))
             )
             nodes.append(
                 Node(
@@ -101,17 +112,23 @@ def _translate(gm: torch.fx.GraphModule, mode: str) -> Plan:
         elif fx_node.op == "output":
             outputs = [arg(o) for o in iter_leaves(fx_node.args[0])]
         else:
-            raise HarnessError(f"{where}: {fx_node.op} nodes are not supported; compile the model first")
+            raise HarnessError(
+                f"{where}: {fx_node.op} nodes are not supported; compile the model first"
+            )
     return Plan(mode=mode, inputs=inputs, nodes=nodes, outputs=outputs, weights=weights)
 
 
 def _meta(val: Any, where: str) -> TensorMeta:
     if not isinstance(val, torch.Tensor):
-        raise HarnessError(f"{where}: no tensor metadata (meta['val']); the graph must come from torch.export")
+        raise HarnessError(
+            f"{where}: no tensor metadata (meta['val']); the graph must come from torch.export"
+        )
     try:
         return TensorMeta.of(val)
     except TypeError:
-        raise HarnessError(f"{where}: dynamic shape {tuple(val.shape)}; the CPU engine needs static shapes") from None
+        raise HarnessError(
+            f"{where}: dynamic shape {tuple(val.shape)}; the CPU engine needs static shapes"
+        ) from None
 
 
 def _attr(gm: torch.nn.Module, target: Any) -> Any:
@@ -127,7 +144,11 @@ def _drop_dead(plan: Plan) -> None:
     for node in reversed(plan.nodes):
         if node.name in live:
             kept.append(node)
-            live.update(leaf.name for leaf in iter_leaves((node.args, node.kwargs)) if isinstance(leaf, (Ref, WeightRef)))
+            live.update(
+                leaf.name
+                for leaf in iter_leaves((node.args, node.kwargs))
+                if isinstance(leaf, (Ref, WeightRef))
+            )
     plan.nodes = kept[::-1]
     plan.weights = {name: t for name, t in plan.weights.items() if name in live}
 
@@ -176,12 +197,18 @@ def _fold_batch_norms(plan: Plan) -> list[tuple[str, str]]:
     return folded
 
 
-def _foldable_conv(bn: Node, producers: dict[str, Node], users: Counter[str], plan: Plan) -> Node | None:
+def _foldable_conv(
+    bn: Node, producers: dict[str, Node], users: Counter[str], plan: Plan
+) -> Node | None:
     if bn.op != "aten::batch_norm.default" or len(bn.args) < 8:
         return None
     source, *params = bn.args[:5]
     training = bn.args[5]
-    if training or not isinstance(source, Ref) or not all(p is None or isinstance(p, WeightRef) for p in params):
+    if (
+        training
+        or not isinstance(source, Ref)
+        or not all(p is None or isinstance(p, WeightRef) for p in params)
+    ):
         return None
     if params[2] is None or params[3] is None:  # running statistics
         return None
@@ -191,7 +218,11 @@ def _foldable_conv(bn: Node, producers: dict[str, Node], users: Counter[str], pl
     weight = conv.args[1] if len(conv.args) > 1 else None
     bias = conv.args[2] if len(conv.args) > 2 else None
     transposed = op_packet(conv.op) == "convolution" and bool(conv.args[6])
-    if transposed or not isinstance(weight, WeightRef) or not (bias is None or isinstance(bias, WeightRef)):
+    if (
+        transposed
+        or not isinstance(weight, WeightRef)
+        or not (bias is None or isinstance(bias, WeightRef))
+    ):
         return None
     if conv.out() != bn.out() or not plan.weights[weight.name].is_floating_point():
         return None
@@ -199,13 +230,19 @@ def _foldable_conv(bn: Node, producers: dict[str, Node], users: Counter[str], pl
 
 
 def _fold_into(conv: Node, bn: Node, plan: Plan) -> None:
-    gamma, beta, mean, var = (None if p is None else plan.weights[p.name].double() for p in bn.args[1:5])
+    gamma, beta, mean, var = (
+        None if p is None else plan.weights[p.name].double() for p in bn.args[1:5]
+    )
     eps = float(bn.args[7])
     weight_ref = conv.args[1]
     assert isinstance(weight_ref, WeightRef) and mean is not None and var is not None
     weight = plan.weights[weight_ref.name]
     bias_ref = conv.args[2] if len(conv.args) > 2 else None
-    bias = plan.weights[bias_ref.name].double() if isinstance(bias_ref, WeightRef) else torch.zeros_like(mean)
+    bias = (
+        plan.weights[bias_ref.name].double()
+        if isinstance(bias_ref, WeightRef)
+        else torch.zeros_like(mean)
+    )
     scale = torch.rsqrt(var + eps) * (gamma if gamma is not None else 1.0)
     new_weight = weight.double() * scale.reshape(-1, *([1] * (weight.dim() - 1)))
     new_bias = (bias - mean) * scale + (beta if beta is not None else 0.0)

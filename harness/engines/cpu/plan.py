@@ -104,6 +104,7 @@ class Node:
     multi: bool = False  # the op returns a tuple (consumed through getitem nodes)
     layer_type: str = ""
     key: str = ""
+    tuned: bool = False  # the builder chose among several tactics (consulting the timing cache)
     tactic: str = ""
     tactic_hash: str = ""
     fused: tuple[str, ...] = ()  # graph nodes folded into this layer (conv + batch_norm)
@@ -139,16 +140,25 @@ class Plan:
     def layers(self) -> list[LayerInfo]:
         metas = self.value_metas()
         result = []
-        for node in self.nodes:
-            if not node.is_layer:
-                continue
+        for node in self._layer_nodes():
             ins = tuple(metas[r.name].dtype for r in node.refs())
             ins += tuple(dtype_name(self.weights[w.name].dtype) for w in node.weight_refs())
             outs = tuple(m.dtype for m in node.outputs if m is not None)
             result.append(
-                LayerInfo(node.name, node.layer_type, node.key, ins, outs, node.tactic, node.tactic_hash)
+                LayerInfo(
+                    node.name, node.layer_type, node.key, ins, outs, node.tactic, node.tactic_hash
+                )
             )
         return result
+
+    def _layer_nodes(self) -> list[Node]:
+        return [node for node in self.nodes if node.is_layer]
+
+    @staticmethod
+    def _layer_json(layer: LayerInfo, node: Node) -> dict[str, Any]:
+        # Like TensorRT's log, a key is listed only for layers that were
+        # autotuned; `harness cache verify` checks exactly those against a cache.
+        return {**layer.to_json(), "key": layer.key if node.tuned else None}
 
     def value_metas(self) -> dict[str, TensorMeta]:
         """Metadata of every value a Ref can name (graph inputs and single-output nodes)."""
@@ -171,7 +181,7 @@ class Plan:
             ],
             "nodes": [_node_json(n) for n in self.nodes],
             "outputs": [encode_arg(o) for o in self.outputs],
-            "layers": [layer.to_json() for layer in self.layers()],
+            "layers": [self._layer_json(layer, node) for layer, node in zip(self.layers(), self._layer_nodes(), strict=True)],
         }
 
     def fingerprint(self) -> str:
@@ -182,7 +192,11 @@ class Plan:
 
     def to_json(self) -> dict[str, Any]:
         body = self.body_json()
-        return {**body, "fingerprint": digest(canonical_json(body)), "weights_digest": self.weights_digest()}
+        return {
+            **body,
+            "fingerprint": digest(canonical_json(body)),
+            "weights_digest": self.weights_digest(),
+        }
 
 
 def weights_digest(weights: Mapping[str, torch.Tensor]) -> str:
@@ -237,7 +251,9 @@ def resolve_op(op: str, where: str) -> Callable[..., Any]:
     packet = getattr(torch.ops.aten, match.group(1), None)
     overload = getattr(packet, match.group(2), None) if packet is not None else None
     if overload is None:
-        raise HarnessError(f"{where}: op {op!r} does not exist in this PyTorch ({torch.__version__})")
+        raise HarnessError(
+            f"{where}: op {op!r} does not exist in this PyTorch ({torch.__version__})"
+        )
     return overload  # type: ignore[no-any-return]
 
 
@@ -270,7 +286,9 @@ def encode_arg(value: Any) -> Any:
         return {"layout": str(value).removeprefix("torch.")}
     if isinstance(value, torch.memory_format):
         return {"memory_format": str(value).removeprefix("torch.")}
-    raise HarnessError(f"argument {value!r} of type {type(value).__name__} cannot be stored in a plan")
+    raise HarnessError(
+        f"argument {value!r} of type {type(value).__name__} cannot be stored in a plan"
+    )
 
 
 def decode_arg(value: Any, where: str) -> Any:
@@ -280,7 +298,7 @@ def decode_arg(value: Any, where: str) -> Any:
         return value
     if len(value) != 1:
         raise HarnessError(f"{where}: malformed argument {value!r}")
-    (tag, payload), = value.items()
+    ((tag, payload),) = value.items()
     if not isinstance(payload, str):
         raise HarnessError(f"{where}: malformed argument {value!r}")
     if tag == "ref":
@@ -310,6 +328,7 @@ def _node_json(node: Node) -> dict[str, Any]:
         "multi": node.multi,
         "layer_type": node.layer_type,
         "key": node.key,
+        "tuned": node.tuned,
         "tactic": node.tactic,
         "tactic_hash": node.tactic_hash,
         "fused": list(node.fused),
@@ -334,8 +353,19 @@ _NAMED_META = {
 _STR = {"type": "string"}
 PLAN_SCHEMA: dict[str, Any] = {
     "type": "object",
-    "required": ["format", "version", "backend", "mode", "inputs", "weights", "nodes", "outputs",
-                 "layers", "fingerprint", "weights_digest"],
+    "required": [
+        "format",
+        "version",
+        "backend",
+        "mode",
+        "inputs",
+        "weights",
+        "nodes",
+        "outputs",
+        "layers",
+        "fingerprint",
+        "weights_digest",
+    ],
     "additionalProperties": False,
     "properties": {
         "format": {"const": PLAN_FORMAT},
@@ -348,8 +378,20 @@ PLAN_SCHEMA: dict[str, Any] = {
             "type": "array",
             "items": {
                 "type": "object",
-                "required": ["name", "op", "args", "kwargs", "outputs", "multi", "layer_type", "key",
-                             "tactic", "tactic_hash", "fused"],
+                "required": [
+                    "name",
+                    "op",
+                    "args",
+                    "kwargs",
+                    "outputs",
+                    "multi",
+                    "layer_type",
+                    "key",
+                    "tuned",
+                    "tactic",
+                    "tactic_hash",
+                    "fused",
+                ],
                 "additionalProperties": False,
                 "properties": {
                     "name": {"type": "string", "minLength": 1},
@@ -360,6 +402,7 @@ PLAN_SCHEMA: dict[str, Any] = {
                     "multi": {"type": "boolean"},
                     "layer_type": _STR,
                     "key": _STR,
+                    "tuned": {"type": "boolean"},
                     "tactic": _STR,
                     "tactic_hash": _STR,
                     "fused": {"type": "array", "items": _STR},
@@ -384,14 +427,18 @@ def plan_from_json(obj: dict[str, Any], weights: dict[str, torch.Tensor], where:
     declared = {w["name"]: TensorMeta(tuple(w["shape"]), w["dtype"]) for w in obj["weights"]}
     actual = {n: TensorMeta.of(t) for n, t in weights.items()}
     if declared != actual:
-        raise HarnessError(f"{where}: weights.safetensors does not hold the weights the plan declares")
+        raise HarnessError(
+            f"{where}: weights.safetensors does not hold the weights the plan declares"
+        )
     inputs = [(i["name"], TensorMeta(tuple(i["shape"]), i["dtype"])) for i in obj["inputs"]]
     known = {name for name, _ in inputs}
     nodes = []
     for raw in obj["nodes"]:
         node_where = f"{where}: node {raw['name']!r}"
         resolve_op(raw["op"], node_where)
-        outputs = tuple(None if m is None else TensorMeta(tuple(m["shape"]), m["dtype"]) for m in raw["outputs"])
+        outputs = tuple(
+            None if m is None else TensorMeta(tuple(m["shape"]), m["dtype"]) for m in raw["outputs"]
+        )
         node = Node(
             name=raw["name"],
             op=raw["op"],
@@ -401,6 +448,7 @@ def plan_from_json(obj: dict[str, Any], weights: dict[str, torch.Tensor], where:
             multi=raw["multi"],
             layer_type=raw["layer_type"],
             key=raw["key"],
+            tuned=raw["tuned"],
             tactic=raw["tactic"],
             tactic_hash=raw["tactic_hash"],
             fused=tuple(raw["fused"]),
@@ -420,5 +468,6 @@ def _check_refs(args: Any, known: set[str], weights: Mapping[str, TensorMeta], w
         if isinstance(leaf, Ref) and leaf.name not in known:
             raise HarnessError(f"{where}: refers to {leaf.name!r}, which is not defined before it")
         if isinstance(leaf, WeightRef) and leaf.name not in weights:
-            raise HarnessError(f"{where}: refers to weight {leaf.name!r}, which the plan does not declare")
-
+            raise HarnessError(
+                f"{where}: refers to weight {leaf.name!r}, which the plan does not declare"
+            )

@@ -88,7 +88,9 @@ def parse_tactic(name: str) -> tuple[str, str]:
     """``gemm_splitk2[bf16]`` -> ("gemm_splitk2", "bf16")."""
     match = _TACTIC_NAME.match(name)
     if match is None:
-        raise HarnessError(f"malformed tactic name {name!r}; expected impl[precision], e.g. gemm_direct[fp32]")
+        raise HarnessError(
+            f"malformed tactic name {name!r}; expected impl[precision], e.g. gemm_direct[fp32]"
+        )
     return match.group(1), match.group(2)
 
 
@@ -97,7 +99,9 @@ def tactic_hash(name: str) -> str:
     return "0x" + hashlib.sha256(name.encode()).hexdigest()[:16]
 
 
-def impl_names(node: Node, metas: Mapping[str, TensorMeta], weights: Mapping[str, torch.Tensor]) -> list[str]:
+def impl_names(
+    node: Node, metas: Mapping[str, TensorMeta], weights: Mapping[str, torch.Tensor]
+) -> list[str]:
     """Implementations that can run ``node``; the first is the plain ATen call."""
     packet = op_packet(node.op)
     named = _named(node)
@@ -118,7 +122,11 @@ def impl_names(node: Node, metas: Mapping[str, TensorMeta], weights: Mapping[str
         return ["softmax_fused"] + ([] if undecomposable else ["softmax_decomposed"])
     if packet == "layer_norm" and not any(isinstance(named[a], Ref) for a in ("weight", "bias")):
         return ["layernorm_fused", "layernorm_decomposed"]
-    if packet == "scaled_dot_product_attention" and named["dropout_p"] == 0.0 and not named["enable_gqa"]:
+    if (
+        packet == "scaled_dot_product_attention"
+        and named["dropout_p"] == 0.0
+        and not named["enable_gqa"]
+    ):
         return ["sdpa_fused", "sdpa_math"]
     return ["direct"]
 
@@ -129,7 +137,9 @@ def bind(
     """Callable computing ``node`` with ``impl`` from its dynamic inputs (``node.refs()`` order)."""
     valid = impl_names(node, metas, weights)
     if impl not in valid:
-        raise HarnessError(f"layer {node.name!r} ({node.op}) has no implementation {impl!r}; valid: {', '.join(valid)}")
+        raise HarnessError(
+            f"layer {node.name!r} ({node.op}) has no implementation {impl!r}; valid: {', '.join(valid)}"
+        )
     fn = resolve_op(node.op, f"layer {node.name!r}")
     counter = iter(range(len(node.refs())))
 
@@ -208,7 +218,7 @@ def _direct(ctx: _Ctx) -> Bound:
 
 
 def _reshape(ctx: _Ctx) -> Bound:
-    return ctx.call(torch.ops.aten.reshape.default)
+    return make_call(torch.ops.aten.reshape.default, [ctx.named["self"], ctx.named["size"]], {})
 
 
 def _conv(layout: torch.memory_format, mkldnn: bool = True) -> Callable[[_Ctx], Bound]:
@@ -251,7 +261,11 @@ def _split_k(parts: int) -> Callable[[_Ctx], Bound]:
             a, b = get_a(d), get_b(d)
             chunks = _chunks(a.shape[-1], parts)
             s0 = chunks[0]
-            out = first(get_bias(d), a[..., s0], b[..., s0, :]) if get_bias else first(a[..., s0], b[..., s0, :])
+            out = (
+                first(get_bias(d), a[..., s0], b[..., s0, :])
+                if get_bias
+                else first(a[..., s0], b[..., s0, :])
+            )
             for s in chunks[1:]:
                 out = rest(out, a[..., s], b[..., s, :])
             return out
@@ -327,7 +341,11 @@ def _sdpa_math(ctx: _Ctx) -> Bound:
             keep = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril()
             scores = scores.masked_fill(~keep, float("-inf"))
         if mask is not None:
-            scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+            scores = (
+                scores.masked_fill(~mask, float("-inf"))
+                if mask.dtype == torch.bool
+                else scores + mask
+            )
         return scores.softmax(-1).to(q.dtype) @ v
 
     return math_attention
@@ -347,7 +365,10 @@ def _chunks(k: int, parts: int) -> list[slice]:
 
 
 def _reduction_size(
-    packet: str, named: Mapping[str, Any], metas: Mapping[str, TensorMeta], weights: Mapping[str, torch.Tensor]
+    packet: str,
+    named: Mapping[str, Any],
+    metas: Mapping[str, TensorMeta],
+    weights: Mapping[str, torch.Tensor],
 ) -> int:
     """K of a GEMM node, or 0 when the node is not a plain 2-operand GEMM split-K can cut."""
 
@@ -363,7 +384,11 @@ def _reduction_size(
     if a is None or b is None or len(a) < 1 or len(b) < 2:
         return 0
     if packet == "linear":
-        return b[1] if isinstance(named["weight"], WeightRef) and isinstance(named["input"], Ref) else 0
+        return (
+            b[1]
+            if isinstance(named["weight"], WeightRef) and isinstance(named["input"], Ref)
+            else 0
+        )
     if packet == "addmm" and (named["beta"] != 1 or named["alpha"] != 1):
         return 0
     if packet == "matmul" and len(a) < 2:
@@ -413,7 +438,9 @@ def _named(node: Node) -> dict[str, Any]:
     names = {a.name for a in arguments}
     unknown = sorted(set(node.kwargs) - names)
     if unknown or len(node.args) > len(arguments):
-        raise HarnessError(f"layer {node.name!r}: arguments do not match {node.op} ({', '.join(unknown) or 'too many'})")
+        raise HarnessError(
+            f"layer {node.name!r}: arguments do not match {node.op} ({', '.join(unknown) or 'too many'})"
+        )
     named: dict[str, Any] = {}
     for i, arg in enumerate(arguments):
         if i < len(node.args) and not arg.kwarg_only:

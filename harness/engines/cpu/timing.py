@@ -36,7 +36,9 @@ class TimingOptions:
         runs = options.get("timing_runs", DEFAULT_TIMING_RUNS)
         for name, value, least in (("warmup_runs", warmup, 0), ("timing_runs", runs, 1)):
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
-                raise HarnessError(f"builder option {name}={value!r}: expected an integer >= {least}")
+                raise HarnessError(
+                    f"builder option {name}={value!r}: expected an integer >= {least}"
+                )
         return TimingOptions(warmup_runs=warmup, timing_runs=runs)
 
 

@@ -1,0 +1,195 @@
+"""Build orchestration: model + precision mode + backend + timing cache file -> engine + log.
+
+:func:`build_engine` is ``harness build``: the cache file is read when it
+exists (a corrupt or foreign cache stops the build before anything is
+written), and written back atomically only when the build added entries.
+:func:`rebuild` is ``harness rebuild``: the same build N times, reporting what
+moved between builds (fingerprints, per-layer tactics, output bits). Without a
+cache every build times from scratch, as two independent builds would; with a
+pinned cache and error-on-miss every build must come out identical.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from harness.cache.timing_cache import TimingCache, check_compatible
+from harness.engines.modes import compile_for_mode
+from harness.engines.protocol import Backend, BuildConfig, BuildLog, Engine
+from harness.errors import HarnessError
+from harness.fileio import atomic_write_json
+
+if TYPE_CHECKING:
+    from harness.autocast import CompiledGraph
+    from models import ModelSpec
+
+BUILD_LOG_FILE = "build_log.json"
+
+
+@dataclass
+class BuildResult:
+    engine: Engine
+    log: BuildLog
+    cache_path: Path | None
+    cache_entries_added: int  # 0 also when the cache file was left as it was
+
+    @property
+    def cache_hits(self) -> int:
+        return sum(1 for layer in self.log.layers if layer.from_cache)
+
+    @property
+    def cache_misses(self) -> int:
+        """Layers that had to be timed (their key was not in the cache)."""
+        return sum(1 for layer in self.log.layers if layer.candidates and not layer.from_cache)
+
+
+def compile_graph(spec: ModelSpec, config: BuildConfig, backend: Backend) -> CompiledGraph:
+    """The typed graph for ``config.mode``, refused early if ``backend`` cannot build that mode."""
+    backend.check_mode(config.mode)
+    return compile_for_mode(spec, config.mode, config.explicit_path)
+
+
+def load_cache(path: str | os.PathLike[str], backend: Backend, config: BuildConfig) -> TimingCache:
+    """Read and check a cache file (compatibility refused unless ``ignore_cache_mismatch``)."""
+    cache = TimingCache.load(path)
+    check_compatible(cache, backend.provenance(config), config.ignore_cache_mismatch, f"timing cache {os.fspath(path)}")
+    return cache
+
+
+def build_engine(
+    spec: ModelSpec,
+    config: BuildConfig,
+    backend: Backend,
+    cache_path: str | os.PathLike[str] | None = None,
+) -> BuildResult:
+    """Compile and build once, reading and (if it grew) atomically rewriting ``cache_path``."""
+    compiled = compile_graph(spec, config, backend)
+    path = Path(cache_path) if cache_path is not None else None
+    if config.disable_cache:
+        cache = None
+    elif path is not None and path.exists():
+        cache = load_cache(path, backend, config)
+    else:
+        cache = TimingCache(backend.provenance(config))
+    before = None if cache is None else cache.digest()
+    size = 0 if cache is None else len(cache)
+    engine, log = backend.build(compiled, config, cache)
+    added = 0
+    if cache is not None and path is not None and cache.digest() != before:
+        cache.save(path)
+        added = len(cache) - size
+    return BuildResult(engine, log, path, added)
+
+
+def save_build(result: BuildResult, output: str | os.PathLike[str]) -> Path:
+    """Write the engine directory and its ``build_log.json``."""
+    out = Path(output)
+    result.engine.save(out)
+    atomic_write_json(out / BUILD_LOG_FILE, result.log.to_json())
+    return out
+
+
+@dataclass
+class RebuildReport:
+    model: str
+    mode: str
+    backend: str
+    cache: str | None
+    fingerprints: list[str]
+    tactics: list[dict[str, str]]  # per build: layer -> tactic
+    outputs_identical: bool
+    output_mismatches: list[int] = field(default_factory=list)  # builds whose outputs differ from build 0
+
+    @property
+    def distinct_fingerprints(self) -> list[str]:
+        return list(dict.fromkeys(self.fingerprints))
+
+    @property
+    def flipped(self) -> dict[str, list[str]]:
+        """Layers whose tactic differed between builds, with every tactic seen (first-seen order)."""
+        seen: dict[str, dict[str, None]] = {}
+        for build in self.tactics:
+            for layer, tactic in build.items():
+                seen.setdefault(layer, {})[tactic] = None
+        return {layer: list(tactics) for layer, tactics in seen.items() if len(tactics) > 1}
+
+    @property
+    def identical(self) -> bool:
+        return len(self.distinct_fingerprints) == 1 and self.outputs_identical
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "mode": self.mode,
+            "backend": self.backend,
+            "cache": self.cache,
+            "builds": len(self.fingerprints),
+            "fingerprints": self.fingerprints,
+            "distinct_fingerprints": self.distinct_fingerprints,
+            "flipped_layers": self.flipped,
+            "outputs_identical": self.outputs_identical,
+            "builds_with_different_outputs": self.output_mismatches,
+            "identical": self.identical,
+        }
+
+
+def rebuild(
+    spec: ModelSpec,
+    config: BuildConfig,
+    backend: Backend,
+    times: int,
+    cache_path: str | os.PathLike[str] | None = None,
+) -> RebuildReport:
+    """Build ``times`` times from one compiled graph and compare the engines.
+
+    Each build gets its own copy of the cache (a fresh empty one without
+    ``cache_path``), so nothing one build times leaks into the next; the cache
+    file itself is never written.
+    """
+    if times < 2:
+        raise HarnessError(f"--times {times}: a rebuild comparison needs at least 2 builds")
+    compiled = compile_graph(spec, config, backend)
+    base = load_cache(cache_path, backend, config) if cache_path is not None else None
+    fingerprints: list[str] = []
+    per_build: list[dict[str, str]] = []
+    first: tuple[torch.Tensor, ...] | None = None
+    mismatches: list[int] = []
+    for index in range(times):
+        cache = TimingCache(base.provenance, base.entries()) if base is not None else TimingCache(backend.provenance(config))
+        engine, _ = backend.build(compiled, config, cache)
+        fingerprints.append(engine.fingerprint())
+        per_build.append({layer.name: layer.tactic for layer in engine.layers()})
+        outputs = tuple(t.detach().cpu() for t in engine(*spec.example_inputs))
+        if first is None:
+            first = outputs
+        elif not _bits_equal(first, outputs):
+            mismatches.append(index)
+    return RebuildReport(
+        model=spec.name,
+        mode=config.mode,
+        backend=backend.name,
+        cache=None if cache_path is None else os.fspath(cache_path),
+        fingerprints=fingerprints,
+        tactics=per_build,
+        outputs_identical=not mismatches,
+        output_mismatches=mismatches,
+    )
+
+
+def _bits_equal(a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...]) -> bool:
+    """Bit-for-bit equality of output tuples (NaNs with equal payloads count as equal)."""
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b, strict=True):
+        if x.dtype != y.dtype or x.shape != y.shape:
+            return False
+        if x.is_floating_point():
+            x, y = (t.contiguous().reshape(-1).view(torch.uint8) for t in (x, y))
+        if not torch.equal(x, y):
+            return False
+    return True

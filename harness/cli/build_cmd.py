@@ -1,0 +1,165 @@
+"""``harness build``, ``harness rebuild`` and ``harness inspect``: engines from the command line.
+
+``build`` writes an engine directory (plan, weights, ``build_log.json``) and
+keeps a timing cache file up to date; ``rebuild`` builds N times and reports
+what moved; ``inspect`` loads a saved engine (verifying it) and lists its
+layers like TensorRT's engine inspector.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import Counter
+from typing import Any
+
+from harness.engines.protocol import PRECISION_MODES, BuildConfig
+from harness.engines.registry import BACKEND_NAMES, get_backend
+from harness.errors import HarnessError
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    build = sub.add_parser("build", help="build an engine for a model in a precision mode")
+    _common(build)
+    build.add_argument("-o", "--output", required=True, metavar="DIR", help="engine directory to write")
+    build.add_argument("--disable-cache", action="store_true", help="time every layer; read and write no cache")
+    build.add_argument(
+        "--no-editable-cache",
+        action="store_true",
+        help="use the cache's selections but add no entries to it",
+    )
+    build.set_defaults(func=run_build)
+
+    rebuild = sub.add_parser("rebuild", help="build N times and report fingerprints, tactic flips, output bits")
+    _common(rebuild)
+    rebuild.add_argument("--times", type=int, required=True, metavar="N", help="number of builds (>= 2)")
+    rebuild.add_argument("--json", action="store_true", help="print the report as JSON")
+    rebuild.set_defaults(func=run_rebuild)
+
+    inspect = sub.add_parser("inspect", help="load a saved engine and list its layers and tactics")
+    inspect.add_argument("engine", metavar="DIR", help="engine directory")
+    inspect.add_argument("--backend", default="cpu", choices=BACKEND_NAMES)
+    inspect.add_argument("--json", action="store_true", help="print as JSON")
+    inspect.set_defaults(func=run_inspect)
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="zoo name or path/to/file.py:factory")
+    p.add_argument("--mode", required=True, choices=PRECISION_MODES, help="precision mode")
+    p.add_argument("--backend", default="cpu", choices=BACKEND_NAMES)
+    p.add_argument("--cache", metavar="FILE", help="timing cache JSON (read if it exists)")
+    p.add_argument("--error-on-cache-miss", action="store_true", help="fail if a layer would need timing")
+    p.add_argument("--ignore-mismatch", action="store_true", help="use a cache recorded for another configuration")
+    p.add_argument("--explicit", metavar="FILE", help="JSON of node-name regex -> fp32|fp16|bf16 (mode explicit)")
+    p.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="backend builder option (cpu: timing_runs, warmup_runs); VALUE is JSON or a string",
+    )
+
+
+def _config(args: argparse.Namespace) -> BuildConfig:
+    return BuildConfig(
+        mode=args.mode,
+        explicit_path=args.explicit,
+        error_on_cache_miss=args.error_on_cache_miss,
+        editable_cache=not getattr(args, "no_editable_cache", False),
+        disable_cache=getattr(args, "disable_cache", False),
+        ignore_cache_mismatch=args.ignore_mismatch,
+        options=_options(args.option),
+    )
+
+
+def _options(items: list[str]) -> dict[str, Any]:
+    options: dict[str, Any] = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise HarnessError(f"--option {item!r}: expected KEY=VALUE")
+        try:
+            options[key] = json.loads(text)
+        except json.JSONDecodeError:
+            options[key] = text
+    return options
+
+
+def run_build(args: argparse.Namespace) -> int:
+    import models
+    from harness.build import build_engine, save_build
+
+    config = _config(args)
+    if config.disable_cache and args.cache:
+        raise HarnessError("--disable-cache and --cache contradict each other; give one")
+    backend = get_backend(args.backend)
+    spec = models.load(args.model)
+    result = build_engine(spec, config, backend, args.cache)
+    out = save_build(result, args.output)
+    layers = result.engine.layers()
+    tactics = Counter(layer.tactic for layer in layers)
+    print(f"built {spec.name} ({config.mode}) on {backend.name} in {result.log.build_seconds:.2f} s")
+    tuned = result.cache_hits + result.cache_misses
+    print(
+        f"layers: {len(layers)} ({tuned} with a tactic choice); "
+        f"cache hits: {result.cache_hits}, misses (timed): {result.cache_misses}"
+    )
+    print("tactics: " + ", ".join(f"{name} x{count}" for name, count in sorted(tactics.items())))
+    print(f"fingerprint: {result.engine.fingerprint()}")
+    print(f"weights: {result.engine.weights_digest()}")
+    if result.cache_path is not None:
+        state = f"+{result.cache_entries_added} entries written" if result.cache_entries_added else "unchanged"
+        print(f"cache: {result.cache_path} ({state})")
+    print(f"engine: {out}")
+    return 0
+
+
+def run_rebuild(args: argparse.Namespace) -> int:
+    import models
+    from harness.build import rebuild
+
+    config = _config(args)
+    backend = get_backend(args.backend)
+    spec = models.load(args.model)
+    report = rebuild(spec, config, backend, args.times, args.cache)
+    if args.json:
+        print(json.dumps(report.to_json(), indent=2))
+        return 0
+    distinct = report.distinct_fingerprints
+    print(f"rebuilt {report.model} ({report.mode}) on {report.backend} {len(report.fingerprints)} times"
+          + (f" with cache {report.cache}" if report.cache else " without a cache (every build timed afresh)"))
+    print(f"distinct fingerprints: {len(distinct)}")
+    for fp in distinct:
+        print(f"  {fp}  (builds {', '.join(str(i) for i, f in enumerate(report.fingerprints) if f == fp)})")
+    flipped = report.flipped
+    print(f"layers whose tactic flipped: {len(flipped)}")
+    for layer, seen in flipped.items():
+        print(f"  {layer}: {' | '.join(seen)}")
+    if report.outputs_identical:
+        print("outputs on the example inputs: bit-identical across all builds")
+    else:
+        print(f"outputs on the example inputs: differ from build 0 in builds {report.output_mismatches}")
+    return 0
+
+
+def run_inspect(args: argparse.Namespace) -> int:
+    engine = get_backend(args.backend).load(args.engine)
+    layers = engine.layers()
+    if args.json:
+        print(json.dumps({
+            "backend": engine.backend,
+            "mode": engine.mode,
+            "fingerprint": engine.fingerprint(),
+            "weights_digest": engine.weights_digest(),
+            "size_bytes": engine.size_bytes(),
+            "weight_bytes_by_dtype": engine.weight_bytes_by_dtype(),
+            "layers": [layer.to_json() for layer in layers],
+        }, indent=2))
+        return 0
+    print(f"engine {args.engine}: backend {engine.backend}, mode {engine.mode}, {len(layers)} layers, "
+          f"{engine.size_bytes()} bytes")
+    print(f"fingerprint: {engine.fingerprint()}\nweights: {engine.weights_digest()}")
+    for layer in layers:
+        print(f"  {layer.name:<32} {layer.layer_type:<14} {','.join(layer.input_dtypes):<18} -> "
+              f"{','.join(layer.output_dtypes):<6} {layer.tactic} ({layer.tactic_hash})")
+    return 0
