@@ -400,6 +400,7 @@ class ResultsWriter:
                 f"{self.path}: case {format_key(case_key(entry))} was already recorded"
             )
         self._doc["cases"].append(entry)
+        write_results(self.path, self._doc)
 
     def finish(self) -> dict[str, Any]:
         self._doc["complete"] = True
