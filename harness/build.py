@@ -57,7 +57,12 @@ def compile_graph(spec: ModelSpec, config: BuildConfig, backend: Backend) -> Com
 def load_cache(path: str | os.PathLike[str], backend: Backend, config: BuildConfig) -> TimingCache:
     """Read and check a cache file (compatibility refused unless ``ignore_cache_mismatch``)."""
     cache = TimingCache.load(path)
-    check_compatible(cache, backend.provenance(config), config.ignore_cache_mismatch, f"timing cache {os.fspath(path)}")
+    check_compatible(
+        cache,
+        backend.provenance(config),
+        config.ignore_cache_mismatch,
+        f"timing cache {os.fspath(path)}",
+    )
     return cache
 
 
@@ -67,8 +72,11 @@ def build_engine(
     backend: Backend,
     cache_path: str | os.PathLike[str] | None = None,
 ) -> BuildResult:
-    """Compile and build once, reading and (if it grew) atomically rewriting ``cache_path``."""
-    compiled = compile_graph(spec, config, backend)
+    """Compile and build once, reading and (if it grew) atomically rewriting ``cache_path``.
+
+    The cache is read before the (slow) compile, so a bad cache fails fast.
+    """
+    backend.check_mode(config.mode)
     path = Path(cache_path) if cache_path is not None else None
     if config.disable_cache:
         cache = None
@@ -76,6 +84,7 @@ def build_engine(
         cache = load_cache(path, backend, config)
     else:
         cache = TimingCache(backend.provenance(config))
+    compiled = compile_graph(spec, config, backend)
     before = None if cache is None else cache.digest()
     size = 0 if cache is None else len(cache)
     engine, log = backend.build(compiled, config, cache)
@@ -103,7 +112,9 @@ class RebuildReport:
     fingerprints: list[str]
     tactics: list[dict[str, str]]  # per build: layer -> tactic
     outputs_identical: bool
-    output_mismatches: list[int] = field(default_factory=list)  # builds whose outputs differ from build 0
+    output_mismatches: list[int] = field(
+        default_factory=list
+    )  # builds whose outputs differ from build 0
 
     @property
     def distinct_fingerprints(self) -> list[str]:
@@ -153,14 +164,19 @@ def rebuild(
     """
     if times < 2:
         raise HarnessError(f"--times {times}: a rebuild comparison needs at least 2 builds")
-    compiled = compile_graph(spec, config, backend)
+    backend.check_mode(config.mode)
     base = load_cache(cache_path, backend, config) if cache_path is not None else None
+    compiled = compile_graph(spec, config, backend)
     fingerprints: list[str] = []
     per_build: list[dict[str, str]] = []
     first: tuple[torch.Tensor, ...] | None = None
     mismatches: list[int] = []
     for index in range(times):
-        cache = TimingCache(base.provenance, base.entries()) if base is not None else TimingCache(backend.provenance(config))
+        cache = (
+            TimingCache(base.provenance, base.entries())
+            if base is not None
+            else TimingCache(backend.provenance(config))
+        )
         engine, _ = backend.build(compiled, config, cache)
         fingerprints.append(engine.fingerprint())
         per_build.append({layer.name: layer.tactic for layer in engine.layers()})

@@ -31,7 +31,11 @@ over ``K`` elements, ``K * |operand|`` for a matmul with inner size ``K``,
 accumulating kernels (matmul, conv, sum, cumsum, softmax, layer_norm)
 accumulate in fp32 on CPU and round once, so accumulation adds only one output
 rounding. Errors thus grow with the output magnitude and with graph depth
-through the per-op factors; the assertion allows twice the bound. Where an
+through the per-op factors; the assertion allows twice the bound. Measured on
+728 generated outputs (full and amp, fp16 and bf16), the real error was at
+most 0.31 of the bound and typically 0.04: the bound holds with margin, and
+is loose only where worst-case accumulation (a sum or matmul of correlated
+errors) does not happen. Where an
 intermediate value could reach the low type's overflow threshold the accuracy
 property is not asserted (overflow to inf in fp16 is the defined behaviour of
 the full and amp modes, not a compiler error).
@@ -58,7 +62,8 @@ from harness.autocast import AutocastSettings, compile
 aten = torch.ops.aten
 LOW_TYPES = (torch.float16, torch.bfloat16)
 MAX_NUMEL = 64 * 64
-MAX_STEPS = 10  # at most 14 aten ops: a matmul adds a transpose
+MAX_STEPS = 10
+MAX_OPS = 14  # aten ops per graph; a matmul step costs two (it transposes its second operand)
 SAFETY = 2.0
 # Rules that keep a node in fp32 in rule mode; "default"/"full" lower it.
 KEEP_FP32_RULES = {"nodes_to_exclude", "data_max", "max_depth_of_reduction", "init_max"}
@@ -139,7 +144,6 @@ def _candidates(op: str, shapes: Sequence[Shape], bounded: Sequence[bool]) -> li
         "max_pool2d": lambda s: len(s) == 4 and min(s[2:]) >= 2,
         "flatten": lambda s: len(s) >= 3,
         "reshape": lambda s: len(s) == 2 and s[1] % 2 == 0,
-        "exp": lambda s: True,
     }
     ok = rank_ok.get(op, lambda s: True)
     return [(i,) for i in idx if ok(shapes[i]) and (op != "exp" or bounded[i])]
@@ -171,14 +175,17 @@ def programs(draw: st.DrawFn) -> Program:
     shapes: list[Shape] = list(inputs)
     bounded = [True] * len(inputs)
     steps: list[Step] = []
+    ops_left = MAX_OPS
     for _ in range(draw(st.integers(1, MAX_STEPS))):
         options = {op: c for op in ALL_OPS if (c := _candidates(op, shapes, bounded))}
         op = draw(st.sampled_from(sorted(options)))
         args = draw(st.sampled_from(options[op]))
         step = Step(op, args, draw(_param(op, shapes[args[0]])))
         shape = _out_shape(step, shapes)
-        if math.prod(shape) > MAX_NUMEL:
+        cost = 2 if op == "matmul" else 1
+        if math.prod(shape) > MAX_NUMEL or cost > ops_left:
             continue
+        ops_left -= cost
         steps.append(step)
         shapes.append(shape)
         bounded.append(op in BOUNDING or (op in KEEPS_BOUND and bounded[args[0]]))
@@ -208,7 +215,7 @@ def _layer(step: Step, shape: Shape) -> nn.Module:
 def _apply(step: Step, xs: list[torch.Tensor], layer: nn.Module) -> torch.Tensor:
     op, p = step.op, step.param
     x = xs[0]
-    simple = {
+    simple: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
         "relu": F.relu, "gelu": F.gelu, "sigmoid": torch.sigmoid, "tanh": torch.tanh, "exp": torch.exp,
         "linear": layer, "conv2d": layer, "layer_norm": layer,
         "max_pool2d": lambda t: F.max_pool2d(t, 2), "flatten": lambda t: torch.flatten(t, 1),
@@ -373,15 +380,20 @@ def _check_meta_matches_real(gm: torch.fx.GraphModule, real: dict[torch.fx.Node,
 
 
 def _check_casts(gm: torch.fx.GraphModule, real: dict[torch.fx.Node, Any], where: str) -> None:
-    seen: set[tuple[torch.fx.Node, str]] = set()
+    """No same-type cast; one cast per tensor per type; one converted copy per weight per type."""
+    seen: set[tuple[Any, str]] = set()
     for node in gm.graph.nodes:
-        if node.target is not aten._to_copy.default:
+        if node.op == "get_attr":
+            key = (node.meta.get("weight_name", node.target), str(real[node].dtype))
+            assert key not in seen, f"{where}: weight {key[0]} has two {key[1]} copies"
+        elif node.target is aten._to_copy.default:
+            src = node.args[0]
+            dtype = node.kwargs.get("dtype")
+            assert real[src].dtype != dtype, f"{where}: cast {node.name} converts {src.name} to the type it has ({dtype})"
+            key = (src, repr(sorted(node.kwargs.items())))
+            assert key not in seen, f"{where}: {src.name} is cast to {dtype} twice"
+        else:
             continue
-        src = node.args[0]
-        dtype = node.kwargs.get("dtype")
-        assert real[src].dtype != dtype, f"{where}: cast {node.name} converts {src.name} to the type it has ({dtype})"
-        key = (src, repr(sorted(node.kwargs.items())))
-        assert key not in seen, f"{where}: {src.name} is cast to {dtype} twice"
         seen.add(key)
 
 
@@ -409,7 +421,8 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 def _assert_bit_identical(got: Sequence[torch.Tensor], want: Sequence[torch.Tensor], where: str) -> None:
     assert [g.dtype for g in got] == [w.dtype for w in want], f"{where}: output dtypes differ from eager"
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
-        assert torch.equal(_bits(g), _bits(w)), f"{where}: output {i} differs from eager (max diff {(g.double() - w.double()).abs().max()})"
+        same = torch.equal(_bits(g), _bits(w))
+        assert same, f"{where}: output {i} differs from eager (max diff {float((g.double() - w.double()).abs().max()):.3g})"
 
 
 def _check_accuracy(
@@ -438,7 +451,7 @@ def _rule_settings(data: st.DataObject, low: torch.dtype, node_names: list[str])
     )
 
 
-# A hand-written program that uses every op of the vocabulary once, run as an explicit example.
+# Hand-written programs that together use every op of the vocabulary.
 EVERY_OP = Program(
     input_shapes=((2, 3, 4, 4), (4, 8)),
     steps=(
@@ -476,6 +489,9 @@ EVERY_OP_2 = Program(
     outputs=(12, 13),
     seed=11,
 )
+# Found by the property test: a linear on a non-contiguous 4-D input runs through
+# aten.matmul, whose folding choice depends on whether the weight requires grad.
+TRANSPOSED_LINEAR = Program(input_shapes=((1, 1, 2, 4),), steps=(Step("transpose", (0,)), Step("linear", (1,), 1)), outputs=(2,), seed=0)
 
 
 def _exported_ops(program: Program) -> set[str]:
@@ -496,8 +512,12 @@ def test_the_fixed_examples_cover_the_vocabulary() -> None:
     assert {s.op for s in EVERY_OP.steps + EVERY_OP_2.steps} == set(ALL_OPS)
 
 
-def _check_program(program: Program, rule_settings: Callable[[torch.dtype, list[str]], AutocastSettings]) -> None:
-    """Every property, for rule (settings from ``rule_settings``), full and amp, fp16 and bf16."""
+def _check_program(program: Program, rule_settings: Callable[[torch.dtype, list[str]], AutocastSettings]) -> set[str]:
+    """Every property, for rule (settings from ``rule_settings``), full and amp, fp16 and bf16.
+
+    Returns the rules that decided some node in rule mode.
+    """
+    rules: set[str] = set()
     module = Generated(program).eval()
     inputs = _inputs(program)
     with torch.inference_mode():
@@ -518,6 +538,7 @@ def _check_program(program: Program, rule_settings: Callable[[torch.dtype, list[
             where = f"{mode}/{low}"
             if mode == "rule":
                 cg = compile(module, inputs, mode=mode, settings=rule_settings(low, node_names))
+                rules |= set(cg.report.counts())
             else:
                 cg = compile(module, inputs, mode=mode, low_precision_type=low)
             got = cg(*inputs)
@@ -533,6 +554,7 @@ def _check_program(program: Program, rule_settings: Callable[[torch.dtype, list[
                 _note(f"{where}: may overflow, accuracy not asserted")
             else:
                 _check_accuracy(got, reference, tolerances, where)
+    return rules
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -541,12 +563,20 @@ def test_compiled_graphs_are_typed_clean_exact_and_accurate(program: Program, da
     _check_program(program, lambda low, names: _rule_settings(data, low, names))
 
 
-@pytest.mark.parametrize("program", [EVERY_OP, EVERY_OP_2], ids=["every_op_1", "every_op_2"])
-def test_every_op_of_the_vocabulary(program: Program) -> None:
+@pytest.mark.parametrize(
+    ("program", "data_max", "max_depth"),
+    [(EVERY_OP, 2.0, 8), (EVERY_OP_2, 100.0, 4), (TRANSPOSED_LINEAR, None, None)],
+    ids=["every_op_1", "every_op_2", "transposed_linear"],
+)
+def test_fixed_programs(program: Program, data_max: float | None, max_depth: int | None) -> None:
     def rule_settings(low: torch.dtype, names: list[str]) -> AutocastSettings:
-        # exclude the first two ops by exact name and cap reductions at 8: all rule kinds fire
         return AutocastSettings(
-            low_precision_type=low, nodes_to_exclude=[f"^{re.escape(n)}$" for n in names[:2]], max_depth_of_reduction=8
+            low_precision_type=low,
+            nodes_to_exclude=[f"^{re.escape(names[0])}$"],
+            data_max=data_max,
+            max_depth_of_reduction=max_depth,
         )
 
-    _check_program(program, rule_settings)
+    rules = _check_program(program, rule_settings)
+    if data_max is not None:  # thresholds chosen so that every keep-fp32 rule decides some node
+        assert {"nodes_to_exclude", "data_max", "max_depth_of_reduction", "default"} <= rules, rules

@@ -79,7 +79,7 @@ def test_real_slower_workload_is_a_regression_and_identical_rerun_passes() -> No
 
     def measure(m: torch.Tensor) -> list[int]:
         r = measure_latency(
-            lambda: torch.mm(m, m), warmup_s=0.02, min_iters=200, min_duration_s=0.1
+            lambda: torch.mm(m, m), warmup_s=0.02, min_iters=200, min_duration_s=0.1, max_iters=1000
         )
         return list(map(int, r.samples_ns))
 

@@ -159,9 +159,13 @@ def _loop_for(timer: str) -> Callable[..., tuple[list[int], int]]:
 
 
 def measure_overhead(
-    *, timer: Timer = "cpu", min_iters: int = 2000, min_duration_s: float = 0.05
+    *, timer: Timer = "cpu", min_iters: int = 10_000, min_duration_s: float = 0.0
 ) -> Summary:
-    """Per-iteration cost of the timing loop itself, around an empty call (ns)."""
+    """Per-iteration cost of the timing loop itself, around an empty call (ns).
+
+    By count, not duration: an empty call takes tens of nanoseconds, so any
+    useful duration would mean millions of stored samples.
+    """
     loop = _loop_for(timer)
     with _gc_paused():
         samples, _ = loop(_noop, None, min_iters, int(min_duration_s * 1e9), None)

@@ -21,8 +21,12 @@ from harness.errors import HarnessError
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     build = sub.add_parser("build", help="build an engine for a model in a precision mode")
     _common(build)
-    build.add_argument("-o", "--output", required=True, metavar="DIR", help="engine directory to write")
-    build.add_argument("--disable-cache", action="store_true", help="time every layer; read and write no cache")
+    build.add_argument(
+        "-o", "--output", required=True, metavar="DIR", help="engine directory to write"
+    )
+    build.add_argument(
+        "--disable-cache", action="store_true", help="time every layer; read and write no cache"
+    )
     build.add_argument(
         "--no-editable-cache",
         action="store_true",
@@ -30,9 +34,13 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     )
     build.set_defaults(func=run_build)
 
-    rebuild = sub.add_parser("rebuild", help="build N times and report fingerprints, tactic flips, output bits")
+    rebuild = sub.add_parser(
+        "rebuild", help="build N times and report fingerprints, tactic flips, output bits"
+    )
     _common(rebuild)
-    rebuild.add_argument("--times", type=int, required=True, metavar="N", help="number of builds (>= 2)")
+    rebuild.add_argument(
+        "--times", type=int, required=True, metavar="N", help="number of builds (>= 2)"
+    )
     rebuild.add_argument("--json", action="store_true", help="print the report as JSON")
     rebuild.set_defaults(func=run_rebuild)
 
@@ -48,9 +56,19 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", required=True, choices=PRECISION_MODES, help="precision mode")
     p.add_argument("--backend", default="cpu", choices=BACKEND_NAMES)
     p.add_argument("--cache", metavar="FILE", help="timing cache JSON (read if it exists)")
-    p.add_argument("--error-on-cache-miss", action="store_true", help="fail if a layer would need timing")
-    p.add_argument("--ignore-mismatch", action="store_true", help="use a cache recorded for another configuration")
-    p.add_argument("--explicit", metavar="FILE", help="JSON of node-name regex -> fp32|fp16|bf16 (mode explicit)")
+    p.add_argument(
+        "--error-on-cache-miss", action="store_true", help="fail if a layer would need timing"
+    )
+    p.add_argument(
+        "--ignore-mismatch",
+        action="store_true",
+        help="use a cache recorded for another configuration",
+    )
+    p.add_argument(
+        "--explicit",
+        metavar="FILE",
+        help="JSON of node-name regex -> fp32|fp16|bf16 (mode explicit)",
+    )
     p.add_argument(
         "--option",
         action="append",
@@ -98,7 +116,9 @@ def run_build(args: argparse.Namespace) -> int:
     out = save_build(result, args.output)
     layers = result.engine.layers()
     tactics = Counter(layer.tactic for layer in layers)
-    print(f"built {spec.name} ({config.mode}) on {backend.name} in {result.log.build_seconds:.2f} s")
+    print(
+        f"built {spec.name} ({config.mode}) on {backend.name} in {result.log.build_seconds:.2f} s"
+    )
     tuned = result.cache_hits + result.cache_misses
     print(
         f"layers: {len(layers)} ({tuned} with a tactic choice); "
@@ -108,7 +128,14 @@ def run_build(args: argparse.Namespace) -> int:
     print(f"fingerprint: {result.engine.fingerprint()}")
     print(f"weights: {result.engine.weights_digest()}")
     if result.cache_path is not None:
-        state = f"+{result.cache_entries_added} entries written" if result.cache_entries_added else "unchanged"
+        if result.cache_entries_added:
+            state = f"+{result.cache_entries_added} entries written"
+        elif not config.editable_cache:
+            state = "not updated: --no-editable-cache"
+        elif result.cache_path.exists():
+            state = "unchanged"
+        else:
+            state = "not written: no layer was timed"
         print(f"cache: {result.cache_path} ({state})")
     print(f"engine: {out}")
     return 0
@@ -126,11 +153,19 @@ def run_rebuild(args: argparse.Namespace) -> int:
         print(json.dumps(report.to_json(), indent=2))
         return 0
     distinct = report.distinct_fingerprints
-    print(f"rebuilt {report.model} ({report.mode}) on {report.backend} {len(report.fingerprints)} times"
-          + (f" with cache {report.cache}" if report.cache else " without a cache (every build timed afresh)"))
+    print(
+        f"rebuilt {report.model} ({report.mode}) on {report.backend} {len(report.fingerprints)} times"
+        + (
+            f" with cache {report.cache}"
+            if report.cache
+            else " without a cache (every build timed afresh)"
+        )
+    )
     print(f"distinct fingerprints: {len(distinct)}")
     for fp in distinct:
-        print(f"  {fp}  (builds {', '.join(str(i) for i, f in enumerate(report.fingerprints) if f == fp)})")
+        print(
+            f"  {fp}  (builds {', '.join(str(i) for i, f in enumerate(report.fingerprints) if f == fp)})"
+        )
     flipped = report.flipped
     print(f"layers whose tactic flipped: {len(flipped)}")
     for layer, seen in flipped.items():
@@ -138,7 +173,9 @@ def run_rebuild(args: argparse.Namespace) -> int:
     if report.outputs_identical:
         print("outputs on the example inputs: bit-identical across all builds")
     else:
-        print(f"outputs on the example inputs: differ from build 0 in builds {report.output_mismatches}")
+        print(
+            f"outputs on the example inputs: differ from build 0 in builds {report.output_mismatches}"
+        )
     return 0
 
 
@@ -146,20 +183,29 @@ def run_inspect(args: argparse.Namespace) -> int:
     engine = get_backend(args.backend).load(args.engine)
     layers = engine.layers()
     if args.json:
-        print(json.dumps({
-            "backend": engine.backend,
-            "mode": engine.mode,
-            "fingerprint": engine.fingerprint(),
-            "weights_digest": engine.weights_digest(),
-            "size_bytes": engine.size_bytes(),
-            "weight_bytes_by_dtype": engine.weight_bytes_by_dtype(),
-            "layers": [layer.to_json() for layer in layers],
-        }, indent=2))
+        print(
+            json.dumps(
+                {
+                    "backend": engine.backend,
+                    "mode": engine.mode,
+                    "fingerprint": engine.fingerprint(),
+                    "weights_digest": engine.weights_digest(),
+                    "size_bytes": engine.size_bytes(),
+                    "weight_bytes_by_dtype": engine.weight_bytes_by_dtype(),
+                    "layers": [layer.to_json() for layer in layers],
+                },
+                indent=2,
+            )
+        )
         return 0
-    print(f"engine {args.engine}: backend {engine.backend}, mode {engine.mode}, {len(layers)} layers, "
-          f"{engine.size_bytes()} bytes")
+    print(
+        f"engine {args.engine}: backend {engine.backend}, mode {engine.mode}, {len(layers)} layers, "
+        f"{engine.size_bytes()} bytes"
+    )
     print(f"fingerprint: {engine.fingerprint()}\nweights: {engine.weights_digest()}")
     for layer in layers:
-        print(f"  {layer.name:<32} {layer.layer_type:<14} {','.join(layer.input_dtypes):<18} -> "
-              f"{','.join(layer.output_dtypes):<6} {layer.tactic} ({layer.tactic_hash})")
+        print(
+            f"  {layer.name:<32} {layer.layer_type:<14} {','.join(layer.input_dtypes):<18} -> "
+            f"{','.join(layer.output_dtypes):<6} {layer.tactic} ({layer.tactic_hash})"
+        )
     return 0

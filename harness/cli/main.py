@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 from harness.errors import HarnessError
 
-SUBCOMMAND_MODULES = ("harness.cli.compile_cmd", "harness.cli.cache_cmd", "harness.cli.build_cmd")
+SUBCOMMAND_MODULES = ("harness.cli.compile_cmd", "harness.cli.cache_cmd", "harness.cli.build_cmd", "harness.cli.bench_cmd")
 
 
 class _Parser(argparse.ArgumentParser):

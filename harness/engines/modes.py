@@ -1,6 +1,6 @@
 """From a precision mode name to the typed graph a backend builds.
 
-The ten modes of DESIGN.md section 2 map onto four compiler modes; weak modes
+The ten modes of DESIGN.md section 2 map onto the compiler's five modes; weak modes
 hand the backend the fp32 graph because there the builder, not the compiler,
 decides each layer's precision.
 """

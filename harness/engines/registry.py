@@ -34,8 +34,13 @@ def resolve_name(name: str) -> str:
 
 def get_backend(name: str) -> Backend:
     """Instantiate the backend called ``name`` (one of :data:`BACKEND_NAMES`)."""
-    module_name, class_name = _BACKENDS[resolve_name(name)]
-    backend: Backend = getattr(importlib.import_module(module_name), class_name)()
+    resolved = resolve_name(name)
+    module_name, class_name = _BACKENDS[resolved]
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise HarnessError(f"backend {resolved!r} is not available here: {exc}") from exc
+    backend: Backend = getattr(module, class_name)()
     return backend
 
 

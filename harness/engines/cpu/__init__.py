@@ -6,10 +6,12 @@ precision mode is supported (fp16 runs, slowly, where the CPU lacks fast fp16).
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -19,6 +21,9 @@ from harness.engines.cpu.engine import CpuEngine
 from harness.engines.cpu.timing import TimingOptions
 from harness.engines.modes import check_mode_name
 from harness.engines.protocol import PRECISION_MODES, BuildConfig, BuildLog
+
+if TYPE_CHECKING:
+    from harness.autocast import CompiledGraph
 
 __all__ = ["CpuBackend", "CpuEngine"]
 
@@ -66,9 +71,9 @@ class CpuBackend:
             device_details={
                 "model": model,
                 "machine": platform.machine(),
-                "flags": flags,
+                "flags": list(flags),
                 "cpu_capability": capability,
-                "mkldnn": torch.backends.mkldnn.is_available(),
+                "mkldnn": torch.backends.mkldnn.is_available(),  # type: ignore[no-untyped-call]
             },
             builder_options={
                 "mode": config.mode,
@@ -79,7 +84,7 @@ class CpuBackend:
         )
 
     def build(
-        self, graph, config: BuildConfig, cache: TimingCache | None
+        self, graph: CompiledGraph, config: BuildConfig, cache: TimingCache | None
     ) -> tuple[CpuEngine, BuildLog]:
         self.check_mode(config.mode)
         timing = _timing_options(config)
@@ -111,7 +116,8 @@ def _timing_options(config: BuildConfig) -> TimingOptions:
     return TimingOptions.from_options(config.options)
 
 
-def _cpu_identity() -> tuple[str, list[str]]:
+@functools.cache
+def _cpu_identity() -> tuple[str, tuple[str, ...]]:
     """CPU model name and the kernel-relevant feature flags (Linux /proc/cpuinfo, else platform)."""
     model, flags = platform.processor() or platform.machine(), set()
     cpuinfo = Path("/proc/cpuinfo")
@@ -122,4 +128,4 @@ def _cpu_identity() -> tuple[str, list[str]]:
                 model = value.strip()
             elif field.strip() in ("flags", "Features"):
                 flags = set(value.split())
-    return model, sorted(flags.intersection(_RELEVANT_FLAGS))
+    return model, tuple(sorted(flags.intersection(_RELEVANT_FLAGS)))

@@ -88,6 +88,7 @@ def layer_key(
         },
         "outputs": [None if m is None else m.to_json() for m in node.outputs],
         "fused": list(node.fused),
+        "epilogue": node.epilogue,
         "precisions": list(precisions),
     }
     return "0x" + hashlib.sha256(canonical_json(material)).hexdigest()[:32]
@@ -113,7 +114,6 @@ class PlanBuilder:
         self.graph_metas = graph.value_metas()
         self.plan = Plan(graph.mode, list(graph.inputs), [], [], dict(graph.weights))
         self.runtime = dict(graph.inputs)  # value name -> meta as the engine produces it
-        self.renames: dict[str, str] = {}  # graph value -> plan value (differs for multi outputs)
         self.cast_names: dict[tuple[str, str], str] = {}
         self.values: dict[str, Any] = {
             name: t for (name, _), t in zip(graph.inputs, example_inputs, strict=True)
@@ -152,8 +152,7 @@ class PlanBuilder:
             chosen, record = self._select(node, key, candidates, names)
         self.timings.append(record)
         variant, impl = candidates[chosen]
-        emitted = self._emit(variant, key, names[chosen], tuned=len(candidates) > 1)
-        self.renames[node.name] = emitted.name
+        self._emit(variant, key, names[chosen], tuned=len(candidates) > 1)
 
     def _select(
         self, node: Node, key: str, candidates: list[tuple[_Variant, str]], names: list[str]
@@ -175,15 +174,16 @@ class PlanBuilder:
                 f"({len(names)} candidates); the build was told to fail on a cache miss"
             )
         self._materialize()
-        inputs = [self.values[self._plan_name(r.name)] for r in node.refs()]
-        timed = tuple(
-            Candidate(
-                name,
-                tactics.tactic_hash(name),
-                median_ms(self._timed_fn(variant, impl), inputs, self.timing),
+        inputs = [self.values[r.name] for r in node.refs()]
+        with tactics.layer_failures(node):
+            timed = tuple(
+                Candidate(
+                    name,
+                    tactics.tactic_hash(name),
+                    median_ms(self._timed_fn(variant, impl), inputs, self.timing),
+                )
+                for (variant, impl), name in zip(candidates, names, strict=True)
             )
-            for (variant, impl), name in zip(candidates, names, strict=True)
-        )
         index = min(range(len(timed)), key=lambda i: timed[i].time_ms)
         best = timed[index]
         if self.cache is not None and self.config.editable_cache:
@@ -194,7 +194,7 @@ class PlanBuilder:
 
     def _variants(self, node: Node) -> list[_Variant]:
         refs = node.refs()
-        in_dtypes = [self.runtime[self._plan_name(r.name)].dtype for r in refs]
+        in_dtypes = [self.runtime[r.name].dtype for r in refs]
         graph_dtypes = [self.graph_metas[r.name].dtype for r in refs]
         kind = tactics.layer_type(node)
         if self.weak_low is not None and kind in CHOOSABLE and self._all_fp32(node, graph_dtypes):
@@ -262,7 +262,7 @@ class PlanBuilder:
         """Metas of the node's inputs as the chosen variant receives them (after casts)."""
         metas = {}
         for ref, cast in zip(node.refs(), casts, strict=True):
-            meta = self.runtime[self._plan_name(ref.name)]
+            meta = self.runtime[ref.name]
             metas[ref.name] = meta if cast is None else TensorMeta(meta.shape, cast)
         return metas
 
@@ -278,17 +278,14 @@ class PlanBuilder:
 
     # --- emission -------------------------------------------------------------------------
 
-    def _emit(self, variant: _Variant, key: str, tactic: str, tuned: bool) -> Node:
-        refs = iter(variant.node.refs())
-        casts = iter(variant.casts)
+    def _emit(self, variant: _Variant, key: str, tactic: str, tuned: bool) -> None:
+        casts = iter(variant.casts)  # one per Ref, in argument order
 
         def rename(leaf: Any) -> Any:
             if not isinstance(leaf, Ref):
                 return leaf
-            next(refs)
             cast = next(casts)
-            source = self._plan_name(leaf.name)
-            return Ref(source if cast is None else self._cast(source, cast))
+            return leaf if cast is None else Ref(self._cast(leaf.name, cast))
 
         node = replace(
             variant.node,
@@ -301,16 +298,12 @@ class PlanBuilder:
             tuned=tuned,
         )
         self._append(node)
-        return node
 
     def _emit_getitem(self, node: Node) -> None:
+        """A getitem takes the (possibly retyped) meta of its producer's output."""
         source, index = node.args
-        producer = self._plan_name(source.name)
-        produced = next(n for n in reversed(self.plan.nodes) if n.name == producer)
-        meta = produced.outputs[index]
-        emitted = replace(node, args=(Ref(producer), index), outputs=(meta,))
-        self._append(emitted)
-        self.renames[node.name] = emitted.name
+        produced = next(n for n in reversed(self.plan.nodes) if n.name == source.name)
+        self._append(replace(node, outputs=(produced.outputs[index],)))
 
     def _cast(self, source: str, dtype: str) -> str:
         """Name of ``source`` converted to ``dtype``, adding one reformat layer per pair."""
@@ -342,12 +335,9 @@ class PlanBuilder:
     def _output(self, out: Ref | WeightRef) -> Ref | WeightRef:
         if isinstance(out, WeightRef):
             return out
-        source = self._plan_name(out.name)
+        source = out.name
         wanted = self.graph_metas[out.name].dtype
         return Ref(source if self.runtime[source].dtype == wanted else self._cast(source, wanted))
-
-    def _plan_name(self, graph_name: str) -> str:
-        return self.renames.get(graph_name, graph_name)
 
     # --- execution during the build --------------------------------------------------------
 

@@ -75,7 +75,7 @@ class CpuEngine:
                 )
                 raise HarnessError(f"engine input {name!r}: expected {dtype} {shape}, got {got}")
         with torch.inference_mode():
-            return self._run(*inputs)  # type: ignore[no-any-return]
+            return self._run(*inputs)
 
     def layers(self) -> list[LayerInfo]:
         return self.plan.layers()

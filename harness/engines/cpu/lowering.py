@@ -7,7 +7,11 @@ keeps the numbers within rounding of the graph's own:
   table or a transposed weight) are evaluated once into new weights;
 - an inference ``batch_norm`` right after a convolution is folded into the
   convolution's weight and bias (computed in float64, rounded once to the
-  convolution's dtype), as TensorRT and oneDNN do.
+  convolution's dtype), as TensorRT and oneDNN do;
+- a relu (after a convolution or linear layer) or gelu (after a linear layer)
+  that is the only consumer of its producer, in the same dtype, becomes that
+  layer's epilogue: one pass over memory instead of two, and oneDNN tactics
+  apply it inside the kernel.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from typing import Any
 import torch
 import torch.fx
 
+from harness.engines.cpu import tactics
 from harness.engines.cpu.plan import (
     GETITEM,
     Node,
@@ -54,6 +59,8 @@ def lower(gm: torch.fx.GraphModule, mode: str) -> tuple[Plan, list[str]]:
         messages.append(f"constant-folded {folded} node(s) fed only by weights")
     for conv, bn in _fold_batch_norms(plan):
         messages.append(f"folded batch_norm {bn} into convolution {conv}")
+    for layer, activation in _fuse_epilogues(plan):
+        messages.append(f"fused activation {activation} into {layer}")
     _drop_dead(plan)
     return plan, messages
 
@@ -165,7 +172,7 @@ def _fold_constants(plan: Plan) -> int:
             continue
         fn = resolve_op(node.op, f"layer {node.name!r}")
         args, kwargs = map_leaves((node.args, node.kwargs), lambda leaf: _weight_value(plan, leaf))
-        with torch.inference_mode():
+        with torch.inference_mode(), tactics.layer_failures(node):
             value = fn(*args, **kwargs)
         name = _fresh(plan.weights, node.name)
         plan.weights[name] = value.detach().clone(memory_format=torch.contiguous_format)
@@ -254,6 +261,47 @@ def _fold_into(conv: Node, bn: Node, plan: Plan) -> None:
     args[1], args[2] = WeightRef(w_name), WeightRef(b_name)
     conv.args = tuple(args)
     conv.fused = (*conv.fused, bn.name)
+
+
+def _fuse_epilogues(plan: Plan) -> list[tuple[str, str]]:
+    users = Counter(r.name for node in plan.nodes for r in node.refs())
+    users.update(o.name for o in plan.outputs if isinstance(o, Ref))
+    producers = {node.name: node for node in plan.nodes}
+    fused: list[tuple[str, str]] = []
+    replacements: dict[str, Ref] = {}
+    kept = []
+    for node in plan.nodes:
+        _substitute(node, replacements)
+        epilogue = _activation(node)
+        source = node.args[0] if node.args else None
+        producer = producers.get(source.name) if isinstance(source, Ref) else None
+        if (
+            epilogue is None
+            or producer is None
+            or producer.epilogue
+            or users[producer.name] != 1
+            or producer.outputs != node.outputs
+            or not tactics.epilogue_ok(producer, epilogue)
+        ):
+            kept.append(node)
+            continue
+        producer.epilogue = epilogue
+        producer.fused = (*producer.fused, node.name)
+        replacements[node.name] = Ref(producer.name)
+        fused.append((producer.name, node.name))
+    plan.nodes = kept
+    plan.outputs = [replacements.get(o.name, o) if isinstance(o, Ref) else o for o in plan.outputs]
+    return fused
+
+
+def _activation(node: Node) -> str | None:
+    """The epilogue name of a relu/gelu node, None for anything else."""
+    if node.op == "aten::relu.default" and len(node.args) == 1 and not node.kwargs:
+        return "relu"
+    if node.op == "aten::gelu.default":
+        approximate = node.kwargs.get("approximate", node.args[1] if len(node.args) > 1 else "none")
+        return {"none": "gelu", "tanh": "gelu_tanh"}.get(approximate)
+    return None
 
 
 def _substitute(node: Node, replacements: dict[str, Any]) -> None:

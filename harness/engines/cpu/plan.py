@@ -30,6 +30,8 @@ from harness.fileio import canonical_json, digest
 PLAN_FORMAT = "harness-cpu-plan"
 PLAN_VERSION = 1
 GETITEM = "builtin::getitem"
+# Activations a convolution or GEMM layer may apply to its own result.
+EPILOGUES = ("", "relu", "gelu", "gelu_tanh")
 
 # ATen op packets a plan may name. Everything here is functional (no in-place
 # or out= variants) and deterministic given its inputs.
@@ -107,7 +109,8 @@ class Node:
     tuned: bool = False  # the builder chose among several tactics (consulting the timing cache)
     tactic: str = ""
     tactic_hash: str = ""
-    fused: tuple[str, ...] = ()  # graph nodes folded into this layer (conv + batch_norm)
+    fused: tuple[str, ...] = ()  # graph nodes folded into this layer (conv + batch_norm + relu)
+    epilogue: str = ""  # activation applied to the op's result inside the layer (EPILOGUES)
 
     @property
     def is_layer(self) -> bool:
@@ -121,9 +124,11 @@ class Node:
         return [a for a in iter_leaves((self.args, self.kwargs)) if isinstance(a, WeightRef)]
 
     def out(self) -> TensorMeta:
-        meta = self.outputs[0]
+        meta = self.outputs[0] if self.outputs else None
         if self.multi or meta is None:
-            raise AssertionError(f"node {self.name} has no single tensor output")
+            raise HarnessError(
+                f"layer {self.name!r} ({self.op}) must have exactly one tensor output"
+            )
         return meta
 
 
@@ -181,7 +186,10 @@ class Plan:
             ],
             "nodes": [_node_json(n) for n in self.nodes],
             "outputs": [encode_arg(o) for o in self.outputs],
-            "layers": [self._layer_json(layer, node) for layer, node in zip(self.layers(), self._layer_nodes(), strict=True)],
+            "layers": [
+                self._layer_json(layer, node)
+                for layer, node in zip(self.layers(), self._layer_nodes(), strict=True)
+            ],
         }
 
     def fingerprint(self) -> str:
@@ -332,6 +340,7 @@ def _node_json(node: Node) -> dict[str, Any]:
         "tactic": node.tactic,
         "tactic_hash": node.tactic_hash,
         "fused": list(node.fused),
+        "epilogue": node.epilogue,
     }
 
 
@@ -391,6 +400,7 @@ PLAN_SCHEMA: dict[str, Any] = {
                     "tactic",
                     "tactic_hash",
                     "fused",
+                    "epilogue",
                 ],
                 "additionalProperties": False,
                 "properties": {
@@ -406,6 +416,7 @@ PLAN_SCHEMA: dict[str, Any] = {
                     "tactic": _STR,
                     "tactic_hash": _STR,
                     "fused": {"type": "array", "items": _STR},
+                    "epilogue": {"enum": list(EPILOGUES)},
                 },
             },
         },
@@ -431,7 +442,8 @@ def plan_from_json(obj: dict[str, Any], weights: dict[str, torch.Tensor], where:
             f"{where}: weights.safetensors does not hold the weights the plan declares"
         )
     inputs = [(i["name"], TensorMeta(tuple(i["shape"]), i["dtype"])) for i in obj["inputs"]]
-    known = {name for name, _ in inputs}
+    # value name -> the node producing it (None for graph inputs)
+    known: dict[str, Node | None] = {name: None for name, _ in inputs}
     nodes = []
     for raw in obj["nodes"]:
         node_where = f"{where}: node {raw['name']!r}"
@@ -452,21 +464,53 @@ def plan_from_json(obj: dict[str, Any], weights: dict[str, torch.Tensor], where:
             tactic=raw["tactic"],
             tactic_hash=raw["tactic_hash"],
             fused=tuple(raw["fused"]),
+            epilogue=raw["epilogue"],
         )
-        _check_refs((node.args, node.kwargs), known, declared, node_where)
-        if node.name in known:
-            raise HarnessError(f"{node_where}: name defined twice")
-        known.add(node.name)
+        _check_node(node, known, declared, node_where)
+        known[node.name] = node
         nodes.append(node)
     outputs_refs = [decode_arg(o, f"{where}: outputs") for o in obj["outputs"]]
     _check_refs(outputs_refs, known, declared, f"{where}: outputs")
     return Plan(mode=obj["mode"], inputs=inputs, nodes=nodes, outputs=outputs_refs, weights=weights)
 
 
-def _check_refs(args: Any, known: set[str], weights: Mapping[str, TensorMeta], where: str) -> None:
+def _check_node(
+    node: Node, known: Mapping[str, Node | None], weights: Mapping[str, TensorMeta], where: str
+) -> None:
+    """Structure the engine relies on: a getitem picks an existing output of a tuple op,
+    every other node returns something and takes single tensors (or weights)."""
+    if node.name in known:
+        raise HarnessError(f"{where}: name defined twice")
+    if not node.outputs or (len(node.outputs) > 1 and not node.multi):
+        raise HarnessError(f"{where}: a non-tuple op must declare exactly one output")
+    if node.op != GETITEM:
+        _check_refs((node.args, node.kwargs), known, weights, where)
+        return
+    source = node.args[0] if len(node.args) == 2 else None
+    producer = known.get(source.name) if isinstance(source, Ref) else None
+    index = node.args[1] if len(node.args) == 2 else None
+    if (
+        producer is None
+        or not producer.multi
+        or not isinstance(index, int)
+        or not 0 <= index < len(producer.outputs)
+        or node.multi
+    ):
+        raise HarnessError(
+            f"{where}: a getitem must pick an output of an earlier tuple-returning node"
+        )
+
+
+def _check_refs(
+    args: Any, known: Mapping[str, Node | None], weights: Mapping[str, TensorMeta], where: str
+) -> None:
     for leaf in iter_leaves(args):
         if isinstance(leaf, Ref) and leaf.name not in known:
             raise HarnessError(f"{where}: refers to {leaf.name!r}, which is not defined before it")
+        if isinstance(leaf, Ref) and (producer := known[leaf.name]) is not None and producer.multi:
+            raise HarnessError(
+                f"{where}: refers to tuple {leaf.name!r} directly instead of through a getitem"
+            )
         if isinstance(leaf, WeightRef) and leaf.name not in weights:
             raise HarnessError(
                 f"{where}: refers to weight {leaf.name!r}, which the plan does not declare"

@@ -21,7 +21,8 @@ import hashlib
 import keyword
 import math
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -105,18 +106,31 @@ def impl_names(
     """Implementations that can run ``node``; the first is the plain ATen call."""
     packet = op_packet(node.op)
     named = _named(node)
+    if node.epilogue and not epilogue_ok(node, node.epilogue):
+        raise HarnessError(
+            f"layer {node.name!r} ({node.op}) cannot apply epilogue {node.epilogue!r}; "
+            "only convolutions (relu) and linear layers with constant weights (relu, gelu, gelu_tanh) can"
+        )
     if packet in ("view", "_unsafe_view"):
         # A view of a channels-last tensor may be impossible; a reshape gives
         # the same values whatever the layout the producer's tactic chose.
         return ["reshape"]
     if packet in ("conv2d", "convolution") and _conv_ok(node, named):
+        precision = node.out().dtype
+        impls = ["conv_nchw", "conv_channels_last"]
         # Without oneDNN, reduced-precision convolution falls back to a naive
         # loop 50-100x slower: never a sensible candidate, so never timed.
-        extra = ["conv_no_mkldnn"] if node.out().dtype == "fp32" else []
-        return ["conv_nchw", "conv_channels_last", *extra]
+        if precision == "fp32":
+            impls.append("conv_no_mkldnn")
+        if packet == "conv2d" and not isinstance(named["padding"], str) and _onednn_ok(precision):
+            impls.append("conv_onednn")
+        return impls
     if packet in _GEMM_OPERANDS:
         k = _reduction_size(packet, named, metas, weights)
-        return ["gemm_direct"] + [f"gemm_splitk{n}" for n in (2, 4) if k // n >= _MIN_SPLIT_CHUNK]
+        impls = ["gemm_direct"] + [f"gemm_splitk{n}" for n in (2, 4) if k // n >= _MIN_SPLIT_CHUNK]
+        if packet == "linear" and _linear_ok(named) and _onednn_ok(node.out().dtype):
+            impls.append("gemm_onednn")
+        return impls
     if packet in _SOFTMAX_LOG:
         undecomposable = named.get("dtype") is not None or named.get("half_to_float", False)
         return ["softmax_fused"] + ([] if undecomposable else ["softmax_decomposed"])
@@ -124,11 +138,24 @@ def impl_names(
         return ["layernorm_fused", "layernorm_decomposed"]
     if (
         packet == "scaled_dot_product_attention"
+        and all(isinstance(named[a], Ref) for a in ("query", "key", "value"))
         and named["dropout_p"] == 0.0
         and not named["enable_gqa"]
     ):
         return ["sdpa_fused", "sdpa_math"]
     return ["direct"]
+
+
+def epilogue_ok(node: Node, epilogue: str) -> bool:
+    """Whether ``node`` can absorb the activation ``epilogue`` (every tactic of it applies it)."""
+    packet = op_packet(node.op)
+    if node.multi or not node.outputs:
+        return False
+    if packet in ("conv2d", "convolution"):
+        return epilogue == "relu" and _conv_ok(node, _named(node))
+    if packet == "linear":
+        return epilogue in ("relu", "gelu", "gelu_tanh") and _linear_ok(_named(node))
+    return False
 
 
 def bind(
@@ -152,8 +179,26 @@ def bind(
 
     # Slots are numbered in argument order, the order node.refs() lists them.
     named = {name: map_leaves(value, template) for name, value in _named(node).items()}
-    low = any(metas[r.name].dtype in ("fp16", "bf16") for r in node.refs())
-    return _BINDERS[impl](_Ctx(fn, named, op_packet(node.op), low))
+    refs = node.refs()
+    low = any(metas[r.name].dtype in ("fp16", "bf16") for r in refs)
+    input_shape = metas[refs[0].name].shape if refs else ()
+    return _BINDERS[impl](_Ctx(fn, named, op_packet(node.op), low, node.epilogue, input_shape))
+
+
+@contextmanager
+def layer_failures(node: Node) -> Iterator[None]:
+    """Turn a kernel's exception while building into an error naming the layer.
+
+    A typed graph can hold an op PyTorch refuses (e.g. an exact-AMP graph of a
+    model that also fails under eager autocast); the user needs the layer.
+    """
+    try:
+        yield
+    except (RuntimeError, TypeError, ValueError, IndexError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise HarnessError(
+            f"layer {node.name!r} ({node.op}) fails on its inputs: {first}; the typed graph cannot run as given"
+        ) from exc
 
 
 def make_call(fn: Callable[..., Any], args: Any, kwargs: Mapping[str, Any]) -> Bound:
@@ -197,6 +242,8 @@ class _Ctx:
     named: dict[str, Any]  # schema name -> Slot | tensor | constant
     packet: str
     low: bool  # some dynamic input is fp16/bf16
+    epilogue: str  # activation to apply to the result ("" for none)
+    input_shape: tuple[int, ...]  # of the first dynamic input
 
     def call(self, fn: Any = None, **changes: Any) -> Bound:
         """``fn`` (default: the node's op) on the node's arguments, with some replaced."""
@@ -225,25 +272,68 @@ def _conv(layout: torch.memory_format, mkldnn: bool = True) -> Callable[[_Ctx], 
     def binder(ctx: _Ctx) -> Bound:
         base = ctx.call(weight=ctx.named["weight"].contiguous(memory_format=layout))
         if mkldnn:
-            return lambda x, *rest: base(x.contiguous(memory_format=layout), *rest)
+            return _with_epilogue(
+                lambda x, *rest: base(x.contiguous(memory_format=layout), *rest), ctx.epilogue
+            )
 
         def without_onednn(x: torch.Tensor, *rest: Any) -> Any:
-            previous = torch.backends.mkldnn.enabled
-            torch.backends.mkldnn.enabled = False  # type: ignore[attr-defined]
+            previous = bool(torch.backends.mkldnn.enabled)
+            torch.backends.mkldnn.enabled = False  # type: ignore[assignment]
             try:
                 return base(x.contiguous(), *rest)
             finally:
-                torch.backends.mkldnn.enabled = previous  # type: ignore[attr-defined]
+                torch.backends.mkldnn.enabled = previous  # type: ignore[assignment]
 
-        return without_onednn
+        return _with_epilogue(without_onednn, ctx.epilogue)
 
     return binder
 
 
+def _conv_onednn(ctx: _Ctx) -> Bound:
+    """oneDNN convolution on a weight reordered once into its blocked layout, activation fused."""
+    named = ctx.named
+    padding, stride, dilation = (_pair(named[k]) for k in ("padding", "stride", "dilation"))
+    groups, bias = int(named["groups"]), named["bias"]
+    packed = torch.ops.mkldnn._reorder_convolution_weight(
+        named["weight"], padding, stride, dilation, groups, list(ctx.input_shape)
+    )
+    attr, algorithm = _ONEDNN_ATTRS[ctx.epilogue]
+    conv = torch.ops.mkldnn._convolution_pointwise.default
+    return lambda x: conv(
+        x.contiguous(memory_format=_CL),
+        packed,
+        bias,
+        padding,
+        stride,
+        dilation,
+        groups,
+        attr,
+        [],
+        algorithm,
+    )
+
+
 def _gemm_direct(ctx: _Ctx) -> Bound:
     if ctx.packet == "linear" and isinstance(ctx.named["weight"], torch.Tensor):
-        return ctx.call(weight=ctx.named["weight"].contiguous())
+        return _with_epilogue(ctx.call(weight=ctx.named["weight"].contiguous()), ctx.epilogue)
     return ctx.call()
+
+
+def _gemm_onednn(ctx: _Ctx) -> Bound:
+    """oneDNN GEMM on a weight reordered once for this batch size, activation fused."""
+    rows = math.prod(ctx.input_shape[:-1])
+    packed = torch.ops.mkldnn._reorder_linear_weight(ctx.named["weight"], rows)
+    bias = ctx.named["bias"]
+    attr, algorithm = _ONEDNN_ATTRS[ctx.epilogue]
+    linear = torch.ops.mkldnn._linear_pointwise.default
+    return lambda x: linear(x, packed, bias, attr, [], algorithm)
+
+
+def _with_epilogue(fn: Bound, epilogue: str) -> Bound:
+    post = _EPILOGUE_FNS[epilogue]
+    if post is None:
+        return fn
+    return lambda *d: post(fn(*d))
 
 
 def _split_k(parts: int) -> Callable[[_Ctx], Bound]:
@@ -251,7 +341,7 @@ def _split_k(parts: int) -> Callable[[_Ctx], Bound]:
 
     def binder(ctx: _Ctx) -> Bound:
         if ctx.packet == "linear":
-            return _split_linear(ctx, parts)
+            return _with_epilogue(_split_linear(ctx, parts), ctx.epilogue)
         a_name, b_name = _GEMM_OPERANDS[ctx.packet]
         get_a, get_b = _getter(ctx.named[a_name]), _getter(ctx.named[b_name])
         get_bias = _getter(ctx.named["self"]) if ctx.packet == "addmm" else None
@@ -359,6 +449,31 @@ def _getter(value: Any) -> Callable[[tuple[Any, ...]], Any]:
     return lambda d: value
 
 
+def _pair(value: Any) -> list[int]:
+    """A conv attribute as the two-element list oneDNN wants (ATen also accepts 1 or an int)."""
+    values = [int(value)] if isinstance(value, int) else [int(v) for v in value]
+    return values * 2 if len(values) == 1 else values
+
+
+def _onednn_ok(precision: str) -> bool:
+    if not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
+        return False
+    if precision == "bf16":
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if precision == "fp16":
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    return precision == "fp32"
+
+
+def _linear_ok(named: Mapping[str, Any]) -> bool:
+    """A linear layer with a constant 2-D weight and bias, fed by a computed input."""
+    return (
+        isinstance(named["input"], Ref)
+        and isinstance(named["weight"], WeightRef)
+        and not isinstance(named["bias"], Ref)
+    )
+
+
 def _chunks(k: int, parts: int) -> list[slice]:
     bounds = [k * i // parts for i in range(parts + 1)]
     return [slice(lo, hi) for lo, hi in zip(bounds, bounds[1:], strict=False)]
@@ -412,6 +527,20 @@ _SPLIT_FNS: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {
     "matmul": (torch.matmul, lambda out, a, b: out + torch.matmul(a, b)),
 }
 _SOFTMAX_LOG = ("softmax", "_softmax", "log_softmax", "_log_softmax")
+# epilogue -> in-place-or-not PyTorch op applied after the layer's own op
+_EPILOGUE_FNS: dict[str, Callable[[torch.Tensor], torch.Tensor] | None] = {
+    "": None,
+    "relu": torch.relu_,  # the layer's result is a fresh tensor: in place is safe
+    "gelu": torch.nn.functional.gelu,
+    "gelu_tanh": lambda t: torch.nn.functional.gelu(t, approximate="tanh"),
+}
+# epilogue -> oneDNN post-op (attr, algorithm)
+_ONEDNN_ATTRS = {
+    "": ("none", ""),
+    "relu": ("relu", ""),
+    "gelu": ("gelu", "none"),
+    "gelu_tanh": ("gelu", "tanh"),
+}
 
 _BINDERS: dict[str, Callable[[_Ctx], Bound]] = {
     "direct": _direct,
@@ -419,7 +548,9 @@ _BINDERS: dict[str, Callable[[_Ctx], Bound]] = {
     "conv_nchw": _conv(torch.contiguous_format),
     "conv_channels_last": _conv(_CL),
     "conv_no_mkldnn": _conv(torch.contiguous_format, mkldnn=False),
+    "conv_onednn": _conv_onednn,
     "gemm_direct": _gemm_direct,
+    "gemm_onednn": _gemm_onednn,
     "gemm_splitk2": _split_k(2),
     "gemm_splitk4": _split_k(4),
     "softmax_fused": _direct,
@@ -456,6 +587,7 @@ def _conv_ok(node: Node, named: Mapping[str, Any]) -> bool:
     return (
         isinstance(named["input"], Ref)
         and isinstance(named["weight"], WeightRef)
+        and not isinstance(named["bias"], Ref)
         and len(node.out().shape) == 4
         and not named.get("transposed", False)
     )

@@ -1,0 +1,312 @@
+"""The benchmark matrix: models x precision modes on one backend, one case at a time.
+
+Each case builds an engine through :func:`harness.build.build_engine` with a
+timing cache of its own (``<cache dir>/<model>-<mode>.json``), so the first
+run times tactics and every later run is warm and pinned; then it measures
+accuracy against the fp32 eager model, latency (with telemetry sampled
+around the timing loop) and memory, and appends the case to the results
+file at once. A case that fails at any stage is recorded with the stage and
+the error, and the matrix goes on; a KeyboardInterrupt propagates after the
+finished cases are on disk (the file stays ``complete: false``).
+
+The matrix order is fixed (models in the order given, modes in the order
+given), so ``--shard i/n`` (every n-th case starting at the i-th) splits it
+the same way on every CI runner.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from harness.bench.accuracy import TaskAccuracy, compare_outputs, flatten_outputs, output_digest
+from harness.bench.latency import measure_latency
+from harness.bench.memory import measure_memory
+from harness.bench.results import CaseResult, ResultsWriter
+from harness.bench.stats import Summary
+from harness.bench.telemetry import TelemetrySampler
+from harness.build import BuildResult, build_engine
+from harness.cache.timing_cache import TimingCache
+from harness.engines.protocol import Backend, BuildConfig, Engine
+from harness.errors import HarnessError
+
+DEFAULT_MODELS = ("resnet", "transformer", "digits")
+EXPLICIT_MODE = "explicit"
+
+
+@dataclass(frozen=True)
+class MeasureSettings:
+    """How long each case is measured; recorded in the results ``settings``.
+
+    The defaults keep the 27-case CPU matrix (3 models x 9 modes) at about
+    10 s per case including the build, well inside the 15-minute budget of
+    ``nox -s bench`` on two cores, while giving the gate at least 30 samples
+    per case; ``QUICK`` is for smoke tests of the pipeline, not for numbers.
+    """
+
+    warmup_s: float = 1.0
+    min_iters: int = 30
+    min_duration_s: float = 4.0
+    # Caps microsecond-scale cases (20000 samples are plenty for the gate's
+    # test) so a run file with raw samples stays around a megabyte.
+    max_iters: int | None = 20000
+    telemetry_interval_s: float = 0.25
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+QUICK = MeasureSettings(
+    warmup_s=0.02, min_iters=5, min_duration_s=0.05, max_iters=200, telemetry_interval_s=0.05
+)
+
+
+def default_modes(backend: Backend) -> tuple[str, ...]:
+    """Every mode the backend builds except ``explicit``, which needs a user file."""
+    return tuple(m for m in backend.supported_modes() if m != EXPLICIT_MODE)
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    """``"i/n"`` with 1 <= i <= n, as given to ``--shard``."""
+    match = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", text)
+    if not match:
+        raise HarnessError(f"--shard {text!r}: expected i/n, e.g. 1/2 (shard i of n, 1-based)")
+    index, count = int(match.group(1)), int(match.group(2))
+    if count < 1 or not 1 <= index <= count:
+        raise HarnessError(f"--shard {text!r}: need 1 <= i <= n and n >= 1")
+    return index, count
+
+
+def build_matrix(
+    models: Sequence[str], modes: Sequence[str], shard: tuple[int, int] | None = None
+) -> list[tuple[str, str]]:
+    """(model, mode) pairs in the deterministic order, restricted to ``shard`` if given."""
+    cases = [(model, mode) for model in models for mode in modes]
+    if shard is None:
+        return cases
+    index, count = shard
+    return cases[index - 1 :: count]
+
+
+def cache_file(cache_dir: str | os.PathLike[str], model: str, mode: str) -> Path:
+    """One timing cache per (model, mode); model file paths become safe file names."""
+    stem = re.sub(r"[^A-Za-z0-9._-]+", "_", f"{model}-{mode}").strip("._")
+    return Path(cache_dir) / f"{stem}.json"
+
+
+def _is_logits(outputs: list[torch.Tensor]) -> bool:
+    """Top-1 agreement means something for (batch, classes) outputs only."""
+    return all(o.dim() == 2 and o.shape[-1] > 1 and o.is_floating_point() for o in outputs)
+
+
+def _error_text(stage: str, exc: Exception) -> str:
+    detail = str(exc) if isinstance(exc, HarnessError) else f"{type(exc).__name__}: {exc}"
+    return f"{stage}: {detail or type(exc).__name__}"
+
+
+class _CountingRun:
+    """An engine call that counts the examples (rows of the first input) fed to it.
+
+    ``ModelSpec.evaluate`` returns only the metric; the sample count the
+    results record needs is observed here instead of assumed.
+    """
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.samples = 0
+
+    def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if inputs and inputs[0].dim() > 0:
+            self.samples += int(inputs[0].shape[0])
+        return self.engine(*inputs)
+
+
+@dataclass
+class _Reference:
+    outputs: Any
+    logits: bool
+
+
+CaseHook = Callable[[dict[str, Any]], None]
+ModelLoader = Callable[[str], Any]
+
+
+def _load_model(name: str) -> Any:
+    import models
+
+    return models.load(name)
+
+
+class BenchRunner:
+    """Runs (model, mode) cases on one backend and appends them to a results writer."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        *,
+        cache_dir: str | os.PathLike[str],
+        settings: MeasureSettings = MeasureSettings(),
+        explicit_path: str | None = None,
+        overhead: Summary | None = None,
+        load_model: ModelLoader = _load_model,
+    ) -> None:
+        self.backend = backend
+        self.cache_dir = Path(cache_dir)
+        self.settings = settings
+        self.explicit_path = explicit_path
+        self.overhead = overhead
+        self.load_model = load_model
+        self._references: dict[str, _Reference] = {}
+
+    def reference(self, model: str) -> _Reference:
+        """fp32 eager outputs on the spec's fixed example inputs, once per model."""
+        if model not in self._references:
+            spec = self.load_model(model)
+            module = spec.module.float().eval()
+            with torch.inference_mode():
+                outputs = module(*spec.example_inputs)
+            self._references[model] = _Reference(
+                outputs, _is_logits(flatten_outputs(outputs, "reference"))
+            )
+        return self._references[model]
+
+    def run_case(self, model: str, mode: str) -> dict[str, Any]:
+        """One case as a results entry; any failure becomes a ``failed`` entry naming its stage."""
+        backend = self.backend.name
+        stage = "load model"
+        try:
+            spec = self.load_model(model)
+            stage = "fp32 eager reference"
+            ref = self.reference(model)
+            stage = "build"
+            config = BuildConfig(
+                mode=mode, explicit_path=self.explicit_path if mode == EXPLICIT_MODE else None
+            )
+            cache_path = cache_file(self.cache_dir, model, mode)
+            self.cache_dir.mkdir(parents=True, exist_ok=True)
+            t0 = time.perf_counter()
+            built, memory = measure_memory(
+                lambda: build_engine(spec, config, self.backend, cache_path)
+            )
+            build_s = time.perf_counter() - t0
+            engine = built.engine
+            inputs = spec.example_inputs
+            stage = "run"
+            with torch.inference_mode():
+                outputs = engine(*inputs)
+            stage = "accuracy"
+            accuracy = compare_outputs(outputs, ref.outputs, logits=ref.logits)
+            task = self._task_accuracy(spec, engine)
+            stage = "latency"
+            latency, telemetry = self._latency(engine, inputs)
+            stage = "memory"
+            memory = dataclasses.replace(
+                memory,
+                weight_bytes=dict(sorted(engine.weight_bytes_by_dtype().items())),
+                engine_bytes=engine.size_bytes(),
+            )
+            case = CaseResult(
+                model=model,
+                mode=mode,
+                backend=backend,
+                latency=latency,
+                memory=memory,
+                accuracy=accuracy,
+                task_accuracy=task,
+                telemetry=telemetry,
+                engine_fingerprint=engine.fingerprint(),
+                timing_cache_digest=_cache_digest(built),
+                pinned=built.cache_misses == 0,
+                output_digest=output_digest(outputs),
+                layers=[layer.to_json() for layer in engine.layers()],
+            )
+            return {**case.to_dict(), "build": _build_record(built, build_s)}
+        except Exception as exc:  # recorded, and the matrix goes on; Ctrl-C is not an Exception
+            return CaseResult.failed(model, mode, backend, _error_text(stage, exc)).to_dict()
+
+    def _task_accuracy(self, spec: Any, engine: Engine) -> TaskAccuracy | None:
+        if spec.evaluate is None:
+            return None
+        run = _CountingRun(engine)
+        with torch.inference_mode():
+            value = float(spec.evaluate(run))
+        if run.samples == 0:
+            raise HarnessError(f"model {spec.name!r}: evaluate() never ran the engine")
+        return TaskAccuracy(name="top1", value=value, samples=run.samples)
+
+    def _latency(self, engine: Engine, inputs: tuple[torch.Tensor, ...]) -> tuple[Any, Any]:
+        s = self.settings
+
+        def call() -> object:
+            return engine(*inputs)
+
+        sampler = TelemetrySampler(interval_s=s.telemetry_interval_s)
+        with torch.inference_mode(), sampler:
+            latency = measure_latency(
+                call,
+                warmup_s=s.warmup_s,
+                min_iters=s.min_iters,
+                min_duration_s=s.min_duration_s,
+                max_iters=s.max_iters,
+                batch_size=_batch_size(inputs),
+                overhead=self.overhead,
+            )
+        return latency, sampler.summary()
+
+    def run(
+        self,
+        matrix: Sequence[tuple[str, str]],
+        writer: ResultsWriter,
+        *,
+        progress: bool = True,
+        on_case: CaseHook | None = None,
+    ) -> dict[str, Any]:
+        """Run every case into ``writer`` and finish it; an interrupt leaves it incomplete.
+
+        ``on_case`` sees each recorded case (the CLI reports failures with it).
+        """
+        from tqdm import tqdm
+
+        bar = tqdm(matrix, desc="bench", unit="case", file=sys.stderr, disable=not progress)
+        try:
+            for model, mode in bar:
+                bar.set_postfix_str(f"{model} {mode}")
+                entry = self.run_case(model, mode)
+                writer.add(entry)
+                if on_case is not None:
+                    on_case(entry)
+        finally:
+            bar.close()
+        return writer.finish()
+
+
+def _batch_size(inputs: tuple[torch.Tensor, ...]) -> int:
+    return int(inputs[0].shape[0]) if inputs and inputs[0].dim() > 0 else 1
+
+
+def _cache_digest(built: BuildResult) -> str | None:
+    """Digest of the cache the engine's tactics came from (None without a cache file)."""
+    path = built.cache_path
+    if path is None or not path.exists():
+        return None
+    return TimingCache.load(path).digest()
+
+
+def _build_record(built: BuildResult, seconds: float) -> dict[str, Any]:
+    return {
+        "seconds": seconds,
+        "backend_seconds": built.log.build_seconds,
+        "cache_file": os.fspath(built.cache_path) if built.cache_path is not None else None,
+        "cache_hits": built.cache_hits,
+        "cache_misses": built.cache_misses,
+        "cache_entries_added": built.cache_entries_added,
+    }

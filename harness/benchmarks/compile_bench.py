@@ -1,0 +1,220 @@
+"""How the autocast compiler scales, and whether its typed graphs beat eager autocast.
+
+Two questions a user asks before adopting the compiler, answered in one run:
+
+(a) Does compile time grow linearly with graph size? A ladder of cheap ops and
+    small linears is generated at two sizes (~1k and ~10k nodes) and compiled
+    in rule mode without calibration, so only the compiler's own passes are
+    timed. ``torch.export`` is timed apart: it is PyTorch's cost, not the
+    compiler's, and it dominates a compile from an ``nn.Module``.
+(b) Is the typed bf16 graph faster than eager ``torch.autocast`` at no worse
+    accuracy? Eager autocast casts each weight on every call; the typed graph
+    converted them ahead of time. The two run interleaved in alternating
+    blocks, so machine noise (this CPU is shared) lands on both alike.
+
+Run as ``python -m harness.benchmarks.compile_bench [--quick]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from tabulate import tabulate
+from torch import nn
+
+import models
+from harness.autocast import AutocastSettings, compile
+from harness.bench.stats import bootstrap_ratio_ci
+
+LOW = torch.bfloat16
+STAGES = ("export", "lowering", "classify", "casts")
+
+
+class Ladder(nn.Module):
+    """``blocks`` repetitions of linear -> tanh -> scale -> residual add -> relu -> shift.
+
+    About eight graph nodes per block (six ops plus the linear's two weights);
+    the Python loop over the layer list unrolls under ``torch.export``.
+    """
+
+    def __init__(self, blocks: int, width: int = 8) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(blocks))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for linear in self.layers:
+            x = x + torch.tanh(linear(x)) * 0.5
+            x = F.relu(x) - 0.1
+        return x
+
+
+NODES_PER_BLOCK = 8
+
+
+@dataclass(frozen=True)
+class ScalingRow:
+    nodes: int
+    export_s: float
+    compile_s: float
+    stages: dict[str, float]
+
+    @property
+    def us_per_node(self) -> float:
+        return self.compile_s / self.nodes * 1e6
+
+
+def measure_scaling(target_nodes: int, repeats: int) -> ScalingRow:
+    """Best of ``repeats`` compiles of one exported ladder (the minimum is the least disturbed run)."""
+    torch.manual_seed(0)
+    module = Ladder(max(1, target_nodes // NODES_PER_BLOCK)).eval()
+    inputs = (torch.rand(4, 8) * 2 - 1,)
+    t0 = time.perf_counter()
+    program = torch.export.export(module, inputs)
+    export_s = time.perf_counter() - t0
+    nodes = len(program.graph.nodes)
+    settings = AutocastSettings(low_precision_type=LOW, data_max=None)
+    best: dict[str, float] | None = None
+    for _ in range(repeats):
+        timings = compile(program, inputs, mode="rule", settings=settings).timings
+        if best is None or timings["total"] < best["total"]:
+            best = timings
+    assert best is not None
+    return ScalingRow(nodes, export_s, best["total"], best)
+
+
+def scaling_table(rows: Sequence[ScalingRow]) -> str:
+    head = ["graph nodes", "torch.export s", "compile s", "us / node", *(f"{s} s" for s in STAGES)]
+    body = [
+        [r.nodes, f"{r.export_s:.2f}", f"{r.compile_s:.2f}", f"{r.us_per_node:.0f}", *(f"{r.stages.get(s, 0.0):.2f}" for s in STAGES)]
+        for r in rows
+    ]
+    small, large = rows[0], rows[-1]
+    growth = large.us_per_node / small.us_per_node
+    note = (
+        f"per-node cost {large.nodes} vs {small.nodes} nodes: {growth:.2f}x (1.0 = linear growth); "
+        f"compile of {large.nodes} nodes: {large.compile_s:.1f} s "
+        f"(stage 'export' is the standalone-graph copy of the exported program, not torch.export)"
+    )
+    return f"{tabulate(body, headers=head)}\n{note}"
+
+
+@dataclass(frozen=True)
+class LatencyRow:
+    model: str
+    eager_ms: float
+    compiled_ms: float
+    speedup: float
+    speedup_low: float
+    speedup_high: float
+    eager_err: float
+    compiled_err: float
+    samples: int
+
+
+def _max_abs_error(got: Sequence[torch.Tensor], ref: Sequence[torch.Tensor]) -> float:
+    return max(float((g.float() - r.float()).abs().max()) for g, r in zip(got, ref, strict=True))
+
+
+def _as_tuple(out: torch.Tensor | Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    return (out,) if isinstance(out, torch.Tensor) else tuple(out)
+
+
+def interleaved_samples(
+    a: Callable[[], object], b: Callable[[], object], rounds: int, block: int, warmup: int
+) -> tuple[list[float], list[float]]:
+    """Per-call seconds of ``a`` and ``b``, in alternating blocks whose order flips every round."""
+    for _ in range(warmup):
+        a()
+        b()
+    times: dict[int, list[float]] = {0: [], 1: []}
+    fns = (a, b)
+    for r in range(rounds):
+        for which in ((0, 1) if r % 2 == 0 else (1, 0)):
+            fn, out = fns[which], times[which]
+            for _ in range(block):
+                t0 = time.perf_counter()
+                fn()
+                out.append(time.perf_counter() - t0)
+    return times[0], times[1]
+
+
+def measure_latency(name: str, rounds: int, block: int, warmup: int) -> LatencyRow:
+    spec = models.load(name)
+    module, inputs = spec.module.eval(), spec.example_inputs
+    compiled = compile(module, inputs, mode="rule", low_precision_type=LOW)
+    with torch.inference_mode():
+        reference = _as_tuple(module(*inputs))
+
+        def eager() -> tuple[torch.Tensor, ...]:
+            with torch.autocast("cpu", dtype=LOW):
+                return _as_tuple(module(*inputs))
+
+        def typed() -> tuple[torch.Tensor, ...]:
+            return compiled(*inputs)
+
+        eager_err = _max_abs_error(eager(), reference)
+        compiled_err = _max_abs_error(typed(), reference)
+        eager_s, compiled_s = interleaved_samples(eager, typed, rounds, block, warmup)
+    ci = bootstrap_ratio_ci(eager_s, compiled_s)
+    return LatencyRow(
+        name,
+        statistics.median(eager_s) * 1e3,
+        statistics.median(compiled_s) * 1e3,
+        ci.ratio,
+        ci.low,
+        ci.high,
+        eager_err,
+        compiled_err,
+        len(eager_s),
+    )
+
+
+def latency_table(rows: Sequence[LatencyRow]) -> str:
+    head = [
+        "model", "eager autocast ms", "compiled ms", "speed-up", "95% CI",
+        "eager max abs err", "compiled max abs err", "runs each",
+    ]  # fmt: skip
+    body = [
+        [
+            r.model, f"{r.eager_ms:.3f}", f"{r.compiled_ms:.3f}", f"{r.speedup:.2f}x",
+            f"{r.speedup_low:.2f}-{r.speedup_high:.2f}", f"{r.eager_err:.3g}", f"{r.compiled_err:.3g}", r.samples,
+        ]  # fmt: skip
+        for r in rows
+    ]
+    return tabulate(body, headers=head)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m harness.benchmarks.compile_bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="smaller graphs (1k and 3k nodes) and fewer timed runs")
+    parser.add_argument(
+        "--threads", type=int, default=None,
+        help="intra-op threads for the latency runs (default: torch's); 1 is far steadier on a CPU shared with other jobs",
+    )  # fmt: skip
+    args = parser.parse_args(argv)
+    if args.threads is not None:
+        if args.threads < 1:
+            parser.error(f"--threads must be at least 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    sizes, repeats = ((1000, 3000), 1) if args.quick else ((1000, 10000), 2)
+    rounds, block, warmup = (6, 5, 3) if args.quick else (20, 10, 10)
+
+    load = os.getloadavg()[0]
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, load average {load:.2f} on {os.cpu_count()} CPUs\n")
+    print(f"(a) rule-mode compile time without calibration, best of {repeats}")
+    print(scaling_table([measure_scaling(n, repeats) for n in sizes]))
+    print(f"\n(b) rule-mode {str(LOW).removeprefix('torch.')} typed graph vs eager torch.autocast, "
+          f"median of {rounds} interleaved blocks of {block} calls each, errors against fp32 eager")  # fmt: skip
+    print(latency_table([measure_latency(name, rounds, block, warmup) for name in ("resnet", "transformer")]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

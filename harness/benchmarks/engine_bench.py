@@ -1,0 +1,208 @@
+"""CPU engine vs eager PyTorch, measured side by side in one run.
+
+``python -m harness.benchmarks.engine_bench [--models a,b] [--seconds S]`` prints,
+per zoo model:
+- fp32: eager module vs the CPU engine built in mode ``fp32`` (speedup =
+  eager median / engine median);
+- bf16: eager under ``torch.autocast("cpu", torch.bfloat16)`` vs the engine
+  built in mode ``autocast-bf16`` (rule-based typing) and, for reference, in
+  mode ``amp-bf16`` (the same typing eager autocast applies), with max and
+  mean absolute errors against eager fp32;
+- build: a cold build (every layer timed, empty cache) vs a warm build (every
+  layer from the cache the cold build filled).
+
+The two sides of each ratio are measured in alternating rounds and each side
+keeps the median of its round medians, so a burst of load from another
+process hits both sides instead of deciding the ratio. This is a benchmark
+report, not a test: nothing here asserts a threshold.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+import models
+from harness.bench.latency import measure_latency
+from harness.build import compile_graph
+from harness.cache.timing_cache import TimingCache
+from harness.engines.cpu import CpuBackend
+from harness.engines.protocol import BuildConfig
+from harness.errors import HarnessError
+
+ROUNDS = 3
+
+
+def medians_alternating(fns: Sequence[Callable[[], object]], seconds: float) -> list[float]:
+    """Median latency (ms) of each callable, measured in alternating rounds."""
+    per_run = seconds / (len(fns) * ROUNDS)
+    medians: list[list[float]] = [[] for _ in fns]
+    for _ in range(ROUNDS):
+        for fn, own in zip(fns, medians, strict=True):
+            result = measure_latency(
+                fn, warmup_s=min(0.2, per_run), min_iters=10, min_duration_s=per_run
+            )
+            own.append(result.summary.median / 1e6)
+    return [statistics.median(own) for own in medians]
+
+
+def abs_errors(outputs: Sequence[torch.Tensor], reference: Sequence[torch.Tensor]) -> str:
+    """ "max/mean" absolute error over all outputs: the max alone is one element and noisy."""
+    diffs = torch.cat(
+        [(o.double() - r.double()).abs().flatten() for o, r in zip(outputs, reference, strict=True)]
+    )
+    return f"{float(diffs.max()):.2e}/{float(diffs.mean()):.1e}"
+
+
+def as_tuple(value: Any) -> tuple[torch.Tensor, ...]:
+    return tuple(value) if isinstance(value, (tuple, list)) else (value,)
+
+
+def bench_model(name: str, seconds: float) -> dict[str, Any]:
+    spec = models.load(name)
+    backend = CpuBackend()
+    inputs = spec.example_inputs
+    module = spec.module
+    row: dict[str, Any] = {"model": name}
+    with torch.inference_mode():
+        reference = as_tuple(module(*inputs))
+
+        def eager() -> object:
+            with torch.inference_mode():
+                return module(*inputs)
+
+        # fp32, with cold vs warm build on the same compiled graph.
+        fp32 = BuildConfig(mode="fp32")
+        compiled = compile_graph(spec, fp32, backend)
+        cache = TimingCache(backend.provenance(fp32))
+        start = time.perf_counter()
+        engine, _ = backend.build(compiled, fp32, cache)
+        row["cold_build_s"] = time.perf_counter() - start
+        start = time.perf_counter()
+        warm_engine, _ = backend.build(
+            compiled, BuildConfig(mode="fp32", error_on_cache_miss=True), cache
+        )
+        row["warm_build_s"] = time.perf_counter() - start
+        row["warm_same_engine"] = warm_engine.fingerprint() == engine.fingerprint()
+        row["eager_fp32_ms"], row["engine_fp32_ms"] = medians_alternating(
+            [eager, lambda: engine(*inputs)], seconds
+        )
+        row["fp32_err"] = abs_errors(engine(*inputs), reference)
+
+        # bf16: the rule-based autocast engine (and the AMP-typed one) vs eager autocast.
+        bf16_engines = {}
+        for mode in ("autocast-bf16", "amp-bf16"):
+            config = BuildConfig(mode=mode)
+            try:
+                bf16_engines[mode], _ = backend.build(
+                    compile_graph(spec, config, backend), config, None
+                )
+            except HarnessError as exc:
+                row[f"{mode}_failure"] = str(exc)
+                continue
+            row[f"{mode}_err"] = abs_errors(bf16_engines[mode](*inputs), reference)
+
+        def eager_autocast() -> object:
+            with torch.inference_mode(), torch.autocast("cpu", torch.bfloat16):
+                return module(*inputs)
+
+        try:
+            row["eager_bf16_err"] = abs_errors(as_tuple(eager_autocast()), reference)
+        except RuntimeError as exc:
+            row["eager_bf16_failure"] = str(exc).splitlines()[0]
+        if "eager_bf16_err" in row and len(bf16_engines) == 2:
+            rule, amp = bf16_engines["autocast-bf16"], bf16_engines["amp-bf16"]
+            row["eager_bf16_ms"], row["autocast-bf16_ms"], row["amp-bf16_ms"] = medians_alternating(
+                [eager_autocast, lambda: rule(*inputs), lambda: amp(*inputs)], seconds
+            )
+    return row
+
+
+def report(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        f"CPU engine benchmark: torch {torch.__version__}, {torch.get_num_threads()} threads, "
+        f"{torch.backends.cpu.get_cpu_capability()}",
+        "",
+        "fp32: eager PyTorch vs CPU engine (speedup = eager / engine; aim >= 1.2x resnet, >= 0.95x all)",
+        f"  {'model':<12} {'eager ms':>9} {'engine ms':>10} {'speedup':>8} {'engine err max/mean':>20}",
+    ]
+    for r in rows:
+        lines.append(
+            f"  {r['model']:<12} {r['eager_fp32_ms']:>9.3f} {r['engine_fp32_ms']:>10.3f} "
+            f"{r['eager_fp32_ms'] / r['engine_fp32_ms']:>7.2f}x {r['fp32_err']:>20}"
+        )
+    lines += [
+        "",
+        "bf16: eager torch.autocast('cpu', bfloat16) vs CPU engine autocast-bf16 (aim >= 1.3x, error no worse);",
+        "      amp-bf16 engine (eager autocast's own typing) for reference; errors = max/mean abs vs eager fp32",
+        f"  {'model':<12} {'eager ms':>9} {'err':>17} | {'autocast ms':>11} {'speedup':>8} {'err':>17} | "
+        f"{'amp ms':>8} {'speedup':>8} {'err':>17}",
+    ]
+    for r in rows:
+        if "eager_bf16_ms" not in r:
+            lines.append(f"  {r['model']:<12} not compared: " + "; ".join(_bf16_outcomes(r)))
+            continue
+        eager_ms = r["eager_bf16_ms"]
+        lines.append(
+            f"  {r['model']:<12} {eager_ms:>9.3f} {r['eager_bf16_err']:>17} | "
+            f"{r['autocast-bf16_ms']:>11.3f} {eager_ms / r['autocast-bf16_ms']:>7.2f}x {r['autocast-bf16_err']:>17} | "
+            f"{r['amp-bf16_ms']:>8.3f} {eager_ms / r['amp-bf16_ms']:>7.2f}x {r['amp-bf16_err']:>17}"
+        )
+    lines += [
+        "",
+        "build: cold (every layer timed) vs warm (every layer from the cache) (aim >= 10x)",
+        f"  {'model':<12} {'cold s':>8} {'warm s':>8} {'speedup':>8}  same engine",
+    ]
+    for r in rows:
+        lines.append(
+            f"  {r['model']:<12} {r['cold_build_s']:>8.3f} {r['warm_build_s']:>8.3f} "
+            f"{r['cold_build_s'] / r['warm_build_s']:>7.1f}x  {'yes' if r['warm_same_engine'] else 'NO'}"
+        )
+    return "\n".join(lines)
+
+
+def _bf16_outcomes(row: dict[str, Any]) -> list[str]:
+    """Why a bf16 comparison could not be made: each side's failure or error."""
+    outcomes = []
+    for side, label in (
+        ("eager_bf16", "eager autocast"),
+        ("autocast-bf16", "engine autocast-bf16"),
+        ("amp-bf16", "engine amp-bf16"),
+    ):
+        if f"{side}_failure" in row:
+            outcomes.append(f"{label} fails ({row[f'{side}_failure']})")
+        else:
+            outcomes.append(f"{label} err {row[f'{side}_err']}")
+    return outcomes
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m harness.benchmarks.engine_bench", description=__doc__
+    )
+    parser.add_argument(
+        "--models", default=",".join(models.available()), help="comma-separated zoo names"
+    )
+    parser.add_argument("--seconds", type=float, default=3.0, help="measuring time per ratio")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch intra-op threads for builds and runs (default: torch's); 1 is far less "
+        "sensitive to other processes on a shared machine",
+    )
+    args = parser.parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    rows = [bench_model(name, args.seconds) for name in args.models.split(",")]
+    print(report(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,343 @@
+"""``harness bench``, ``merge``, ``baseline promote``, ``compare`` and ``gate``.
+
+Exit codes: 0 success (gate: no regression), 1 a case failed (bench) or a
+regression (gate), 2 bad input (flags, files, models, modes), 130
+interrupted (the finished cases are kept in a file marked incomplete).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from harness.errors import HarnessError
+
+DEFAULT_ROOT = "results"
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    from harness.engines.registry import BACKEND_NAMES
+
+    p = sub.add_parser(
+        "bench",
+        help="benchmark models x precision modes on one backend",
+        description="Build, check accuracy of, and time every (model, mode) case; write one results JSON.",
+    )
+    p.add_argument("--models", default=None, help="comma-separated zoo names or path/to/file.py:factory "
+                   "(default: resnet,transformer,digits)")
+    p.add_argument("--modes", default=None, help="comma-separated precision modes "
+                   "(default: every mode the backend supports; 'explicit' only with --explicit)")
+    p.add_argument("--backend", choices=BACKEND_NAMES, default="auto",
+                   help="auto: TensorRT when it imports and a GPU is visible, else cpu")
+    p.add_argument("--explicit", default=None, metavar="FILE", help="explicit precision file for mode 'explicit'")
+    p.add_argument("--cache-dir", default=None, metavar="DIR",
+                   help="timing caches, one per (model, mode) (default: caches/ next to the results file)")
+    p.add_argument("--shard", default=None, metavar="I/N", help="run every N-th case of the matrix, starting at the I-th")
+    p.add_argument("--quick", action="store_true", help="tiny warm-up and timing windows: checks the pipeline, not the numbers")
+    p.add_argument("-o", "--output", default=None, metavar="FILE",
+                   help=f"results file (default: {DEFAULT_ROOT}/<machine>/run-<timestamp>.json)")
+    p.add_argument("--summary-md", default=None, metavar="FILE", help="also write the table as Markdown (CI job summary)")
+    p.add_argument("--no-plots", action="store_true", help="skip the latency-vs-error PNGs")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=run_bench)
+
+    m = sub.add_parser("merge", help="join the shards of a run into one results file")
+    m.add_argument("shards", nargs="+", metavar="RESULTS")
+    m.add_argument("-o", "--output", required=True, metavar="FILE")
+    m.set_defaults(func=run_merge)
+
+    b = sub.add_parser("baseline", help="manage per-machine baselines")
+    bsub = b.add_subparsers(dest="baseline_command", required=True, metavar="ACTION")
+    promote = bsub.add_parser("promote", help="make a finished run the baseline of its machine")
+    promote.add_argument("run", metavar="RUN")
+    promote.add_argument("--root", default=DEFAULT_ROOT, help=f"results root (default: {DEFAULT_ROOT})")
+    promote.set_defaults(func=run_promote)
+
+    c = sub.add_parser("compare", help="per-case fingerprints, tactics, output digests, latency and accuracy of two runs")
+    c.add_argument("a", metavar="A.json")
+    c.add_argument("b", metavar="B.json")
+    c.add_argument("--markdown", action="store_true", help="print the table as Markdown")
+    c.set_defaults(func=run_compare)
+
+    g = sub.add_parser("gate", help="fail on latency, accuracy or determinism regressions against a baseline")
+    g.add_argument("--baseline", default=None, metavar="B", help="default: <root>/<machine>/baseline.json")
+    g.add_argument("--current", default=None, metavar="C", help="default: the newest run-*.json in <root>/<machine>/")
+    g.add_argument("--root", default=DEFAULT_ROOT, help=f"results root for the defaults (default: {DEFAULT_ROOT})")
+    g.add_argument("--latency-threshold", default="5%", metavar="PCT",
+                   help="smallest slowdown of the median that counts (5%% or 0.05)")
+    g.add_argument("--alpha", type=float, default=0.01, help="significance level of the Mann-Whitney U test")
+    g.add_argument("--fail-on-unstable", action="store_true", help="a case with a CoV above its threshold fails")
+    g.add_argument("--summary-md", default=None, metavar="FILE", help="also write the gate table as Markdown")
+    g.set_defaults(func=run_gate)
+
+
+# --- bench ---------------------------------------------------------------------------
+
+
+def _split(text: str, flag: str) -> list[str]:
+    items = [part.strip() for part in text.split(",") if part.strip()]
+    if not items:
+        raise HarnessError(f"{flag} {text!r}: give at least one name (comma-separated)")
+    if len(set(items)) != len(items):
+        raise HarnessError(f"{flag} {text!r}: a name appears twice")
+    return items
+
+
+def _check_models(names: list[str]) -> None:
+    """Load every model up front: an unknown name is bad input, not a failed case."""
+    import models
+
+    for name in names:
+        models.load(name)
+
+
+def _modes(text: str | None, backend: Any, explicit: str | None) -> list[str]:
+    from harness.bench.runner import EXPLICIT_MODE, default_modes
+    from harness.engines.modes import check_mode_name
+
+    if text is None:
+        modes = list(default_modes(backend))
+        return modes + [EXPLICIT_MODE] if explicit is not None else modes
+    modes = _split(text, "--modes")
+    for mode in modes:
+        check_mode_name(mode)
+    if (EXPLICIT_MODE in modes) != (explicit is not None):
+        raise HarnessError(
+            "mode 'explicit' needs --explicit FILE"
+            if explicit is None
+            else "--explicit FILE was given but 'explicit' is not among --modes"
+        )
+    return modes
+
+
+def _backend(name: str) -> Any:
+    from harness.engines.registry import get_backend, resolve_name
+
+    try:
+        return get_backend(name)
+    except ImportError as exc:
+        raise HarnessError(
+            f"backend {resolve_name(name)!r} cannot be loaded on this machine ({exc}); "
+            "use --backend cpu or install it"
+        ) from None
+
+
+def _write_text(path: str, text: str) -> None:
+    from harness.fileio import atomic_write_bytes
+
+    atomic_write_bytes(path, text.encode())
+
+
+def _overhead_line(doc: dict[str, Any]) -> str:
+    """The timing loop's own cost per iteration, as measured next to the cases of this run."""
+    from harness.bench.tables import format_ns
+
+    overheads = [
+        c["latency"]["overhead"]
+        for c in doc["cases"]
+        if c.get("latency") is not None and c["latency"].get("overhead") is not None
+    ]
+    if not overheads:
+        return "measurement overhead per iteration: not measured (no successful case)"
+    worst = max(overheads, key=lambda o: o["median"])
+    return (
+        "measurement overhead per iteration (timing loop around an empty call, "
+        f"not subtracted from the latencies): median {format_ns(worst['median'])}, "
+        f"p99 {format_ns(worst['p99'])}"
+    )
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    from harness.bench.latency import measure_overhead
+    from harness.bench.machine import machine_info
+    from harness.bench.results import ResultsWriter, new_run_path
+    from harness.bench.runner import (
+        DEFAULT_MODELS,
+        QUICK,
+        BenchRunner,
+        MeasureSettings,
+        build_matrix,
+        parse_shard,
+    )
+    from harness.bench.tables import results_table
+
+    shard = parse_shard(args.shard) if args.shard is not None else None
+    if args.explicit is not None and not Path(args.explicit).is_file():
+        raise HarnessError(f"--explicit {args.explicit}: no such file")
+    model_names = _split(args.models, "--models") if args.models is not None else list(DEFAULT_MODELS)
+    backend = _backend(args.backend)
+    modes = _modes(args.modes, backend, args.explicit)
+    _check_models(model_names)
+    measure = QUICK if args.quick else MeasureSettings()
+
+    machine = machine_info()
+    if args.output is not None:
+        output = Path(args.output)
+    else:
+        output = new_run_path(DEFAULT_ROOT, machine["id"])
+        if shard is not None:
+            output = output.with_name(f"{output.stem}-shard{shard[0]}of{shard[1]}.json")
+    cache_dir = Path(args.cache_dir) if args.cache_dir is not None else output.parent / "caches"
+    overhead = measure_overhead()
+    # Shards of one run must carry equal settings (merge checks them), so the
+    # shard is in the file name and the measured overhead in each case, not here.
+    settings = {
+        "backend": backend.name,
+        "models": model_names,
+        "modes": modes,
+        "explicit": args.explicit,
+        "quick": bool(args.quick),
+        "measure": measure.to_dict(),
+    }
+    matrix = build_matrix(model_names, modes, shard)
+    writer = ResultsWriter.create(output, settings=settings, machine=machine)
+    runner = BenchRunner(
+        backend,
+        cache_dir=cache_dir,
+        settings=measure,
+        explicit_path=args.explicit,
+        overhead=overhead,
+    )
+    failed: list[str] = []
+
+    def on_case(case: dict[str, Any]) -> None:
+        if case["status"] == "failed":
+            failed.append(f"{case['model']}/{case['mode']}")
+            print(f"case {case['model']}/{case['mode']} failed: {case['error']}", file=sys.stderr)
+
+    try:
+        doc = runner.run(matrix, writer, progress=not args.no_progress, on_case=on_case)
+    except KeyboardInterrupt:
+        doc = writer.doc
+        _report(doc, output, args, results_table)
+        print(
+            f"interrupted: {len(doc['cases'])} of {len(matrix)} cases kept in {output} (marked incomplete)",
+            file=sys.stderr,
+        )
+        return 130
+    _report(doc, output, args, results_table)
+    if failed:
+        print(f"{len(failed)} of {len(matrix)} cases failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _report(doc: dict[str, Any], output: Path, args: argparse.Namespace, table: Any) -> None:
+    print(table(doc))
+    print()
+    print(_overhead_line(doc))
+    if not args.no_plots and doc["cases"]:
+        from harness.bench.plots import plot_results
+
+        for path in plot_results(doc, output):
+            print(f"plot: {path}")
+    print(f"results: {output}")
+    if args.summary_md is not None:
+        _write_text(args.summary_md, f"{table(doc, 'github')}\n\n{_overhead_line(doc)}\n")
+        print(f"markdown summary: {args.summary_md}")
+
+
+# --- merge, baseline, compare ----------------------------------------------------------
+
+
+def run_merge(args: argparse.Namespace) -> int:
+    from harness.bench.results import merge_results, write_results
+
+    output = Path(args.output)
+    if output.resolve() in {Path(p).resolve() for p in args.shards}:
+        raise HarnessError(f"-o {output}: the merged file must not replace one of its shards")
+    doc = merge_results(args.shards)
+    write_results(output, doc)
+    state = "complete" if doc["complete"] else "INCOMPLETE (a shard was interrupted)"
+    print(f"merged {len(args.shards)} files, {len(doc['cases'])} cases, {state}: {output}")
+    return 0
+
+
+def run_promote(args: argparse.Namespace) -> int:
+    from harness.bench.results import promote_baseline
+
+    dest = promote_baseline(args.run, args.root)
+    print(f"baseline for its machine: {dest} (from {args.run})")
+    return 0
+
+
+def run_compare(args: argparse.Namespace) -> int:
+    from harness.bench.compare import compare
+    from harness.bench.results import load_results
+    from harness.bench.tables import compare_table
+
+    comparison = compare(load_results(args.a), load_results(args.b))
+    print(compare_table(comparison, "github" if args.markdown else "simple"))
+    return 0
+
+
+# --- gate ------------------------------------------------------------------------------
+
+
+def parse_threshold(text: str) -> float:
+    """``"5%"`` or ``"0.05"`` -> 0.05."""
+    raw = text.strip()
+    try:
+        value = float(raw[:-1]) / 100 if raw.endswith("%") else float(raw)
+    except ValueError:
+        raise HarnessError(
+            f"--latency-threshold {text!r}: expected a percentage such as 5% or a fraction such as 0.05"
+        ) from None
+    if not 0 <= value < 10:
+        raise HarnessError(f"--latency-threshold {text!r}: must be between 0% and 1000%")
+    return value
+
+
+def newest_run(directory: Path) -> Path:
+    """The newest ``run-*.json`` by its timestamped name (merged and sharded runs included)."""
+    runs = sorted(p for p in directory.glob("run-*.json") if p.is_file())
+    if not runs:
+        raise HarnessError(
+            f"no run-*.json in {directory}; run `harness bench` first or pass --current FILE"
+        )
+    return runs[-1]
+
+
+def _gate_inputs(args: argparse.Namespace) -> tuple[Path, Path]:
+    if args.baseline is not None and args.current is not None:
+        return Path(args.baseline), Path(args.current)
+    from harness.bench.machine import machine_info
+    from harness.bench.results import baseline_path, results_dir
+
+    machine = machine_info()["id"]
+    baseline = Path(args.baseline) if args.baseline is not None else baseline_path(args.root, machine)
+    if args.baseline is None and not baseline.is_file():
+        raise HarnessError(
+            f"no baseline for machine {machine!r} at {baseline}; promote a run with "
+            "`harness baseline promote RUN` or pass --baseline FILE"
+        )
+    current = Path(args.current) if args.current is not None else newest_run(results_dir(args.root, machine))
+    return baseline, current
+
+
+def run_gate(args: argparse.Namespace) -> int:
+    from harness.bench.gate import gate
+    from harness.bench.results import load_results
+    from harness.bench.tables import gate_table
+
+    threshold = parse_threshold(args.latency_threshold)
+    if not 0 < args.alpha < 1:
+        raise HarnessError(f"--alpha {args.alpha}: must be strictly between 0 and 1")
+    baseline, current = _gate_inputs(args)
+    if baseline.resolve() == current.resolve():
+        raise HarnessError(f"baseline and current run are the same file ({current})")
+    report = gate(
+        load_results(baseline),
+        load_results(current),
+        latency_threshold=threshold,
+        alpha=args.alpha,
+        fail_on_unstable=args.fail_on_unstable,
+    )
+    print(f"gate: {current} against baseline {baseline}")
+    print(gate_table(report))
+    if args.summary_md is not None:
+        _write_text(args.summary_md, f"### Regression gate\n\n{gate_table(report, 'github')}\n")
+    return report.exit_code
+

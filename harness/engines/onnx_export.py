@@ -1,0 +1,484 @@
+"""Hand a typed graph to ONNX with exactly the casts the autocast compiler placed.
+
+ONNX is the hand-off to TensorRT (and to ONNX Runtime, which runs the same
+file): the engine follows the types written in it, so the file must hold one
+``Cast`` per compiler cast (an ``aten._to_copy`` node of the typed graph),
+none removed and none merged, and every weight in the dtype the compiler
+converted it to.
+
+The graph goes through ``torch.onnx.export(dynamo=True)``; the TorchScript
+exporter cannot translate ``aten._to_copy`` at all. The exporter's own
+optimizer is *not* used: its rewrite rules fuse patterns across types (it
+folds an fp32 BatchNormalization into an fp16 Conv, leaving a Conv with mixed
+input types). Instead the graph gets only semantics-preserving clean-up:
+function inlining, constant folding that never touches a compiler cast or a
+weight, and dead-node removal.
+
+Casts are attributed through PyTorch's node provenance (``from_node``): every
+ONNX node knows the FX node of the re-exported program it was translated
+from, and that node knows which node of the typed graph it came from. ONNX
+nodes are renamed after those typed-graph nodes (``conv2d``, ``x_fp16``;
+``gelu/Erf`` when one FX node became several ONNX nodes), so TensorRT's layer
+names and build log speak the compiler's names. A ``Cast`` whose origin is
+not a compiler cast was placed by the exporter; the one known source is
+implicit type promotion (``aten.add(fp32, bf16)`` runs in fp32 in PyTorch,
+while ONNX ``Add`` needs equal types), as in AMP graphs. Those are recorded
+separately, not hidden.
+
+Opset: 18 by default; 22 when the graph holds bf16 tensors, because ONNX
+types ``Conv``, ``MaxPool`` and the other pooling ops in bf16 only from 22.
+Shapes are static (the example inputs' shapes); the engines are built for them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import warnings
+from collections import Counter, defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import onnx
+import onnx.numpy_helper
+import onnx_ir as ir
+import onnx_ir.passes.common as ir_passes
+import torch
+from onnxscript.optimizer import fold_constants_ir
+
+from harness.engines.protocol import DTYPE_NAMES, dtype_name
+from harness.errors import HarnessError
+from harness.fileio import atomic_write_bytes, canonical_json
+
+if TYPE_CHECKING:
+    from harness.autocast import CompiledGraph
+
+DEFAULT_OPSET = 18
+BF16_OPSET = 22
+# Cast to bfloat16 exists from 13; the exporter's translations target 18.
+MIN_OPSET = 18
+COMPILER = "compiler"
+EXPORTER = "exporter"
+
+# ONNX TensorProto element types -> the engines' short dtype names.
+ONNX_DTYPE_NAMES = {
+    int(ir.DataType.FLOAT): "fp32",
+    int(ir.DataType.FLOAT16): "fp16",
+    int(ir.DataType.BFLOAT16): "bf16",
+    int(ir.DataType.DOUBLE): "fp64",
+    int(ir.DataType.INT64): "int64",
+    int(ir.DataType.INT32): "int32",
+    int(ir.DataType.INT16): "int16",
+    int(ir.DataType.INT8): "int8",
+    int(ir.DataType.UINT8): "uint8",
+    int(ir.DataType.BOOL): "bool",
+}
+FLOAT_DTYPES = frozenset(("fp32", "fp16", "bf16", "fp64"))
+
+
+def onnx_dtype_name(elem_type: int) -> str:
+    """Short name ("fp16", "int64", ...) of an ONNX element type; unknown types keep ONNX's name."""
+    name = ONNX_DTYPE_NAMES.get(int(elem_type))
+    return name if name is not None else ir.DataType(elem_type).name.lower()
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A graph input or output of the exported model."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> TensorSpec:
+        return cls(obj["name"], obj["dtype"], tuple(int(d) for d in obj["shape"]))
+
+
+@dataclass(frozen=True)
+class CastRecord:
+    """One ``Cast`` node of the ONNX model and who put it there."""
+
+    node: str
+    origin: str | None  # the typed-graph FX node it was translated from
+    source: str
+    target: str
+    placed_by: str  # COMPILER or EXPORTER
+
+    @property
+    def float_to_float(self) -> bool:
+        return self.source in FLOAT_DTYPES and self.target in FLOAT_DTYPES
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "node": self.node,
+            "origin": self.origin,
+            "source": self.source,
+            "target": self.target,
+            "placed_by": self.placed_by,
+        }
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> CastRecord:
+        return cls(obj["node"], obj["origin"], obj["source"], obj["target"], obj["placed_by"])
+
+
+# JSON schemas of the records above, for the engine plans that store them.
+TENSOR_SPEC_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["name", "dtype", "shape"],
+    "additionalProperties": False,
+    "properties": {
+        "name": {"type": "string", "minLength": 1},
+        "dtype": {"type": "string", "minLength": 1},
+        "shape": {"type": "array", "items": {"type": "integer", "minimum": 0}},
+    },
+}
+CAST_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["node", "origin", "source", "target", "placed_by"],
+    "additionalProperties": False,
+    "properties": {
+        "node": {"type": "string"},
+        "origin": {"type": ["string", "null"]},
+        "source": {"type": "string"},
+        "target": {"type": "string"},
+        "placed_by": {"enum": [COMPILER, EXPORTER]},
+    },
+}
+
+
+def check_inputs(
+    inputs: tuple[torch.Tensor, ...], specs: tuple[TensorSpec, ...], where: str
+) -> None:
+    """Refuse inputs whose count, dtype or shape differ from what the engine was built for."""
+    if len(inputs) != len(specs):
+        raise HarnessError(f"{where} takes {len(specs)} input(s), got {len(inputs)}")
+    for tensor, spec in zip(inputs, specs, strict=True):
+        if not isinstance(tensor, torch.Tensor):
+            raise HarnessError(f"{where} input {spec.name!r}: expected a tensor, got {type(tensor).__name__}")
+        got = (dtype_name(tensor.dtype) if tensor.dtype in DTYPE_NAMES else str(tensor.dtype), tuple(tensor.shape))
+        if got != (spec.dtype, spec.shape):
+            raise HarnessError(
+                f"{where} input {spec.name!r}: expected {spec.dtype} {spec.shape}, got {got[0]} {got[1]}"
+            )
+
+
+@dataclass(frozen=True)
+class OnnxExport:
+    """The exported file and what a reader needs to trust it."""
+
+    path: Path
+    opset: int
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    casts: tuple[CastRecord, ...]
+    initializers: dict[str, str]  # name -> dtype
+
+    @property
+    def cast_count(self) -> int:
+        return len(self.casts)
+
+    @property
+    def compiler_casts(self) -> tuple[CastRecord, ...]:
+        return tuple(c for c in self.casts if c.placed_by == COMPILER)
+
+    @property
+    def exporter_casts(self) -> tuple[CastRecord, ...]:
+        return tuple(c for c in self.casts if c.placed_by == EXPORTER)
+
+
+def initializers_digest(model: onnx.ModelProto) -> str:
+    """Digest of the weights (name, type, shape, bytes), independent of their order in the file."""
+    h = hashlib.sha256()
+    for tensor in sorted(model.graph.initializer, key=lambda t: t.name):
+        h.update(canonical_json([tensor.name, tensor.data_type, list(tensor.dims)]))
+        h.update(_tensor_bytes(tensor))
+    return "sha256:" + h.hexdigest()
+
+
+def initializer_bytes_by_dtype(model: onnx.ModelProto) -> dict[str, int]:
+    sizes: dict[str, int] = defaultdict(int)
+    for tensor in model.graph.initializer:
+        sizes[onnx_dtype_name(tensor.data_type)] += len(_tensor_bytes(tensor))
+    return dict(sizes)
+
+
+def _tensor_bytes(tensor: onnx.TensorProto) -> bytes:
+    return tensor.raw_data or onnx.numpy_helper.to_array(tensor).tobytes()
+
+
+def compiler_casts(gm: torch.fx.GraphModule) -> dict[str, torch.dtype]:
+    """The casts the compiler placed: ``aten._to_copy`` node name -> target dtype."""
+    return {
+        node.name: node.kwargs["dtype"]
+        for node in gm.graph.nodes
+        if node.op == "call_function" and node.target is torch.ops.aten._to_copy.default
+    }
+
+
+def default_opset(gm: torch.fx.GraphModule) -> int:
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor) and val.dtype == torch.bfloat16:
+            return BF16_OPSET
+    if any(t.dtype == torch.bfloat16 for t in (*gm.parameters(), *gm.buffers())):
+        return BF16_OPSET
+    return DEFAULT_OPSET
+
+
+def export_onnx(
+    compiled: CompiledGraph, path: str | os.PathLike[str], *, opset: int | None = None
+) -> OnnxExport:
+    """Export ``compiled`` to ``path`` (written atomically) and check what was written.
+
+    Raises HarnessError when the exporter cannot translate the graph, when
+    the result is not a valid ONNX model (e.g. an op with mixed input types
+    that PyTorch accepted but ONNX does not), or when a compiler cast or a
+    weight dtype did not survive the export.
+    """
+    gm = compiled.graph_module
+    bare = [n.name for n in gm.graph.nodes if n.op == "call_function" and not n.meta]
+    if bare:
+        # PyTorch records provenance only for nodes that carry metadata; without it
+        # no ONNX node could be traced back to its cast.
+        raise HarnessError(
+            f"typed graph nodes {', '.join(bare)} carry no metadata (meta['val']); export_onnx "
+            "takes graphs from harness.autocast.compile, which record it on every node"
+        )
+    placed = compiler_casts(gm)
+    opset = default_opset(gm) if opset is None else opset
+    if opset < MIN_OPSET:
+        raise HarnessError(f"ONNX opset {opset} is too old; the exporter needs opset >= {MIN_OPSET}")
+    output_count = _output_count(gm)
+    model = _torch_export(compiled, opset, output_count)
+    origins = _origins(model.graph, id(gm.graph))
+    weights = _weight_dtypes(gm)
+    protected = {n for n, origin in origins.items() if n.op_type == "Cast" and origin in placed}
+    _clean(model, protected, set(weights))
+    names = _rename(model.graph, origins)
+    proto = ir.to_proto(model)
+    _check(proto, path)
+    record = _record(model, Path(path), opset, names, placed)
+    _verify(record, placed, weights)
+    atomic_write_bytes(path, proto.SerializeToString())
+    return record
+
+
+def _output_count(gm: torch.fx.GraphModule) -> int:
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    result = output.args[0]
+    return len(result) if isinstance(result, (tuple, list)) else 1
+
+
+def _torch_export(compiled: CompiledGraph, opset: int, output_count: int) -> ir.Model:
+    gm = compiled.graph_module
+    input_names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    try:
+        # The typed graph must be traced as written: no ambient autocast.
+        with torch.autocast("cpu", enabled=False), _quiet_exporter():
+            program = torch.onnx.export(
+                gm,
+                tuple(compiled.example_inputs),
+                dynamo=True,
+                opset_version=opset,
+                optimize=False,
+                verbose=False,
+                input_names=input_names,
+                output_names=[f"output_{i}" for i in range(output_count)],
+            )
+    except torch.onnx.OnnxExporterError as exc:
+        raise HarnessError(f"the typed graph cannot be exported to ONNX (opset {opset}): {exc}") from None
+    assert program is not None, "the dynamo exporter always returns a program"
+    return program.model
+
+
+@contextlib.contextmanager
+def _quiet_exporter() -> Iterator[None]:
+    """Silence the exporter's progress chatter (deprecation notes, "torchvision is not installed")."""
+    logger = logging.getLogger("torch.onnx")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logger.setLevel(level)
+
+
+def _origins(graph: ir.Graph, graph_id: int) -> dict[ir.Node, str | None]:
+    """Each ONNX node -> name of the typed-graph FX node it was translated from (None: unknown)."""
+    origins: dict[ir.Node, str | None] = {}
+    for node in graph:
+        fx_node = node.meta.get("node")
+        stack = list(fx_node.meta.get("from_node", ())) if isinstance(fx_node, torch.fx.Node) else []
+        origin = None
+        while stack:
+            source = stack.pop()
+            if source.graph_id == graph_id:
+                origin = source.name
+                break
+            stack.extend(source.from_node)
+        origins[node] = origin
+    return origins
+
+
+def _weight_dtypes(gm: torch.fx.GraphModule) -> dict[str, torch.dtype]:
+    """get_attr target -> dtype of the (already converted) tensor it reads."""
+    weights: dict[str, torch.dtype] = {}
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            value: Any = gm
+            for part in str(node.target).split("."):
+                value = getattr(value, part)
+            if isinstance(value, torch.Tensor):
+                weights[str(node.target)] = value.dtype
+    return weights
+
+
+def _clean(model: ir.Model, protected: set[ir.Node], weight_names: set[str]) -> None:
+    """Inline functions, fold constants and drop dead nodes; never touch casts or weights."""
+
+    def should_fold(node: ir.Node) -> bool | None:
+        if node in protected:
+            return False
+        if any(v is not None and v.name in weight_names for v in node.inputs):
+            return False
+        return None
+
+    ir_passes.InlinePass()(model)
+    fold_constants_ir(model, onnx_shape_inference=True, should_fold=should_fold)
+    ir_passes.RemoveUnusedNodesPass()(model)
+    ir_passes.LiftConstantsToInitializersPass(lift_all_constants=True, size_limit=0)(model)
+    ir_passes.RemoveUnusedNodesPass()(model)
+    ir_passes.RemoveUnusedOpsetsPass()(model)
+    # Stack traces hold local file paths: the same graph must give the same bytes anywhere.
+    ir_passes.ClearMetadataAndDocStringPass()(model)
+    ir_passes.OutputFixPass()(model)
+    ir_passes.NameFixPass()(model)
+
+
+def _rename(graph: ir.Graph, origins: dict[ir.Node, str | None]) -> dict[str, str | None]:
+    """Name ONNX nodes after their typed-graph origin; returns new name -> origin."""
+    groups: dict[str, list[ir.Node]] = defaultdict(list)
+    for node in graph:
+        origin = origins.get(node)
+        if origin is not None:
+            groups[origin].append(node)
+    taken = {node.name for node in graph if origins.get(node) is None}
+    names: dict[str, str | None] = {}
+    for node in graph:
+        origin = origins.get(node)
+        if origin is None:
+            names[str(node.name)] = None
+            continue
+        group = groups[origin]
+        if len(group) == 1:
+            wanted = origin
+        else:
+            same_op = [n for n in group if n.op_type == node.op_type]
+            index = same_op.index(node)
+            wanted = f"{origin}/{node.op_type}" + (f"_{index}" if index else "")
+        name = _unique(wanted, taken)
+        node.name = name
+        taken.add(name)
+        names[name] = origin
+    return names
+
+
+def _unique(name: str, taken: set[str | None]) -> str:
+    candidate, i = name, 1
+    while candidate in taken:
+        candidate, i = f"{name}#{i}", i + 1
+    return candidate
+
+
+def _check(proto: onnx.ModelProto, path: str | os.PathLike[str]) -> None:
+    if proto.ByteSize() >= 2**31:
+        raise HarnessError(
+            f"ONNX model for {os.fspath(path)} exceeds protobuf's 2 GB limit; "
+            "single-file export supports smaller models only"
+        )
+    try:
+        onnx.checker.check_model(proto, full_check=True)
+    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as exc:
+        raise HarnessError(
+            f"the exported ONNX model is invalid ({exc}). The typed graph holds an op that "
+            "PyTorch accepts but ONNX does not type (e.g. mixed input dtypes); check the "
+            "compiler's precision report for that node"
+        ) from None
+
+
+def _tensor_spec(value: ir.Value) -> TensorSpec:
+    if value.dtype is None or value.shape is None:
+        raise HarnessError(f"exported ONNX value {value.name!r} has no known dtype or shape")
+    dims = []
+    for dim in value.shape:
+        if not isinstance(dim, int):
+            raise HarnessError(f"exported ONNX value {value.name!r} has a dynamic dimension {dim}")
+        dims.append(dim)
+    return TensorSpec(str(value.name), onnx_dtype_name(int(value.dtype)), tuple(dims))
+
+
+def _record(
+    model: ir.Model, path: Path, opset: int, names: dict[str, str | None], placed: dict[str, torch.dtype]
+) -> OnnxExport:
+    graph = model.graph
+    casts = []
+    for node in graph:
+        if node.op_type != "Cast" or node.domain not in ("", "ai.onnx"):
+            continue
+        source = node.inputs[0]
+        origin = names.get(str(node.name))
+        casts.append(
+            CastRecord(
+                node=str(node.name),
+                origin=origin,
+                source=onnx_dtype_name(int(source.dtype)) if source is not None and source.dtype else "?",
+                target=onnx_dtype_name(node.attributes["to"].as_int()),
+                placed_by=COMPILER if origin in placed else EXPORTER,
+            )
+        )
+    initializers = {
+        name: onnx_dtype_name(int(value.dtype))
+        for name, value in graph.initializers.items()
+        if value.dtype is not None
+    }
+    return OnnxExport(
+        path=path,
+        opset=opset,
+        inputs=tuple(_tensor_spec(v) for v in graph.inputs),
+        outputs=tuple(_tensor_spec(v) for v in graph.outputs),
+        casts=tuple(casts),
+        initializers=initializers,
+    )
+
+
+def _verify(record: OnnxExport, placed: dict[str, torch.dtype], weights: dict[str, torch.dtype]) -> None:
+    """Every compiler cast exactly once with its dtype; every weight in its converted dtype."""
+    counts = Counter(c.origin for c in record.compiler_casts)
+    problems = [f"cast {name} is missing" for name in placed if counts[name] == 0]
+    problems += [f"cast {name} appears {n} times" for name, n in counts.items() if n > 1]
+    problems += [
+        f"cast {c.origin} converts to {c.target}, the compiler's to {dtype_name(placed[c.origin])}"
+        for c in record.compiler_casts
+        if c.origin is not None and c.target != dtype_name(placed[c.origin])
+    ]
+    for name, dtype in weights.items():
+        exported = record.initializers.get(name)
+        if exported is None:
+            problems.append(f"weight {name} is not an initializer")
+        elif exported != dtype_name(dtype):
+            problems.append(f"weight {name} is {exported}, the compiler converted it to {dtype_name(dtype)}")
+    if problems:
+        raise HarnessError(
+            "the ONNX export does not hold the typed graph's precisions: " + "; ".join(problems)
+        )

@@ -1,0 +1,548 @@
+"""The ONNX Runtime backend: the TensorRT hand-off file, run on ONNX Runtime's CPU provider.
+
+The engine is the ONNX model from :func:`harness.engines.onnx_export.export_onnx`
+(the very file TensorRT's parser gets) in an ``InferenceSession`` on
+``CPUExecutionProvider``. ONNX Runtime does not choose kernels by timing, so
+there is one tactic per layer ("ort-default"), nothing to autotune and no
+timing cache to read or write; weak modes, where a builder picks precisions by
+timing, are refused.
+
+What the CPU provider does with reduced precision (ONNX Runtime 1.2x-1.3x):
+
+* fp16: most CPU kernels exist only in fp32. ORT's ``InsertCastTransformer``
+  runs such nodes in fp32 with casts around them, and then drops cast pairs
+  it considers redundant, *including the compiler's* fp32->fp16->fp32 pairs
+  around such nodes. The engine therefore computes mostly in fp32; its
+  outputs agree with the typed graph to fp16 accuracy, not bit for bit. Every
+  build reports which nodes ran in another precision and which casts ORT
+  removed (``BuildLog.messages``), and the engine's layers are the graph ORT
+  really executes (as TensorRT's engine inspector reports fused layers).
+* bf16: the CPU provider has almost no bf16 kernels (not even ``Add``), so
+  bf16, autocast-bf16 and amp-bf16 graphs are refused at build time with the
+  op and dtype that has no kernel. Use the cpu or tensorrt backend for them.
+
+Modes that work: fp32, fp16, autocast-fp16, amp-fp16 (where the typed graph
+is valid ONNX) and explicit files without bf16.
+
+Saved engines are a directory with ``model.onnx`` and ``plan.json``. Loading
+checks the model's digest and that this ONNX Runtime still executes the same
+graph (the fingerprint covers the executed layers), then runs bit-identically.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import tempfile
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import torch
+from onnxruntime.capi import onnxruntime_pybind11_state as ort_state
+
+from harness.bench.machine import cpu_info
+from harness.cache.timing_cache import Provenance, TimingCache, check_compatible
+from harness.engines.modes import check_mode_name, is_weak
+from harness.engines.onnx_export import (
+    CAST_SCHEMA,
+    TENSOR_SPEC_SCHEMA,
+    CastRecord,
+    OnnxExport,
+    TensorSpec,
+    check_inputs,
+    export_onnx,
+    initializer_bytes_by_dtype,
+    initializers_digest,
+    onnx_dtype_name,
+)
+from harness.engines.protocol import PRECISION_MODES, BuildConfig, BuildLog, LayerInfo
+from harness.errors import HarnessError
+from harness.fileio import (
+    atomic_write_bytes,
+    atomic_write_json,
+    canonical_json,
+    digest,
+    read_json,
+    validate,
+)
+
+if TYPE_CHECKING:
+    from harness.autocast import CompiledGraph
+
+BACKEND = "onnxruntime"
+PROVIDER = "CPUExecutionProvider"
+TACTIC = "ort-default"
+TACTIC_HASH = "0x" + hashlib.sha256(f"{PROVIDER}/{TACTIC}".encode()).hexdigest()[:16]
+PLAN_FORMAT = "harness-onnxruntime-engine"
+PLAN_VERSION = 1
+PLAN_FILE = "plan.json"
+MODEL_FILE = "model.onnx"
+
+OPTIMIZATION_LEVELS = {
+    "disabled": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+    "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+    "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+    "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+}
+BUILDER_OPTIONS = ("graph_optimization_level", "intra_op_num_threads")
+# Errors the native runtime raises (they derive from Exception, not from one base).
+_ORT_ERRORS = (
+    ort_state.Fail,
+    ort_state.InvalidArgument,
+    ort_state.InvalidGraph,
+    ort_state.NotImplemented,
+    ort_state.RuntimeException,
+    ort_state.EPFail,
+)
+_NO_KERNEL = re.compile(
+    r"Could not find an implementation for (?P<op>[\w.]+)\((?P<version>\d+)\) node with name '(?P<node>[^']*)'"
+)
+_LISTED = 12  # names shown per build note before "..."
+
+
+@dataclass(frozen=True)
+class SessionSettings:
+    """The session options that change what runs, hence part of the fingerprint.
+
+    ``basic`` optimization keeps the graph as exported apart from
+    semantics-preserving folds and fusions; ``extended``/``all`` add fusions
+    into ORT's own kernels (faster, other rounding).
+    """
+
+    graph_optimization_level: str
+    intra_op_num_threads: int
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any]) -> SessionSettings:
+        unknown = sorted(set(options) - set(BUILDER_OPTIONS))
+        if unknown:
+            raise HarnessError(
+                f"unknown onnxruntime builder option(s) {', '.join(unknown)}; valid: {', '.join(BUILDER_OPTIONS)}"
+            )
+        level = options.get("graph_optimization_level", "basic")
+        if not isinstance(level, str) or level not in OPTIMIZATION_LEVELS:
+            raise HarnessError(
+                f"onnxruntime option graph_optimization_level={level!r}; valid: {', '.join(OPTIMIZATION_LEVELS)}"
+            )
+        threads = options.get("intra_op_num_threads", torch.get_num_threads())
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+            raise HarnessError(f"onnxruntime option intra_op_num_threads={threads!r}; expected an integer >= 1")
+        return cls(level, threads)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "graph_optimization_level": self.graph_optimization_level,
+            "intra_op_num_threads": self.intra_op_num_threads,
+        }
+
+    def session_options(self, optimized_model_path: Path) -> ort.SessionOptions:
+        options = ort.SessionOptions()
+        options.graph_optimization_level = OPTIMIZATION_LEVELS[self.graph_optimization_level]
+        options.intra_op_num_threads = self.intra_op_num_threads
+        options.inter_op_num_threads = 1
+        options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        options.use_deterministic_compute = True
+        options.log_severity_level = 3  # errors only; ORT warns about every folded initializer
+        # ORT writes the graph it will execute here: the engine's real layers.
+        options.optimized_model_filepath = os.fspath(optimized_model_path)
+        return options
+
+
+@dataclass(frozen=True)
+class EngineRecord:
+    """Everything plan.json says about an engine besides what is recomputed on load."""
+
+    mode: str
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    casts: tuple[CastRecord, ...]
+    settings: SessionSettings
+
+
+class OnnxRuntimeEngine:
+    backend = BACKEND
+
+    def __init__(self, model_bytes: bytes, record: EngineRecord) -> None:
+        self.mode = record.mode
+        self.record = record
+        self._model_bytes = model_bytes
+        self._model = onnx.load_from_string(model_bytes)
+        self._session, executed = _open_session(model_bytes, self._model, record.settings)
+        self._layers = _layers(executed)
+        self.notes = _precision_notes(self._model, executed, record.casts)
+        self._fingerprint = digest(
+            canonical_json(
+                {
+                    "backend": BACKEND,
+                    "provider": PROVIDER,
+                    "session": record.settings.to_json(),
+                    "graph": _graph_description(self._model),
+                    "layers": [layer.to_json() for layer in self._layers],
+                }
+            )
+        )
+
+    def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        check_inputs(inputs, self.record.inputs, "onnxruntime engine")
+        feeds = {
+            spec.name: tensor.detach().cpu().contiguous().numpy()
+            for spec, tensor in zip(self.record.inputs, inputs, strict=True)
+        }
+        try:
+            results = self._session.run([o.name for o in self.record.outputs], feeds)
+        except _ORT_ERRORS as exc:
+            raise HarnessError(f"onnxruntime failed to run the engine: {exc}") from None
+        return tuple(torch.from_numpy(np.ascontiguousarray(r)) for r in results)
+
+    def layers(self) -> list[LayerInfo]:
+        return list(self._layers)
+
+    def fingerprint(self) -> str:
+        return self._fingerprint
+
+    def weights_digest(self) -> str:
+        return initializers_digest(self._model)
+
+    def size_bytes(self) -> int:
+        return len(self._model_bytes)
+
+    def weight_bytes_by_dtype(self) -> dict[str, int]:
+        return initializer_bytes_by_dtype(self._model)
+
+    def plan_json(self) -> dict[str, Any]:
+        return {
+            "format": PLAN_FORMAT,
+            "version": PLAN_VERSION,
+            "backend": BACKEND,
+            "mode": self.mode,
+            "onnxruntime_version": ort.__version__,
+            "provider": PROVIDER,
+            "session": self.record.settings.to_json(),
+            "inputs": [s.to_json() for s in self.record.inputs],
+            "outputs": [s.to_json() for s in self.record.outputs],
+            "casts": [c.to_json() for c in self.record.casts],
+            "model_file": MODEL_FILE,
+            "model_digest": digest(self._model_bytes),
+            "layers": [layer.to_json() for layer in self._layers],
+            "fingerprint": self._fingerprint,
+        }
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write ``model.onnx`` then ``plan.json`` (each atomically) into directory ``path``.
+
+        The model goes first: a crash in between leaves a plan whose model
+        digest does not match, which :meth:`load` reports instead of running it.
+        """
+        target = Path(path)
+        if target.exists() and not target.is_dir():
+            raise HarnessError(f"engine path {target} exists and is not a directory")
+        atomic_write_bytes(target / MODEL_FILE, self._model_bytes)
+        atomic_write_json(target / PLAN_FILE, self.plan_json())
+
+    @staticmethod
+    def load(path: str | os.PathLike[str]) -> OnnxRuntimeEngine:
+        directory = Path(path)
+        if not directory.is_dir():
+            raise HarnessError(
+                f"engine {directory}: not a directory (expected {PLAN_FILE} and {MODEL_FILE} in it)"
+            )
+        plan_path = directory / PLAN_FILE
+        where = f"engine plan {plan_path}"
+        obj = read_json(plan_path, what="engine plan")
+        if not isinstance(obj, dict) or obj.get("format") != PLAN_FORMAT:
+            raise HarnessError(f'{where}: not an onnxruntime engine plan (expected "format": "{PLAN_FORMAT}")')
+        if obj.get("version") != PLAN_VERSION:
+            raise HarnessError(
+                f"{where}: plan version {obj.get('version')!r} is not supported (this harness reads "
+                f"version {PLAN_VERSION}); rebuild the engine"
+            )
+        validate(obj, PLAN_SCHEMA, where)
+        model_path = directory / obj["model_file"]
+        try:
+            model_bytes = model_path.read_bytes()
+        except OSError as exc:
+            raise HarnessError(f"engine model {model_path}: cannot read ({exc})") from None
+        if digest(model_bytes) != obj["model_digest"]:
+            raise HarnessError(
+                f"engine model {model_path}: digest does not match {plan_path}; the model was "
+                "modified or belongs to another engine"
+            )
+        record = EngineRecord(
+            mode=obj["mode"],
+            inputs=tuple(TensorSpec.from_json(s) for s in obj["inputs"]),
+            outputs=tuple(TensorSpec.from_json(s) for s in obj["outputs"]),
+            casts=tuple(CastRecord.from_json(c) for c in obj["casts"]),
+            settings=SessionSettings.from_options(obj["session"]),
+        )
+        engine = OnnxRuntimeEngine(model_bytes, record)
+        if engine.fingerprint() != obj["fingerprint"]:
+            raise HarnessError(
+                f"{where}: this engine was built with onnxruntime {obj['onnxruntime_version']} and "
+                f"onnxruntime {ort.__version__} now executes a different graph or the plan was "
+                "edited (fingerprint mismatch); rebuild the engine"
+            )
+        return engine
+
+
+class OnnxRuntimeBackend:
+    name = BACKEND
+
+    def supported_modes(self) -> tuple[str, ...]:
+        return tuple(mode for mode in PRECISION_MODES if not is_weak(mode))
+
+    def check_mode(self, mode: str) -> None:
+        check_mode_name(mode)
+        if is_weak(mode):
+            raise HarnessError(
+                f"backend onnxruntime cannot build {mode}: weak typing lets a builder pick each "
+                "layer's precision by timing, and ONNX Runtime never times kernels. Use "
+                f"autocast-{mode.removeprefix('weak-')} here, or backend cpu/tensorrt for {mode}"
+            )
+
+    def provenance(self, config: BuildConfig) -> Provenance:
+        settings = SessionSettings.from_options(config.options)
+        cpu = cpu_info()
+        return Provenance(
+            backend=BACKEND,
+            backend_version=ort.__version__,
+            # MLAS picks kernels by ISA extension, so they belong to the compared device.
+            device=f"{cpu['model']} [{' '.join(cpu['isa_flags'])}] ({PROVIDER})",
+            device_details=cpu,
+            builder_options={"mode": config.mode, "provider": PROVIDER, **settings.to_json()},
+        )
+
+    def build(
+        self, graph: CompiledGraph, config: BuildConfig, cache: TimingCache | None
+    ) -> tuple[OnnxRuntimeEngine, BuildLog]:
+        self.check_mode(config.mode)
+        settings = SessionSettings.from_options(config.options)
+        if cache is not None and not config.disable_cache:
+            check_compatible(cache, self.provenance(config), config.ignore_cache_mismatch, "timing cache")
+        start = time.perf_counter()
+        with tempfile.TemporaryDirectory(prefix="harness-onnx-") as tmp:
+            exported = export_onnx(graph, Path(tmp) / MODEL_FILE)
+            model_bytes = exported.path.read_bytes()
+        for spec in (*exported.inputs, *exported.outputs):
+            if spec.dtype == "bf16":
+                raise HarnessError(
+                    f"backend onnxruntime: model {'input' if spec in exported.inputs else 'output'} "
+                    f"{spec.name!r} is bf16, which neither numpy nor ORT's CPU kernels handle; use "
+                    "backend cpu or tensorrt for this mode"
+                )
+        record = EngineRecord(config.mode, exported.inputs, exported.outputs, exported.casts, settings)
+        engine = OnnxRuntimeEngine(model_bytes, record)
+        engine(*graph.example_inputs)  # a first run surfaces kernels that fail only when executed
+        messages = [
+            *_export_notes(exported),
+            *engine.notes,
+            "onnxruntime does not autotune: nothing was timed and no timing cache was read or written",
+        ]
+        return engine, BuildLog(BACKEND, config.mode, [], messages, time.perf_counter() - start)
+
+    def load(self, path: str | os.PathLike[str]) -> OnnxRuntimeEngine:
+        return OnnxRuntimeEngine.load(path)
+
+
+def _open_session(
+    model_bytes: bytes, model: onnx.ModelProto, settings: SessionSettings
+) -> tuple[Any, onnx.ModelProto]:
+    """The session and the graph it executes (after ORT's transformers), or a HarnessError."""
+    with tempfile.TemporaryDirectory(prefix="harness-ort-") as tmp:
+        executed_path = Path(tmp) / "executed.onnx"
+        try:
+            session = ort.InferenceSession(
+                model_bytes, sess_options=settings.session_options(executed_path), providers=[PROVIDER]
+            )
+        except _ORT_ERRORS as exc:
+            raise _session_error(str(exc), model) from None
+        executed = onnx.load(executed_path)
+    return session, executed
+
+
+def _session_error(text: str, model: onnx.ModelProto) -> HarnessError:
+    missing = _NO_KERNEL.search(text)
+    if missing is None:
+        return HarnessError(f"onnxruntime ({PROVIDER}) cannot load the exported model: {text}")
+    dtypes = _value_dtypes(model)
+    node = next((n for n in model.graph.node if n.name == missing["node"]), None)
+    types = ", ".join(dtypes.get(i, "?") for i in node.input if i) if node is not None else "?"
+    return HarnessError(
+        f"onnxruntime's {PROVIDER} has no kernel for {missing['op']} (opset {missing['version']}) "
+        f"with inputs ({types}) at node {missing['node']!r}. Its CPU kernels cover fp32 and, "
+        "through fp32 fallbacks, fp16, but almost no bf16: build bf16 modes with backend cpu "
+        "or tensorrt"
+    )
+
+
+def _value_dtypes(model: onnx.ModelProto) -> dict[str, str]:
+    """Value name -> short dtype for every value whose type the model states or implies."""
+    try:
+        model = onnx.shape_inference.infer_shapes(model)
+    except onnx.shape_inference.InferenceError:
+        pass  # ORT's own ops (com.microsoft) may not infer; keep what the model states
+    graph = model.graph
+    dtypes = {t.name: onnx_dtype_name(t.data_type) for t in graph.initializer}
+    for value in (*graph.input, *graph.value_info, *graph.output):
+        if value.type.HasField("tensor_type") and value.type.tensor_type.elem_type:
+            dtypes[value.name] = onnx_dtype_name(value.type.tensor_type.elem_type)
+    return dtypes
+
+
+def _op_name(node: onnx.NodeProto) -> str:
+    return node.op_type if node.domain in ("", "ai.onnx") else f"{node.domain}.{node.op_type}"
+
+
+def _layers(executed: onnx.ModelProto) -> list[LayerInfo]:
+    dtypes = _value_dtypes(executed)
+    layers = []
+    for index, node in enumerate(executed.graph.node):
+        name = node.name or f"(unnamed {node.op_type} {index})"
+        inputs = tuple(dtypes.get(v, "?") for v in node.input if v)
+        outputs = tuple(dtypes.get(v, "?") for v in node.output if v)
+        key_material = {"layer": name, "op": _op_name(node), "inputs": inputs, "outputs": outputs}
+        key = "0x" + hashlib.sha256(canonical_json(key_material)).hexdigest()[:32]
+        layers.append(LayerInfo(name, _op_name(node), key, inputs, outputs, TACTIC, TACTIC_HASH))
+    return layers
+
+
+def _listed(names: list[str]) -> str:
+    shown = ", ".join(names[:_LISTED])
+    return shown + (f", ... ({len(names) - _LISTED} more)" if len(names) > _LISTED else "")
+
+
+def _precision_notes(
+    model: onnx.ModelProto, executed: onnx.ModelProto, casts: tuple[CastRecord, ...]
+) -> list[str]:
+    """Where the executed graph's precisions differ from the ONNX model's."""
+    original = {n.name: n for n in model.graph.node}
+    executed_names = {n.name for n in executed.graph.node}
+    before, after = _value_dtypes(model), _value_dtypes(executed)
+    notes = []
+    changed = []
+    for node in executed.graph.node:
+        source = original.get(node.name)
+        if source is None or node.op_type == "Cast":
+            continue
+        wanted = [before.get(v, "?") for v in source.output]
+        ran = [after.get(v, "?") for v in node.output]
+        if wanted != ran:
+            changed.append(f"{node.name} ({node.op_type} {'/'.join(wanted)} -> {'/'.join(ran)})")
+    if changed:
+        notes.append(
+            f"onnxruntime runs {len(changed)} node(s) in another precision than the ONNX model "
+            f"states (no {PROVIDER} kernel for their dtype): {_listed(changed)}"
+        )
+    removed = [c.node for c in casts if c.node not in executed_names]
+    if removed:
+        notes.append(
+            f"onnxruntime removed {len(removed)} cast(s) of the ONNX model as redundant around "
+            f"its fp32 fallbacks: {_listed(removed)}"
+        )
+    inserted = [n.name for n in executed.graph.node if n.op_type == "Cast" and n.name not in original]
+    if inserted:
+        notes.append(f"onnxruntime inserted {len(inserted)} cast(s) of its own for those fallbacks")
+    return notes
+
+
+def _export_notes(exported: OnnxExport) -> list[str]:
+    notes = [
+        f"ONNX opset {exported.opset}: {len(exported.compiler_casts)} cast(s) placed by the compiler, "
+        f"{len(exported.exporter_casts)} by the exporter"
+    ]
+    if exported.exporter_casts:
+        listed = _listed([f"{c.node} ({c.source}->{c.target})" for c in exported.exporter_casts])
+        notes.append(f"exporter casts make PyTorch's implicit type promotion explicit: {listed}")
+    return notes
+
+
+def _graph_description(model: onnx.ModelProto) -> dict[str, Any]:
+    """The model's graph without weight values: what the fingerprint covers."""
+    graph = model.graph
+
+    def io(values: Any) -> list[Any]:
+        return [[v.name, onnx.helper.printable_type(v.type)] for v in values]
+
+    return {
+        "opsets": sorted([o.domain, o.version] for o in model.opset_import),
+        "inputs": io(graph.input),
+        "outputs": io(graph.output),
+        "initializers": sorted([t.name, t.data_type, list(t.dims)] for t in graph.initializer),
+        "nodes": [
+            [
+                n.name,
+                n.domain,
+                n.op_type,
+                list(n.input),
+                list(n.output),
+                sorted(onnx.helper.printable_attribute(a) for a in n.attribute),
+            ]
+            for n in graph.node
+        ],
+    }
+
+
+_LAYER_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["name", "key", "tactic", "tactic_hash", "layer_type", "input_dtypes", "output_dtypes"],
+    "additionalProperties": False,
+    "properties": {
+        "name": {"type": "string"},
+        "key": {"type": "string"},
+        "tactic": {"type": "string"},
+        "tactic_hash": {"type": "string"},
+        "layer_type": {"type": "string"},
+        "input_dtypes": {"type": "array", "items": {"type": "string"}},
+        "output_dtypes": {"type": "array", "items": {"type": "string"}},
+    },
+}
+PLAN_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": [
+        "format",
+        "version",
+        "backend",
+        "mode",
+        "onnxruntime_version",
+        "provider",
+        "session",
+        "inputs",
+        "outputs",
+        "casts",
+        "model_file",
+        "model_digest",
+        "layers",
+        "fingerprint",
+    ],
+    "additionalProperties": False,
+    "properties": {
+        "format": {"const": PLAN_FORMAT},
+        "version": {"const": PLAN_VERSION},
+        "backend": {"const": BACKEND},
+        "mode": {"enum": list(PRECISION_MODES)},
+        "onnxruntime_version": {"type": "string"},
+        "provider": {"const": PROVIDER},
+        "session": {
+            "type": "object",
+            "required": list(BUILDER_OPTIONS),
+            "additionalProperties": False,
+            "properties": {
+                "graph_optimization_level": {"enum": list(OPTIMIZATION_LEVELS)},
+                "intra_op_num_threads": {"type": "integer", "minimum": 1},
+            },
+        },
+        "inputs": {"type": "array", "items": TENSOR_SPEC_SCHEMA},
+        "outputs": {"type": "array", "items": TENSOR_SPEC_SCHEMA},
+        "casts": {"type": "array", "items": CAST_SCHEMA},
+        "model_file": {"const": MODEL_FILE},
+        "model_digest": {"type": "string", "pattern": "^sha256:[0-9a-f]{64}$"},
+        "layers": {"type": "array", "items": _LAYER_SCHEMA},
+        "fingerprint": {"type": "string", "pattern": "^sha256:[0-9a-f]{64}$"},
+    },
+}

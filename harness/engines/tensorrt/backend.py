@@ -1,0 +1,549 @@
+"""The TensorRT backend: typed graph -> ONNX -> strongly typed TensorRT network -> engine.
+
+The typed graph is exported with :func:`~harness.engines.onnx_export.export_onnx`
+(explicit ``Cast`` nodes where the compiler put them) and parsed by
+``trt.OnnxParser`` into a network created with ``STRONGLY_TYPED``, which
+follows those types exactly. Weak modes (TensorRT 10.x only) parse the fp32
+graph into a weakly typed network and let ``BuilderFlag.FP16``/``BF16``
+choose; TensorRT 11 removed that and the mode is refused with the
+replacements named (:func:`~harness.engines.tensorrt.versions.require_weak_typing`).
+``explicit`` is the compiler's explicit-precision graph, strongly typed like
+the others: its casts carry the user's choices.
+
+Timing cache and reproducible builds (TensorRT >= 10.8). Builds use an
+editable timing cache. The JSON cache handed to :meth:`TensorRTBackend.build`
+is authoritative: ``ITimingCache.update`` can only replace keys a TensorRT
+cache already holds, so when the JSON has entries and no binary cache of
+this network is known yet, a first *key-discovery* build records the
+network's keys; the cache is then rewritten to say exactly what the JSON
+says (:func:`~harness.engines.tensorrt.builder.run_builder`) and the real
+build runs with it (``ERROR_ON_TIMING_CACHE_MISS`` when asked). The binary
+cache of each build is remembered per network for the life of the backend
+object, so repeated builds (``harness rebuild``) discover keys once.
+After the build, the binary cache joined with the VERBOSE log (layer names,
+candidates) updates the JSON cache in place; entries whose tactic did not
+change are left untouched, so a fully pinned rebuild leaves the file as it was.
+
+Engines are saved as a directory with ``engine.plan`` (TensorRT's serialized
+engine, opaque and specific to the GPU model and TensorRT version) and
+``plan.json``. Determinism is judged by the fingerprint: per-key tactic
+hashes and per-layer tactic names from the engine inspector, never plan
+bytes (DESIGN.md section 4).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import onnx
+import torch
+
+from harness.bench.machine import gpu_info
+from harness.cache.timing_cache import (
+    CacheEntry,
+    Provenance,
+    TimingCache,
+    check_compatible,
+    normalize_hash,
+)
+from harness.engines.modes import check_mode_name, is_weak
+from harness.engines.onnx_export import (
+    CAST_SCHEMA,
+    TENSOR_SPEC_SCHEMA,
+    CastRecord,
+    TensorSpec,
+    check_inputs,
+    export_onnx,
+    initializer_bytes_by_dtype,
+    initializers_digest,
+)
+from harness.engines.protocol import (
+    PRECISION_MODES,
+    BuildConfig,
+    BuildLog,
+    LayerInfo,
+    dtype_from_name,
+)
+from harness.engines.tensorrt.builder import (
+    BuildSettings,
+    LogCapture,
+    TrtModule,
+    build_settings,
+    layer_timings,
+    load_trt,
+    make_logger,
+    run_builder,
+)
+from harness.engines.tensorrt.cache_bridge import UNKNOWN_LAYER, export_trt_cache
+from harness.engines.tensorrt.inspector import (
+    InspectedLayer,
+    engine_information_json,
+    parse_engine_information,
+    trt_fingerprint,
+)
+from harness.engines.tensorrt.log_parser import ParsedLog, parse_log
+from harness.engines.tensorrt.versions import (
+    ERROR_ON_TIMING_CACHE_MISS,
+    TrtVersion,
+    installed_version,
+    require_weak_typing,
+)
+from harness.errors import HarnessError
+from harness.fileio import (
+    atomic_write_bytes,
+    atomic_write_json,
+    canonical_json,
+    digest,
+    read_json,
+    validate,
+)
+
+if TYPE_CHECKING:
+    import tensorrt
+
+    from harness.autocast import CompiledGraph
+
+BACKEND = "tensorrt"
+PLAN_FORMAT = "harness-tensorrt-engine"
+PLAN_VERSION = 1
+PLAN_FILE = "plan.json"
+ENGINE_FILE = "engine.plan"
+# Inspector dtype names (inspector.py normalises TensorRT's) -> the engines' short names.
+_INSPECTOR_DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "float64": "fp64"}
+
+
+def require_cuda() -> None:
+    if not torch.cuda.is_available():
+        raise HarnessError(
+            "the tensorrt backend needs a CUDA GPU, and PyTorch sees none "
+            "(torch.cuda.is_available() is False); use backend cpu or onnxruntime here"
+        )
+
+
+def device_identity() -> tuple[str, dict[str, Any]]:
+    """The GPU model and compute capability (they decide the kernels), plus driver details."""
+    require_cuda()
+    index = torch.cuda.current_device()  # the device engines are built for and run on
+    major, minor = torch.cuda.get_device_capability(index)
+    name = torch.cuda.get_device_name(index)
+    return f"{name} (sm_{major}{minor})", {
+        "capability": f"{major}.{minor}",
+        "cuda": torch.version.cuda,
+        "driver": gpu_info().get("driver"),
+    }
+
+
+@dataclass(frozen=True)
+class EngineRecord:
+    """What plan.json says about an engine besides the plan bytes."""
+
+    mode: str
+    settings: dict[str, Any]
+    device: str
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    casts: tuple[CastRecord, ...]
+    layer_keys: dict[str, str]  # layer name -> timing-cache key (from the build log)
+    cache_entries: tuple[tuple[str, str], ...]  # (key, tactic hash) the engine was built with
+    weights_digest: str
+    weight_bytes: dict[str, int]
+
+
+class TensorRTEngine:
+    backend = BACKEND
+
+    def __init__(self, plan: bytes, record: EngineRecord, trt_module: TrtModule | None = None) -> None:
+        require_cuda()
+        self.mode = record.mode
+        self.record = record
+        self._plan = plan
+        trt = load_trt(trt_module)
+        self._capture = LogCapture()
+        self._logger = make_logger(trt, self._capture)  # must outlive runtime and engine
+        self._runtime = trt.Runtime(self._logger)
+        engine = self._runtime.deserialize_cuda_engine(plan)
+        if engine is None:
+            raise HarnessError(
+                "TensorRT cannot deserialize the engine plan (built by another TensorRT version or "
+                "for another GPU?): " + ("; ".join(self._capture.problems) or "no error logged")
+            )
+        self._engine: tensorrt.ICudaEngine = engine
+        self._check_io(trt)
+        info = parse_engine_information(engine_information_json(engine, trt))
+        hashes = dict(record.cache_entries)
+        self._layers = [_layer_info(layer, record.layer_keys, hashes) for layer in info.layers]
+        self._fingerprint = trt_fingerprint(
+            info.layers, [CacheEntry(k, "", h, h, 0.0) for k, h in record.cache_entries]
+        )
+        context = engine.create_execution_context()
+        if context is None:
+            raise HarnessError("TensorRT could not create an execution context (out of GPU memory?)")
+        self._context: tensorrt.IExecutionContext = context
+
+    def _check_io(self, trt: TrtModule) -> None:
+        names = {self._engine.get_tensor_name(i) for i in range(self._engine.num_io_tensors)}
+        expected = {s.name for s in (*self.record.inputs, *self.record.outputs)}
+        if names != expected:
+            raise HarnessError(
+                f"engine I/O tensors {sorted(names)} differ from the plan's {sorted(expected)}"
+            )
+        for spec in self.record.inputs:
+            if self._engine.get_tensor_mode(spec.name) != trt.TensorIOMode.INPUT:
+                raise HarnessError(f"engine tensor {spec.name!r} is not an input")
+
+    def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Run on the current CUDA stream; inputs may live anywhere, outputs are CUDA tensors."""
+        check_inputs(inputs, self.record.inputs, "tensorrt engine")
+        device = torch.device("cuda", torch.cuda.current_device())
+        staged = [t.detach().to(device).contiguous() for t in inputs]
+        outputs = [
+            torch.empty(spec.shape, dtype=dtype_from_name(spec.dtype), device=device)
+            for spec in self.record.outputs
+        ]
+        for spec, tensor in zip((*self.record.inputs, *self.record.outputs), (*staged, *outputs), strict=True):
+            if not self._context.set_tensor_address(spec.name, tensor.data_ptr()):
+                raise HarnessError(f"TensorRT refused the address of tensor {spec.name!r}")
+        stream = torch.cuda.current_stream(device)
+        if not self._context.execute_async_v3(stream.cuda_stream):
+            raise HarnessError(
+                "TensorRT failed to run the engine: " + ("; ".join(self._capture.problems) or "no error logged")
+            )
+        stream.synchronize()
+        return tuple(outputs)
+
+    def layers(self) -> list[LayerInfo]:
+        return list(self._layers)
+
+    def fingerprint(self) -> str:
+        return self._fingerprint
+
+    def weights_digest(self) -> str:
+        return self.record.weights_digest
+
+    def size_bytes(self) -> int:
+        return len(self._plan)
+
+    def weight_bytes_by_dtype(self) -> dict[str, int]:
+        return dict(self.record.weight_bytes)
+
+    def plan_json(self) -> dict[str, Any]:
+        record = self.record
+        return {
+            "format": PLAN_FORMAT,
+            "version": PLAN_VERSION,
+            "backend": BACKEND,
+            "mode": record.mode,
+            "builder": record.settings,
+            "device": record.device,
+            "inputs": [s.to_json() for s in record.inputs],
+            "outputs": [s.to_json() for s in record.outputs],
+            "casts": [c.to_json() for c in record.casts],
+            # key is null for a layer the build log does not name (e.g. not autotuned).
+            "layers": [{**layer.to_json(), "key": layer.key or None} for layer in self._layers],
+            "layer_keys": dict(record.layer_keys),
+            "cache_entries": [{"key": k, "tactic_hash": h} for k, h in record.cache_entries],
+            "weights_digest": record.weights_digest,
+            "weight_bytes_by_dtype": dict(record.weight_bytes),
+            "plan_file": ENGINE_FILE,
+            "plan_digest": digest(self._plan),
+            "fingerprint": self._fingerprint,
+        }
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write ``engine.plan`` then ``plan.json`` (each atomically) into directory ``path``."""
+        target = Path(path)
+        if target.exists() and not target.is_dir():
+            raise HarnessError(f"engine path {target} exists and is not a directory")
+        atomic_write_bytes(target / ENGINE_FILE, self._plan)
+        atomic_write_json(target / PLAN_FILE, self.plan_json())
+
+    @staticmethod
+    def load(path: str | os.PathLike[str], trt_module: TrtModule | None = None) -> TensorRTEngine:
+        directory = Path(path)
+        if not directory.is_dir():
+            raise HarnessError(f"engine {directory}: not a directory (expected {PLAN_FILE} and {ENGINE_FILE})")
+        plan_path = directory / PLAN_FILE
+        where = f"engine plan {plan_path}"
+        obj = read_json(plan_path, what="engine plan")
+        if not isinstance(obj, dict) or obj.get("format") != PLAN_FORMAT:
+            raise HarnessError(f'{where}: not a tensorrt engine plan (expected "format": "{PLAN_FORMAT}")')
+        if obj.get("version") != PLAN_VERSION:
+            raise HarnessError(
+                f"{where}: plan version {obj.get('version')!r} is not supported (this harness reads "
+                f"version {PLAN_VERSION}); rebuild the engine"
+            )
+        validate(obj, PLAN_SCHEMA, where)
+        engine_path = directory / obj["plan_file"]
+        try:
+            plan = engine_path.read_bytes()
+        except OSError as exc:
+            raise HarnessError(f"engine {engine_path}: cannot read ({exc})") from None
+        if digest(plan) != obj["plan_digest"]:
+            raise HarnessError(f"engine {engine_path}: digest does not match {plan_path}; modified or foreign plan")
+        record = EngineRecord(
+            mode=obj["mode"],
+            settings=obj["builder"],
+            device=obj["device"],
+            inputs=tuple(TensorSpec.from_json(s) for s in obj["inputs"]),
+            outputs=tuple(TensorSpec.from_json(s) for s in obj["outputs"]),
+            casts=tuple(CastRecord.from_json(c) for c in obj["casts"]),
+            layer_keys=dict(obj["layer_keys"]),
+            cache_entries=tuple((e["key"], e["tactic_hash"]) for e in obj["cache_entries"]),
+            weights_digest=obj["weights_digest"],
+            weight_bytes=dict(obj["weight_bytes_by_dtype"]),
+        )
+        engine = TensorRTEngine(plan, record, trt_module)
+        if engine.fingerprint() != obj["fingerprint"]:
+            raise HarnessError(f"{where}: the fingerprint does not match the engine's layers and cache entries")
+        return engine
+
+
+def _layer_info(layer: InspectedLayer, layer_keys: dict[str, str], hashes: dict[str, str]) -> LayerInfo:
+    key = layer_keys.get(layer.name, "")
+    return LayerInfo(
+        name=layer.name,
+        layer_type=layer.layer_type,
+        key=key,
+        input_dtypes=tuple(_INSPECTOR_DTYPES.get(t.dtype, t.dtype) for t in layer.inputs),
+        output_dtypes=tuple(_INSPECTOR_DTYPES.get(t.dtype, t.dtype) for t in layer.outputs),
+        tactic=layer.tactic_name or "",
+        tactic_hash=hashes.get(key, "") if key else (layer.tactic_value or ""),
+    )
+
+
+class TensorRTBackend:
+    name = BACKEND
+
+    def __init__(self, trt_module: TrtModule | None = None) -> None:
+        self._trt_module = trt_module
+        # network id -> serialized ITimingCache of its last build: the keys pins can update.
+        self._key_sources: dict[str, bytes] = {}
+
+    def _trt(self) -> tuple[TrtModule, TrtVersion]:
+        trt = load_trt(self._trt_module)
+        return trt, installed_version(trt)
+
+    def supported_modes(self) -> tuple[str, ...]:
+        _, version = self._trt()
+        return tuple(m for m in PRECISION_MODES if version.major <= 10 or not is_weak(m))
+
+    def check_mode(self, mode: str) -> None:
+        check_mode_name(mode)
+        if is_weak(mode):
+            _, version = self._trt()
+            require_weak_typing(version, mode)
+
+    def settings(self, config: BuildConfig) -> BuildSettings:
+        """The flag names and numbers a build with ``config`` uses on this TensorRT."""
+        _, version = self._trt()
+        return build_settings(
+            version,
+            config.mode,
+            config.options,
+            timing_cache=not config.disable_cache,
+            editable=config.editable_cache,
+            error_on_cache_miss=config.error_on_cache_miss,
+        )
+
+    def provenance(self, config: BuildConfig) -> Provenance:
+        settings = self.settings(config)
+        device, details = device_identity()
+        return Provenance(BACKEND, str(settings.version), device, details, settings.kernel_options())
+
+    def build(
+        self, graph: CompiledGraph, config: BuildConfig, cache: TimingCache | None
+    ) -> tuple[TensorRTEngine, BuildLog]:
+        self.check_mode(config.mode)
+        trt, _ = self._trt()
+        settings = self.settings(config)
+        provenance = self.provenance(config)
+        if config.disable_cache:
+            cache = None
+        if cache is not None:
+            check_compatible(cache, provenance, config.ignore_cache_mismatch, "timing cache")
+        pins = cache if cache is not None and len(cache) else None
+        if pins is not None and not config.editable_cache:
+            raise HarnessError(
+                "pinning tactics from a timing cache needs an editable TensorRT cache; "
+                "enable editable_cache (the default) or build without the cache"
+            )
+        start = time.perf_counter()
+        with tempfile.TemporaryDirectory(prefix="harness-trt-") as tmp:
+            exported = export_onnx(graph, Path(tmp) / "model.onnx")
+            onnx_bytes = exported.path.read_bytes()
+        network_id = digest(onnx_bytes + canonical_json(settings.kernel_options()))
+        base, discovery_log, messages = self._pin_base(trt, onnx_bytes, settings, pins, network_id, config)
+        run = run_builder(
+            trt,
+            onnx_bytes,
+            settings,
+            base_cache=base,
+            pins=pins,
+            ignore_mismatch=config.ignore_cache_mismatch,
+        )
+        parsed = parse_log(run.capture.text)
+        entries: list[CacheEntry] = []
+        if run.cache is not None:
+            self._key_sources[network_id] = run.cache_bytes
+            named = ParsedLog(discovery_log.layers + parsed.layers)
+            entries = name_entries(export_trt_cache(run.cache, named, provenance), cache)
+            if cache is not None:
+                merge_decisions(cache, entries)
+        messages += [*run.pin_messages, *parsed.problems, *run.capture.problems]
+        model = onnx.load_from_string(onnx_bytes)
+        record = EngineRecord(
+            mode=config.mode,
+            settings=settings.to_json(),
+            device=provenance.device,
+            inputs=exported.inputs,
+            outputs=exported.outputs,
+            casts=exported.casts,
+            layer_keys={e.layer: e.key for e in entries if e.layer != UNKNOWN_LAYER},
+            cache_entries=tuple((e.key, e.tactic_hash) for e in entries),
+            weights_digest=initializers_digest(model),
+            weight_bytes=initializer_bytes_by_dtype(model),
+        )
+        engine = TensorRTEngine(run.plan, record, self._trt_module)
+        known = {key.lower() for key in pins.query_keys()} if pins is not None else set()
+        timings = layer_timings(parsed, entries, known)
+        log = BuildLog(BACKEND, config.mode, timings, messages, time.perf_counter() - start)
+        return engine, log
+
+    def _pin_base(
+        self,
+        trt: TrtModule,
+        onnx_bytes: bytes,
+        settings: BuildSettings,
+        pins: TimingCache | None,
+        network_id: str,
+        config: BuildConfig,
+    ) -> tuple[bytes | None, ParsedLog, list[str]]:
+        """The binary cache pins are written into: remembered, or recorded by a discovery build.
+
+        Without pins a build starts from an empty cache and times everything, as
+        an independent build would.
+        """
+        if pins is None:
+            return None, ParsedLog(), []
+        remembered = self._key_sources.get(network_id)
+        if remembered is not None:
+            return remembered, ParsedLog(), []
+        discovery = run_builder(
+            trt,
+            onnx_bytes,
+            _without_error_on_miss(settings),
+            base_cache=None,
+            pins=None,
+            ignore_mismatch=config.ignore_cache_mismatch,
+        )
+        parsed = parse_log(discovery.capture.text)
+        note = (
+            f"key discovery: a first build recorded {len(parsed.by_key())} autotuned layer key(s) so "
+            "that the JSON cache's tactics could be written into TensorRT's cache"
+        )
+        return discovery.cache_bytes, parsed, [note]
+
+    def load(self, path: str | os.PathLike[str]) -> TensorRTEngine:
+        return TensorRTEngine.load(path, self._trt_module)
+
+
+def _without_error_on_miss(settings: BuildSettings) -> BuildSettings:
+    return replace(settings, builder_flags=tuple(f for f in settings.builder_flags if f != ERROR_ON_TIMING_CACHE_MISS))
+
+
+def name_entries(exported: TimingCache, given: TimingCache | None) -> list[CacheEntry]:
+    """Entries of the built cache; a key the logs do not name takes its name from the JSON cache."""
+    entries = []
+    for entry in exported.entries():
+        prior = given.query(entry.key) if given is not None else None
+        if entry.layer == UNKNOWN_LAYER and prior is not None:
+            same = normalize_hash(prior.tactic_hash) == normalize_hash(entry.tactic_hash)
+            entry = replace(
+                entry,
+                layer=prior.layer,
+                tactic=prior.tactic if same else entry.tactic,
+                candidates=prior.candidates,
+            )
+        entries.append(entry)
+    return entries
+
+
+def merge_decisions(cache: TimingCache, entries: list[CacheEntry]) -> None:
+    """Write the build's decisions into the caller's cache, leaving unchanged entries as they are."""
+    for entry in entries:
+        prior = cache.query(entry.key)
+        if prior is not None and normalize_hash(prior.tactic_hash) == normalize_hash(entry.tactic_hash):
+            continue
+        cache.update(entry)
+
+
+_LAYER_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["name", "key", "tactic", "tactic_hash", "layer_type", "input_dtypes", "output_dtypes"],
+    "additionalProperties": False,
+    "properties": {
+        "name": {"type": "string"},
+        "key": {"type": ["string", "null"]},
+        "tactic": {"type": "string"},
+        "tactic_hash": {"type": "string"},
+        "layer_type": {"type": "string"},
+        "input_dtypes": {"type": "array", "items": {"type": "string"}},
+        "output_dtypes": {"type": "array", "items": {"type": "string"}},
+    },
+}
+_DIGEST = {"type": "string", "pattern": "^sha256:[0-9a-f]{64}$"}
+PLAN_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": [
+        "format",
+        "version",
+        "backend",
+        "mode",
+        "builder",
+        "device",
+        "inputs",
+        "outputs",
+        "casts",
+        "layers",
+        "layer_keys",
+        "cache_entries",
+        "weights_digest",
+        "weight_bytes_by_dtype",
+        "plan_file",
+        "plan_digest",
+        "fingerprint",
+    ],
+    "additionalProperties": False,
+    "properties": {
+        "format": {"const": PLAN_FORMAT},
+        "version": {"const": PLAN_VERSION},
+        "backend": {"const": BACKEND},
+        "mode": {"enum": list(PRECISION_MODES)},
+        "builder": {"type": "object"},
+        "device": {"type": "string"},
+        "inputs": {"type": "array", "items": TENSOR_SPEC_SCHEMA},
+        "outputs": {"type": "array", "items": TENSOR_SPEC_SCHEMA},
+        "casts": {"type": "array", "items": CAST_SCHEMA},
+        "layers": {"type": "array", "items": _LAYER_SCHEMA},
+        "layer_keys": {"type": "object", "additionalProperties": {"type": "string"}},
+        "cache_entries": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["key", "tactic_hash"],
+                "additionalProperties": False,
+                "properties": {"key": {"type": "string"}, "tactic_hash": {"type": "string"}},
+            },
+        },
+        "weights_digest": _DIGEST,
+        "weight_bytes_by_dtype": {"type": "object", "additionalProperties": {"type": "integer"}},
+        "plan_file": {"const": ENGINE_FILE},
+        "plan_digest": _DIGEST,
+        "fingerprint": _DIGEST,
+    },
+}

@@ -1,0 +1,318 @@
+"""One TensorRT builder run: ONNX bytes + settings (+ timing cache) -> plan, binary cache, log.
+
+Everything that decides kernels is expressed as flag *names* and plain
+numbers (:class:`BuildSettings`) and turned into enum members of the loaded
+TensorRT only inside :func:`run_builder`, so a record written under TensorRT
+10 still reads correctly under 11 (enum integers changed between them).
+
+The builder's VERBOSE log is the only map from layer to timing-cache key, so
+every run captures it (:class:`LogCapture`, fed by a ``trt.ILogger``
+subclass) and :func:`layer_timings` turns it into the backend-neutral
+:class:`~harness.engines.protocol.LayerTiming` records.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from harness.cache.timing_cache import CacheEntry, TimingCache
+from harness.engines.protocol import LayerTiming
+from harness.engines.tensorrt.cache_bridge import apply_pins
+from harness.engines.tensorrt.log_parser import ParsedLog
+from harness.engines.tensorrt.versions import (
+    EDITABLE_TIMING_CACHE,
+    ERROR_ON_TIMING_CACHE_MISS,
+    TF32,
+    TrtVersion,
+    builder_flag_names,
+    flag_bits,
+    load_tensorrt,
+    network_flag_names,
+)
+from harness.errors import HarnessError
+
+if TYPE_CHECKING:
+    import tensorrt
+
+
+class TrtModule(Protocol):
+    """The parts of the ``tensorrt`` module the backend calls (a superset of ``TrtApi``).
+
+    :func:`load_trt` returns the real module as this protocol, so mypy checks
+    every use against the TensorRT type stubs; tests pass a small namespace.
+    """
+
+    Builder: type[tensorrt.Builder]
+    OnnxParser: type[tensorrt.OnnxParser]
+    Runtime: type[tensorrt.Runtime]
+    ILogger: type[tensorrt.ILogger]
+    BuilderFlag: type[tensorrt.BuilderFlag]
+    NetworkDefinitionCreationFlag: type[tensorrt.NetworkDefinitionCreationFlag]
+    ProfilingVerbosity: type[tensorrt.ProfilingVerbosity]
+    LayerInformationFormat: type[tensorrt.LayerInformationFormat]
+    TensorIOMode: type[tensorrt.TensorIOMode]
+    TimingCacheKey: type[tensorrt.TimingCacheKey]
+    TimingCacheValue: type[tensorrt.TimingCacheValue]
+
+
+def load_trt(trt_module: TrtModule | None = None) -> TrtModule:
+    """``trt_module`` if given, else the installed bindings (clear HarnessError without them)."""
+    if trt_module is not None:
+        return trt_module
+    load_tensorrt()
+    import tensorrt
+
+    return tensorrt
+
+
+# Without a timing cache every build times every layer from scratch.
+DISABLE_TIMING_CACHE = "DISABLE_TIMING_CACHE"
+_CACHE_FLAGS = frozenset((EDITABLE_TIMING_CACHE, ERROR_ON_TIMING_CACHE_MISS, DISABLE_TIMING_CACHE))
+
+OPTION_DEFAULTS: dict[str, Any] = {
+    "tf32": True,  # TensorRT's own default; recorded either way
+    "builder_optimization_level": 3,
+    "avg_timing_iterations": 1,
+}
+
+
+@dataclass(frozen=True)
+class BuildSettings:
+    """What one build asks of TensorRT, as names and numbers only."""
+
+    version: TrtVersion
+    mode: str
+    network_flags: tuple[str, ...]
+    builder_flags: tuple[str, ...]
+    tf32: bool
+    optimization_level: int
+    avg_timing_iterations: int
+
+    def kernel_options(self) -> dict[str, Any]:
+        """The options that change which kernels a build may pick (cache provenance).
+
+        Cache-handling flags (editable, error-on-miss, disabled) are left out:
+        they change how a cache is used, not which tactics exist.
+        """
+        return {
+            "mode": self.mode,
+            "network_flags": list(self.network_flags),
+            "builder_flags": [f for f in self.builder_flags if f not in _CACHE_FLAGS],
+            "tf32": self.tf32,
+            "builder_optimization_level": self.optimization_level,
+            "avg_timing_iterations": self.avg_timing_iterations,
+        }
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "tensorrt_version": str(self.version),
+            "mode": self.mode,
+            "network_flags": list(self.network_flags),
+            "builder_flags": list(self.builder_flags),
+            "tf32": self.tf32,
+            "builder_optimization_level": self.optimization_level,
+            "avg_timing_iterations": self.avg_timing_iterations,
+        }
+
+
+def build_settings(
+    version: TrtVersion,
+    mode: str,
+    options: Mapping[str, Any],
+    *,
+    timing_cache: bool,
+    editable: bool,
+    error_on_cache_miss: bool,
+) -> BuildSettings:
+    """Validate builder options and derive the flag names; refuses what ``version`` cannot do."""
+    unknown = sorted(set(options) - set(OPTION_DEFAULTS))
+    if unknown:
+        raise HarnessError(
+            f"unknown tensorrt builder option(s) {', '.join(unknown)}; valid: {', '.join(OPTION_DEFAULTS)}"
+        )
+    merged = {**OPTION_DEFAULTS, **options}
+    tf32 = merged["tf32"]
+    level = merged["builder_optimization_level"]
+    iterations = merged["avg_timing_iterations"]
+    if not isinstance(tf32, bool):
+        raise HarnessError(f"tensorrt option tf32={tf32!r}; expected true or false")
+    if isinstance(level, bool) or not isinstance(level, int) or not 0 <= level <= 5:
+        raise HarnessError(f"tensorrt option builder_optimization_level={level!r}; expected 0..5")
+    if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 1:
+        raise HarnessError(f"tensorrt option avg_timing_iterations={iterations!r}; expected an integer >= 1")
+    if error_on_cache_miss and not timing_cache:
+        raise HarnessError("error-on-cache-miss needs a timing cache; it cannot be combined with disabling the cache")
+    names = builder_flag_names(
+        version,
+        mode,
+        tf32=tf32,
+        editable_timing_cache=timing_cache and editable,
+        error_on_cache_miss=error_on_cache_miss,
+    )
+    if not timing_cache:
+        names = (*names, DISABLE_TIMING_CACHE)
+    return BuildSettings(version, mode, network_flag_names(mode), names, tf32, level, iterations)
+
+
+_SEVERITY_TAGS = {"INTERNAL_ERROR": "F", "ERROR": "E", "WARNING": "W", "INFO": "I", "VERBOSE": "V"}
+
+
+class LogCapture:
+    """Everything a TensorRT logger received, as trtexec-style text plus the problems."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+        self.problems: list[str] = []
+
+    def record(self, severity: str, message: str) -> None:
+        tag = _SEVERITY_TAGS.get(severity, "?")
+        self.lines.append(f"[{tag}] [TRT] {message}")
+        if severity in ("INTERNAL_ERROR", "ERROR"):
+            self.problems.append(message)
+
+    @property
+    def text(self) -> str:
+        return "\n".join(self.lines)
+
+
+def make_logger(trt: TrtModule, capture: LogCapture) -> tensorrt.ILogger:
+    """A ``trt.ILogger`` that hands every message, VERBOSE included, to ``capture``.
+
+    The class must derive from the loaded module's ``ILogger`` (a pybind11
+    trampoline), hence it is created here rather than at import time.
+    """
+    base: Any = trt.ILogger
+
+    class CapturingLogger(base):
+        def __init__(self) -> None:
+            base.__init__(self)
+
+        def log(self, severity: tensorrt.ILogger.Severity, msg: str) -> None:
+            capture.record(severity.name, msg)
+
+    logger: tensorrt.ILogger = CapturingLogger()
+    return logger
+
+
+def set_builder_flags(trt: TrtModule, config: tensorrt.IBuilderConfig, settings: BuildSettings) -> None:
+    """Apply ``settings`` to a builder config by flag name (unknown names are refused)."""
+    members = trt.BuilderFlag.__members__
+    for name in settings.builder_flags:
+        if name not in members:
+            raise HarnessError(
+                f"BuilderFlag.{name} does not exist in TensorRT {settings.version}; valid names: "
+                + ", ".join(sorted(members))
+            )
+        config.set_flag(members[name])
+    if not settings.tf32 and TF32 in members:
+        config.clear_flag(members[TF32])
+    config.profiling_verbosity = trt.ProfilingVerbosity.DETAILED
+    config.builder_optimization_level = settings.optimization_level
+    config.avg_timing_iterations = settings.avg_timing_iterations
+
+
+@dataclass
+class BuilderRun:
+    """The products of one builder invocation."""
+
+    plan: bytes
+    cache: tensorrt.ITimingCache | None
+    cache_bytes: bytes
+    capture: LogCapture
+    pin_messages: list[str]
+
+
+def run_builder(
+    trt: TrtModule,
+    onnx_bytes: bytes,
+    settings: BuildSettings,
+    *,
+    base_cache: bytes | None,
+    pins: TimingCache | None,
+    ignore_mismatch: bool,
+) -> BuilderRun:
+    """Parse the ONNX into a network, build it, and return the plan with cache and log.
+
+    With ``base_cache`` (serialized ``ITimingCache`` bytes) the build starts
+    from that cache; ``pins`` then rewrites it so it says exactly what the
+    JSON cache says: every JSON entry is pushed with ``update`` and every key
+    the JSON lacks is deleted (a NaN time deletes), so such layers are timed
+    again, or fail the build under ``ERROR_ON_TIMING_CACHE_MISS``.
+    """
+    capture = LogCapture()
+    logger = make_logger(trt, capture)
+    builder = trt.Builder(logger)
+    flags = flag_bits(
+        trt.NetworkDefinitionCreationFlag.__members__, settings.network_flags, "NetworkDefinitionCreationFlag"
+    )
+    network = builder.create_network(flags)
+    parser = trt.OnnxParser(network, logger)
+    if not parser.parse(onnx_bytes):
+        errors = [str(parser.get_error(i)) for i in range(parser.num_errors)]
+        raise HarnessError("TensorRT's ONNX parser rejected the exported model:\n  " + "\n  ".join(errors))
+    config = builder.create_builder_config()
+    set_builder_flags(trt, config, settings)
+    pin_messages: list[str] = []
+    use_cache = DISABLE_TIMING_CACHE not in settings.builder_flags
+    if use_cache:
+        cache = config.create_timing_cache(base_cache or b"")
+        if pins is not None:
+            pin_messages = _pin(trt, cache, pins)
+        if not config.set_timing_cache(cache, ignore_mismatch):
+            raise HarnessError(
+                "TensorRT refused the timing cache: it was recorded on another device or TensorRT "
+                "version. Rebuild the cache here, or ignore the mismatch (--ignore-mismatch)"
+            )
+    host_plan = builder.build_serialized_network(network, config)
+    if host_plan is None:
+        details = "\n  ".join(capture.problems[-20:]) or "(no error was logged)"
+        raise HarnessError(f"TensorRT failed to build the engine ({settings.mode}):\n  {details}")
+    final_cache = config.get_timing_cache() if use_cache else None
+    cache_bytes = bytes(final_cache.serialize()) if final_cache is not None else b""
+    return BuilderRun(bytes(host_plan), final_cache, cache_bytes, capture, pin_messages)
+
+
+def _pin(trt: TrtModule, cache: tensorrt.ITimingCache, pins: TimingCache) -> list[str]:
+    wanted = {key.lower() for key in pins.query_keys()}
+    for key in cache.queryKeys():
+        if str(key).lower() not in wanted:
+            cache.update(key, trt.TimingCacheValue(0, math.nan))
+    return apply_pins(cache, pins, trt)
+
+
+def layer_timings(parsed: ParsedLog, final_entries: list[CacheEntry], known_keys: set[str]) -> list[LayerTiming]:
+    """Autotuned layers from the log, then the cache's other entries.
+
+    A key the builder did not autotune in this run but that the JSON cache
+    held before (``known_keys``, lower case) was served by the timing cache;
+    its layer name and candidates come from that entry. Any other key was
+    created by this build without a log block, and is reported as timed.
+    """
+    timed = parsed.by_key()
+    timings = [
+        LayerTiming(
+            layer=p.layer,
+            key=p.key,
+            candidates=p.candidates,
+            chosen=p.selected_name or str(p.selected_hash),
+            chosen_hash=str(p.selected_hash),
+            from_cache=False,
+        )
+        for p in timed.values()
+    ]
+    timings += [
+        LayerTiming(
+            layer=e.layer,
+            key=e.key,
+            candidates=e.candidates,
+            chosen=e.tactic,
+            chosen_hash=e.tactic_hash,
+            from_cache=e.key.lower() in known_keys,
+        )
+        for e in final_entries
+        if e.key.lower() not in timed
+    ]
+    return timings

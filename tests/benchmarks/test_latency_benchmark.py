@@ -1,0 +1,64 @@
+"""Per-(model, mode) latency of the CPU engine as a pytest-benchmark suite.
+
+For users who track performance with pytest-benchmark rather than
+``harness gate``: each benchmark times one engine call and puts the case's
+accuracy against the fp32 eager model and its memory in ``extra_info``, so
+saved runs can be compared and ``--benchmark-compare-fail`` can gate them::
+
+    pytest tests/benchmarks --benchmark-autosave
+    pytest tests/benchmarks --benchmark-compare --benchmark-compare-fail=median:10%
+
+By default the matrix is tiny (digits in fp32 and bf16, few rounds) so the
+normal test run stays fast. ``HARNESS_BENCH_FULL=1`` runs resnet, transformer
+and digits in every mode with more rounds; ``-k`` picks cases as usual
+(``-k "resnet and amp"``).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import models
+from harness.bench.accuracy import compare_outputs
+from harness.bench.runner import DEFAULT_MODELS, default_modes
+from harness.build import build_engine
+from harness.engines.cpu import CpuBackend
+from harness.engines.protocol import BuildConfig
+
+FULL = os.environ.get("HARNESS_BENCH_FULL", "") not in ("", "0")
+BACKEND = CpuBackend()
+MODELS = DEFAULT_MODELS if FULL else ("digits",)
+MODES = default_modes(BACKEND) if FULL else ("fp32", "bf16")
+ROUNDS, WARMUP_ROUNDS = (50, 5) if FULL else (5, 1)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("model", MODELS)
+def test_engine_latency(benchmark, model: str, mode: str) -> None:
+    spec = models.load(model)
+    with torch.inference_mode():
+        reference = spec.module.float()(*spec.example_inputs)
+    engine = build_engine(spec, BuildConfig(mode=mode), BACKEND).engine
+    inputs = spec.example_inputs
+    with torch.inference_mode():
+        accuracy = compare_outputs(engine(*inputs), reference, logits=reference.dim() == 2)
+        benchmark.pedantic(engine, args=inputs, rounds=ROUNDS, warmup_rounds=WARMUP_ROUNDS, iterations=1)
+    benchmark.extra_info.update(
+        {
+            "model": model,
+            "mode": mode,
+            "backend": BACKEND.name,
+            "max_abs_error": accuracy.max_abs_error,
+            "cosine": accuracy.cosine,
+            "top1_agreement": accuracy.top1_agreement,
+            "weight_bytes": engine.weight_bytes_by_dtype(),
+            "engine_bytes": engine.size_bytes(),
+            "engine_fingerprint": engine.fingerprint(),
+        }
+    )
+    # a benchmark of a broken engine is worthless: the numbers must come with sane outputs
+    assert accuracy.cosine is not None and accuracy.cosine > 0.99
+    assert benchmark.stats.stats.rounds == ROUNDS

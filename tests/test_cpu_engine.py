@@ -1,0 +1,384 @@
+"""The CPU reference engine: tactics, autotuning, typing, save/load."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from harness.autocast import compile
+from harness.engines.cpu import CpuBackend, CpuEngine, tactics
+from harness.engines.cpu.lowering import lower
+from harness.engines.protocol import BuildConfig, dtype_name
+from harness.errors import HarnessError
+from harness.fileio import canonical_json, digest
+
+FAST = {"timing_runs": 3, "warmup_runs": 1}
+
+
+class Net(nn.Module):
+    """conv+BN (folded by the builder), GEMMs with K large enough to split, softmax, layer norm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 16, 3, padding=1)
+        self.bn = nn.BatchNorm2d(16)
+        self.fc1 = nn.Linear(16 * 8 * 8, 128)
+        self.norm = nn.LayerNorm(128)
+        self.fc2 = nn.Linear(128, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.bn(self.conv(x)))
+        x = self.norm(self.fc1(torch.flatten(x, 1)))
+        return torch.softmax(self.fc2(x), dim=-1)
+
+
+def make_net() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    gen = torch.Generator().manual_seed(0)
+    net = Net()
+    with torch.no_grad():
+        for p in net.parameters():
+            p.copy_(torch.rand(p.shape, generator=gen) - 0.5)
+        # Non-trivial statistics, so folding them into the conv is visible.
+        net.bn.running_mean = torch.rand(16, generator=gen) * 0.4 - 0.2
+        net.bn.running_var = torch.rand(16, generator=gen) + 0.5
+    return net.eval(), (torch.randn(4, 3, 8, 8, generator=gen),)
+
+
+@pytest.fixture(scope="module")
+def net() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    return make_net()
+
+
+@pytest.fixture(scope="module")
+def fp32_build(net):
+    module, inputs = net
+    compiled = compile(module, inputs, mode="fp32")
+    engine, log = CpuBackend().build(compiled, BuildConfig(mode="fp32", options=FAST), None)
+    return compiled, engine, log
+
+
+def test_tactics_of_a_layer_differ_in_bits_but_each_is_close_to_the_exact_result():
+    # A bf16 GEMM: direct accumulates all of K in fp32 and rounds once; split-K
+    # rounds each partial sum to bf16, so the bits differ but both are right.
+    gen = torch.Generator().manual_seed(1)
+    module = nn.Linear(256, 64).eval()
+    x = torch.randn(32, 256, generator=gen)
+    compiled = compile(module, (x,), mode="full", low_precision_type=torch.bfloat16)
+    plan, _ = lower(compiled.graph_module, "bf16")
+    (layer,) = [n for n in plan.nodes if tactics.layer_type(n) == "matmul"]
+    metas = plan.value_metas()
+    impls = tactics.impl_names(layer, metas, plan.weights)
+    assert impls[:3] == ["gemm_direct", "gemm_splitk2", "gemm_splitk4"]
+    assert set(impls[3:]) <= {"gemm_onednn"}  # where oneDNN has bf16 kernels
+    xb = x.to(torch.bfloat16)
+    results = {impl: tactics.bind(layer, impl, metas, plan.weights)(xb) for impl in impls}
+    exact = nn.functional.linear(
+        xb.double(),
+        module.weight.to(torch.bfloat16).double(),
+        module.bias.to(torch.bfloat16).double(),
+    )
+    for impl, out in results.items():
+        assert out.dtype == torch.bfloat16
+        # bf16 has 8 bits of mantissa: a few units in the last place of |out| ~ 10.
+        torch.testing.assert_close(out.double(), exact, rtol=2**-6, atol=0.1, msg=impl)
+    assert not torch.equal(results["gemm_direct"], results["gemm_splitk4"])
+
+
+def test_conv_tactics_with_folded_batch_norm_and_relu_agree_with_eager(net):
+    module, inputs = net
+    plan, messages = lower(compile(module, inputs, mode="fp32").graph_module, "fp32")
+    assert any("folded batch_norm" in m for m in messages)
+    (conv,) = [n for n in plan.nodes if tactics.layer_type(n) == "convolution"]
+    assert conv.fused == ("batch_norm", "relu") and conv.epilogue == "relu"
+    metas = plan.value_metas()
+    impls = tactics.impl_names(conv, metas, plan.weights)
+    assert impls[:3] == ["conv_nchw", "conv_channels_last", "conv_no_mkldnn"]
+    assert set(impls[3:]) <= {"conv_onednn"}
+    with torch.inference_mode():
+        expected = torch.relu(module.bn(module.conv(inputs[0])))
+        for impl in impls:
+            out = tactics.bind(conv, impl, metas, plan.weights)(inputs[0])
+            torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5, msg=impl)
+
+
+def test_builder_keeps_the_fastest_measured_candidate(fp32_build):
+    _, engine, log = fp32_build
+    timed = [t for t in log.layers if t.candidates]
+    assert {t.layer for t in timed} >= {"conv2d", "linear", "linear_1", "layer_norm", "softmax"}
+    by_name = {layer.name: layer for layer in engine.layers()}
+    for record in timed:
+        fastest = min(record.candidates, key=lambda c: c.time_ms)
+        assert record.chosen == fastest.tactic and record.chosen_hash == fastest.tactic_hash
+        assert by_name[record.layer].tactic == record.chosen
+        assert all(c.time_ms > 0 for c in record.candidates)
+        assert len({c.tactic for c in record.candidates}) == len(record.candidates) >= 2
+
+
+def test_engine_output_matches_eager_and_keys_are_tensorrt_style(net, fp32_build):
+    module, inputs = net
+    _, engine, log = fp32_build
+    with torch.inference_mode():
+        expected = module(*inputs)
+    (out,) = engine(*inputs)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+    keys = [t.key for t in log.layers]
+    assert len(set(keys)) == len(keys)
+    assert all(k.startswith("0x") and len(k) == 34 and int(k, 16) >= 0 for k in keys)
+    assert "batch_norm" not in {layer.name for layer in engine.layers()}
+
+
+def test_strong_mode_obeys_the_graph_dtypes(net):
+    module, inputs = net
+    compiled = compile(module, inputs, mode="full", low_precision_type=torch.bfloat16)
+    engine, _ = CpuBackend().build(compiled, BuildConfig(mode="bf16", options=FAST), None)
+    graph = {n.name: n for n in compiled.graph_module.graph.nodes}
+    layers = engine.layers()
+    assert len(layers) >= 8
+    for layer in layers:
+        node = graph[layer.name]
+        assert layer.output_dtypes == (dtype_name(node.meta["val"].dtype),), layer.name
+        activations = [a for a in node.args if isinstance(a, torch.fx.Node) and a.op != "get_attr"]
+        assert layer.input_dtypes[: len(activations)] == tuple(
+            dtype_name(a.meta["val"].dtype) for a in activations
+        )
+        assert layer.tactic.endswith(f"[{layer.output_dtypes[0]}]") or layer.layer_type == "cast"
+    assert {"bf16"} <= {d for layer in layers for d in layer.output_dtypes}
+    (out,) = engine(*inputs)
+    assert out.dtype == compiled(*inputs)[0].dtype
+
+
+def test_weak_mode_chooses_precision_per_layer_by_timing(net):
+    module, inputs = net
+    compiled = compile(module, inputs, mode="fp32")
+    engine, log = CpuBackend().build(compiled, BuildConfig(mode="weak-bf16", options=FAST), None)
+    layers = {layer.name: layer for layer in engine.layers()}
+    choices = [
+        t
+        for t in log.layers
+        if {tactics.parse_tactic(c.tactic)[1] for c in t.candidates} == {"fp32", "bf16"}
+    ]
+    assert {t.layer for t in choices} >= {"conv2d", "linear", "linear_1", "softmax", "layer_norm"}
+    for record in choices:
+        assert record.chosen == min(record.candidates, key=lambda c: c.time_ms).tactic
+        precision = tactics.parse_tactic(record.chosen)[1]
+        layer = layers[record.layer]
+        assert layer.output_dtypes == (precision,)
+        # Casts (reformat layers) make the activation inputs arrive in that precision.
+        assert layer.input_dtypes[0] == precision
+    (out,) = engine(*inputs)
+    assert out.dtype == torch.float32
+    with torch.inference_mode():
+        torch.testing.assert_close(out, module(*inputs), rtol=0.05, atol=0.02)
+
+
+def test_save_load_round_trip_is_bit_exact(fp32_build, net, tmp_path):
+    _, engine, _ = fp32_build
+    _, inputs = net
+    engine.save(tmp_path / "e")
+    assert sorted(p.name for p in (tmp_path / "e").iterdir()) == [
+        "plan.json",
+        "weights.safetensors",
+    ]
+    loaded = CpuEngine.load(tmp_path / "e")
+    assert loaded.fingerprint() == engine.fingerprint()
+    assert loaded.weights_digest() == engine.weights_digest()
+    assert loaded.layers() == engine.layers()
+    assert torch.equal(loaded(*inputs)[0], engine(*inputs)[0])
+    plan = json.loads((tmp_path / "e" / "plan.json").read_text())
+    tuned = [entry for entry in plan["layers"] if entry["key"] is not None]
+    assert {entry["name"] for entry in tuned} >= {"conv2d", "linear"}
+    assert set(plan["layers"][0]) == {
+        "name",
+        "key",
+        "tactic",
+        "tactic_hash",
+        "layer_type",
+        "input_dtypes",
+        "output_dtypes",
+    }
+
+
+def test_fingerprint_covers_tactics_but_not_weight_values(fp32_build):
+    _, engine, _ = fp32_build
+    plan = engine.plan
+    heavier = CpuEngine(
+        type(plan)(
+            plan.mode,
+            plan.inputs,
+            plan.nodes,
+            plan.outputs,
+            {k: v + 1 for k, v in plan.weights.items()},
+        )
+    )
+    assert heavier.fingerprint() == engine.fingerprint()
+    assert heavier.weights_digest() != engine.weights_digest()
+    conv = next(n for n in plan.nodes if n.name == "conv2d")
+    other = next(i for i in ("conv_nchw", "conv_channels_last") if f"{i}[fp32]" != conv.tactic)
+    swapped = [
+        n if n is not conv else type(n)(**{**n.__dict__, "tactic": f"{other}[fp32]"})
+        for n in plan.nodes
+    ]
+    assert (
+        CpuEngine(
+            type(plan)(plan.mode, plan.inputs, swapped, plan.outputs, plan.weights)
+        ).fingerprint()
+        != engine.fingerprint()
+    )
+
+
+@pytest.fixture()
+def saved(fp32_build, tmp_path) -> Path:
+    _, engine, _ = fp32_build
+    engine.save(tmp_path / "engine")
+    return tmp_path / "engine"
+
+
+def _assert_refused(directory: Path, match: str) -> None:
+    before = {p.name: p.read_bytes() for p in directory.iterdir()}
+    with pytest.raises(HarnessError, match=match):
+        CpuEngine.load(directory)
+    assert {p.name: p.read_bytes() for p in directory.iterdir()} == before
+
+
+def test_truncated_plan_is_refused_and_left_untouched(saved):
+    text = (saved / "plan.json").read_bytes()
+    (saved / "plan.json").write_bytes(text[: len(text) // 2])
+    _assert_refused(saved, "not valid JSON")
+
+
+def test_tampered_plan_is_refused(saved):
+    plan = json.loads((saved / "plan.json").read_text())
+    node = next(n for n in plan["nodes"] if n["name"] == "conv2d")
+    node["tactic"] = (
+        "conv_no_mkldnn[fp32]" if node["tactic"] != "conv_no_mkldnn[fp32]" else "conv_nchw[fp32]"
+    )
+    (saved / "plan.json").write_text(json.dumps(plan))
+    _assert_refused(saved, "fingerprint")
+
+
+def test_wrong_schema_version_is_refused(saved):
+    plan = json.loads((saved / "plan.json").read_text())
+    plan["version"] = 99
+    (saved / "plan.json").write_text(json.dumps(plan))
+    _assert_refused(saved, "schema version 99 is not supported")
+
+
+def _forge(node: dict, change: str) -> None:
+    if change == "op":
+        node["op"] = "aten::_foreach_add.List"
+    elif change == "ref":
+        node["args"][0] = {"ref": "defined_nowhere"}
+    elif change == "tactic":
+        node["tactic"] = "conv_nchw[fp32]"
+    elif change == "kwarg":
+        node["kwargs"]["x=__import__('os').system('true') or None, y"] = 1
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ("op", "not supported by the CPU engine"),
+        ("ref", "refers to 'defined_nowhere', which is not defined before it"),
+        ("tactic", "has no implementation 'conv_nchw'"),
+        ("kwarg", "arguments do not match aten::flatten.using_ints"),
+    ],
+)
+def test_forged_plans_with_a_recomputed_fingerprint_are_still_refused(saved, change, match):
+    # The fingerprint detects accidents, not forgery: loading must not trust the content.
+    plan = json.loads((saved / "plan.json").read_text())
+    _forge(next(n for n in plan["nodes"] if n["name"] == "flatten"), change)
+    body = {k: v for k, v in plan.items() if k not in ("fingerprint", "weights_digest")}
+    plan["fingerprint"] = digest(canonical_json(body))
+    (saved / "plan.json").write_text(json.dumps(plan))
+    _assert_refused(saved, match)
+
+
+def test_tampered_and_truncated_weights_are_refused(saved):
+    data = (saved / "weights.safetensors").read_bytes()
+    flipped = bytearray(data)
+    flipped[-3] ^= 0x40
+    (saved / "weights.safetensors").write_bytes(bytes(flipped))
+    _assert_refused(saved, "digest does not match")
+    (saved / "weights.safetensors").write_bytes(data[: len(data) - 100])
+    _assert_refused(saved, "not a valid safetensors file")
+
+
+def test_engine_rejects_inputs_of_the_wrong_shape_or_dtype(fp32_build):
+    _, engine, _ = fp32_build
+    with pytest.raises(HarnessError, match="expected torch.float32 \\(4, 3, 8, 8\\)"):
+        engine(torch.zeros(4, 3, 8, 8, dtype=torch.float64))
+    with pytest.raises(HarnessError, match="takes 1 input"):
+        engine()
+
+
+class Attention(nn.Module):
+    """Every decomposable op family: sdpa with a mask and causal, softmax, log_softmax,
+    matmul, and a linear layer with a fused gelu epilogue."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(64, 64)
+        self.qkv = nn.Linear(64, 192)
+        self.norm = nn.LayerNorm(64)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        h = nn.functional.gelu(self.proj(x), approximate="tanh")
+        q, k, v = self.qkv(self.norm(h)).view(2, 16, 3, 2, 32).permute(2, 0, 3, 1, 4)
+        causal = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        masked = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        scores = torch.matmul(q, k.transpose(-2, -1))
+        return causal, masked, torch.softmax(scores, -1), torch.log_softmax(scores, -1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_tactic_of_every_layer_agrees_with_the_plain_aten_call(dtype):
+    gen = torch.Generator().manual_seed(2)
+    module = Attention().eval()
+    inputs = (torch.randn(2, 16, 64, generator=gen), torch.rand(16, 16, generator=gen) > 0.3)
+    mode, low = ("fp32", None) if dtype == torch.float32 else ("full", dtype)
+    compiled = compile(module, inputs, mode=mode, low_precision_type=low)
+    plan, messages = lower(compiled.graph_module, "test")
+    assert "fused activation gelu into linear" in messages
+    metas = plan.value_metas()
+    values: dict[str, torch.Tensor] = {
+        name: t for (name, _), t in zip(plan.inputs, inputs, strict=True)
+    }
+    tol = 1e-5 if dtype == torch.float32 else 0.05
+    tried = set()
+    with torch.inference_mode():
+        for node in plan.nodes:
+            args = [values[r.name] for r in node.refs()]
+            if node.op == "builtin::getitem":
+                values[node.name] = args[0][node.args[1]]
+                continue
+            impls = tactics.impl_names(node, metas, plan.weights)
+            outs = {impl: tactics.bind(node, impl, metas, plan.weights)(*args) for impl in impls}
+            reference = values[node.name] = outs[impls[0]]
+            if node.multi:  # data movement (unbind), single tactic
+                continue
+            for impl, out in outs.items():
+                assert out.dtype == reference.dtype and out.shape == reference.shape
+                torch.testing.assert_close(
+                    out.float(), reference.float(), rtol=tol, atol=tol, msg=f"{node.name} {impl}"
+                )
+                tried.add(impl)
+        # The plan (with its fused epilogue) computes what the typed graph computes.
+        for out, expected in zip(
+            [values[o.name] for o in plan.outputs], compiled(*inputs), strict=True
+        ):
+            torch.testing.assert_close(out.float(), expected.float(), rtol=tol, atol=tol)
+    expected_impls = {
+        "sdpa_math",
+        "softmax_decomposed",
+        "layernorm_decomposed",
+        "gemm_splitk2",
+        "gemm_splitk4",
+        "reshape",
+    }
+    if torch.backends.mkldnn.is_available():
+        expected_impls.add("gemm_onednn")
+    assert tried >= expected_impls

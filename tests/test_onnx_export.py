@@ -1,0 +1,202 @@
+"""The ONNX hand-off holds exactly the compiler's casts and weights, as a valid model.
+
+References are independent of the exporter: cast nodes are counted in the
+typed FX graph and in the ONNX file as written (``onnx.load``), weights are
+compared byte for byte with the graph module's buffers, and the expected
+implicit-promotion casts of an AMP graph are derived from the FX node dtypes.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import onnx
+import pytest
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+import models
+from harness.autocast import CompiledGraph
+from harness.engines.modes import compile_for_mode
+from harness.engines.onnx_export import (
+    BF16_OPSET,
+    COMPILER,
+    DEFAULT_OPSET,
+    EXPORTER,
+    OnnxExport,
+    export_onnx,
+)
+from harness.errors import HarnessError
+
+TO_COPY = torch.ops.aten._to_copy.default
+ONNX_TYPES = {torch.float32: 1, torch.float16: 10, torch.bfloat16: 16}
+
+
+def fx_casts(compiled: CompiledGraph) -> dict[str, torch.dtype]:
+    return {
+        n.name: n.kwargs["dtype"]
+        for n in compiled.graph_module.graph.nodes
+        if n.op == "call_function" and n.target is TO_COPY
+    }
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """(model, mode) -> (compiled graph, export record, loaded ONNX), built on first use."""
+    cache: dict[tuple[str, str], tuple[CompiledGraph, OnnxExport, onnx.ModelProto]] = {}
+    directory = tmp_path_factory.mktemp("onnx")
+
+    def get(model: str, mode: str):
+        if (model, mode) not in cache:
+            compiled = compile_for_mode(models.load(model), mode, None)
+            record = export_onnx(compiled, directory / f"{model}-{mode}.onnx")
+            cache[model, mode] = (compiled, record, onnx.load(record.path))
+        return cache[model, mode]
+
+    return get
+
+
+RULE_GRAPHS = [(m, d) for m in ("lenet", "resnet", "transformer") for d in ("autocast-fp16", "autocast-bf16")]
+
+
+@pytest.mark.parametrize(("model", "mode"), RULE_GRAPHS)
+def test_onnx_holds_exactly_the_compiler_casts(exported, model, mode):
+    compiled, record, proto = exported(model, mode)
+    placed = fx_casts(compiled)
+    assert placed, "the rule-mode graph should contain casts (input to low, output back to fp32)"
+    casts = [n for n in proto.graph.node if n.op_type == "Cast"]
+    assert len(casts) == len(placed) == record.cast_count
+    # One ONNX Cast per compiler cast, named after it and converting to the same dtype.
+    assert {n.name: n.attribute[0].i for n in casts} == {
+        name: ONNX_TYPES[dtype] for name, dtype in placed.items()
+    }
+    assert [c.placed_by for c in record.casts] == [COMPILER] * len(placed)
+    assert all(c.float_to_float for c in record.casts)
+    onnx.checker.check_model(proto, full_check=True)
+
+
+@pytest.mark.parametrize(("model", "mode"), RULE_GRAPHS)
+def test_weights_are_initializers_in_their_converted_dtypes(exported, model, mode):
+    compiled, record, proto = exported(model, mode)
+    gm = compiled.graph_module
+    initializers = {t.name: t for t in proto.graph.initializer}
+    weights = [n.target for n in gm.graph.nodes if n.op == "get_attr"]
+    assert weights
+    for name in weights:
+        tensor = getattr(gm, name)
+        init = initializers[name]
+        assert init.data_type == ONNX_TYPES[tensor.dtype], name
+        assert list(init.dims) == list(tensor.shape), name
+        assert init.raw_data == tensor.contiguous().view(torch.uint8).numpy().tobytes(), name
+        assert record.initializers[name] == {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[tensor.dtype]
+
+
+@pytest.mark.parametrize(("mode", "opset"), [("autocast-fp16", DEFAULT_OPSET), ("autocast-bf16", BF16_OPSET)])
+def test_opset_follows_the_graph_dtypes(exported, mode, opset):
+    _, record, proto = exported("lenet", mode)
+    assert record.opset == opset
+    assert {o.domain: o.version for o in proto.opset_import}[""] == opset
+
+
+def test_inputs_and_outputs_keep_the_public_dtypes(exported):
+    compiled, record, proto = exported("transformer", "autocast-fp16")
+    (example,) = compiled.example_inputs
+    (reference,) = compiled(*compiled.example_inputs)
+    assert [(s.name, s.dtype, s.shape) for s in record.inputs] == [("ids", "int64", tuple(example.shape))]
+    assert [(s.name, s.dtype, s.shape) for s in record.outputs] == [("output_0", "fp32", tuple(reference.shape))]
+    assert [i.name for i in proto.graph.input] == ["ids"]
+
+
+def test_onnx_nodes_carry_the_typed_graph_names(exported):
+    compiled, _, proto = exported("lenet", "autocast-fp16")
+    fx_names = {n.name for n in compiled.graph_module.graph.nodes if n.op == "call_function"}
+    onnx_names = {n.name for n in proto.graph.node}
+    # lenet's ops translate one to one, so every ONNX node is named after its FX node.
+    assert onnx_names == fx_names
+
+
+ELEMENTWISE = {torch.ops.aten.add.Tensor, torch.ops.aten.sub.Tensor, torch.ops.aten.mul.Tensor, torch.ops.aten.div.Tensor}
+
+
+def implicit_promotions(compiled: CompiledGraph) -> collections.Counter[str]:
+    """Per elementwise FX node: float inputs PyTorch promotes (dtype differs from the result).
+
+    ONNX's elementwise ops need equal input types, so each such input needs a Cast.
+    """
+    counts: collections.Counter[str] = collections.Counter()
+    for node in compiled.graph_module.graph.nodes:
+        if node.op != "call_function" or node.target not in ELEMENTWISE:
+            continue
+        out = node.meta["val"]
+        for arg in node.all_input_nodes:
+            val = arg.meta.get("val")
+            if isinstance(val, torch.Tensor) and val.is_floating_point() and val.dtype != out.dtype:
+                counts[node.name] += 1
+    return counts
+
+
+def test_amp_graph_promotions_become_separately_recorded_exporter_casts(exported):
+    # amp keeps layer norms fp32 while matmuls run low: the residual adds mix dtypes.
+    compiled, record, proto = exported("transformer", "amp-fp16")
+    expected = implicit_promotions(compiled)
+    assert sum(expected.values()) > 0
+    assert collections.Counter(c.origin for c in record.exporter_casts) == expected
+    assert len(record.compiler_casts) == len(fx_casts(compiled))
+    assert sum(n.op_type == "Cast" for n in proto.graph.node) == len(fx_casts(compiled)) + sum(expected.values())
+    assert {c.placed_by for c in record.exporter_casts} == {EXPORTER}
+
+
+def typed_graph(op: object, example: torch.Tensor, weight: torch.Tensor, cast_weight: bool) -> CompiledGraph:
+    """A hand-written typed graph ``op(x', w')`` with one explicit cast (of ``w`` or of ``x``)."""
+    root = nn.Module()
+    root.register_buffer("w", weight)
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    w = graph.get_attr("w")
+    if cast_weight:
+        w = graph.call_function(TO_COPY, (w,), {"dtype": torch.float16})
+    else:
+        x = graph.call_function(TO_COPY, (x,), {"dtype": torch.float16})
+    graph.output((graph.call_function(op, (x, w)),))
+    gm = torch.fx.GraphModule(root, graph)
+    # meta["val"] on every node, as the compiler leaves it.
+    FakeTensorProp(gm, FakeTensorMode(allow_non_fake_inputs=True)).propagate(example)
+    return CompiledGraph(gm, None, (example,), "explicit", torch.float16)  # type: ignore[arg-type]
+
+
+def cast_of_constant() -> CompiledGraph:
+    # The cast's input is a weight: constant folding would remove it if allowed.
+    weight = torch.linspace(-1, 1, 12).reshape(4, 3)
+    return typed_graph(torch.ops.aten.mm.default, torch.ones(2, 4, dtype=torch.float16), weight, cast_weight=True)
+
+
+def test_a_cast_of_a_constant_is_not_folded_away(tmp_path):
+    compiled = cast_of_constant()
+    (cast,) = fx_casts(compiled)
+    record = export_onnx(compiled, tmp_path / "m.onnx")
+    proto = onnx.load(record.path)
+    assert [(n.op_type, n.name) for n in proto.graph.node] == [("Cast", cast), ("MatMul", "mm_default")]
+    assert [(c.origin, c.source, c.target, c.placed_by) for c in record.casts] == [(cast, "fp32", "fp16", COMPILER)]
+
+
+def test_a_graph_onnx_cannot_type_is_refused_naming_the_node(tmp_path):
+    # fp16 activations into an fp32 weight: PyTorch's tracer accepts it, ONNX's Gemm does not.
+    compiled = typed_graph(torch.ops.aten.linear.default, torch.ones(2, 4), torch.ones(3, 4), cast_weight=False)
+    with pytest.raises(HarnessError, match=r"invalid.*linear"):
+        export_onnx(compiled, tmp_path / "m.onnx")
+    assert not (tmp_path / "m.onnx").exists()
+
+
+def test_opset_older_than_the_exporter_supports_is_refused(tmp_path):
+    with pytest.raises(HarnessError, match="opset 13"):
+        export_onnx(cast_of_constant(), tmp_path / "m.onnx", opset=13)
+
+
+def test_a_graph_without_node_metadata_is_refused(tmp_path):
+    compiled = cast_of_constant()
+    for node in compiled.graph_module.graph.nodes:
+        node.meta.clear()
+    with pytest.raises(HarnessError, match="carry no metadata"):
+        export_onnx(compiled, tmp_path / "m.onnx")

@@ -1,0 +1,93 @@
+"""Deterministic rebuilds: unpinned builds can flip, pinned builds cannot."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from harness.build import build_engine, rebuild
+from harness.cache.timing_cache import TimingCache
+from harness.engines.cpu import CpuBackend
+from harness.engines.protocol import BuildConfig
+from harness.errors import HarnessError
+from models.registry import ModelSpec
+
+
+class NearTied(nn.Module):
+    """Square fp32 GEMMs where the work is the multiply itself, so direct and split-K
+    (same flops, one extra accumulation) cost nearly the same and noise decides."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(256, 256) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+@pytest.fixture(scope="module")
+def spec() -> ModelSpec:
+    torch.manual_seed(0)
+    x = torch.randn(32, 256)
+    return ModelSpec("near_tied", "three 256x256 GEMMs", NearTied().eval(), (x,), [(x,)])
+
+
+# One timed run per candidate: real, unfaked measurements, but as noisy as a
+# builder on a busy machine.
+NOISY = BuildConfig(mode="fp32", options={"timing_runs": 1, "warmup_runs": 1})
+
+
+def test_unpinned_rebuilds_flip_tactics_on_near_tied_layers(spec):
+    backend = CpuBackend()
+    reports = []
+    for _ in range(4):  # at most 40 builds; a flip usually shows within the first 10
+        report = rebuild(spec, NOISY, backend, times=10)
+        reports.append(report)
+        if report.flipped:
+            break
+    report = reports[-1]
+    assert report.flipped, f"no tactic flip in {10 * len(reports)} unpinned builds"
+    for layer, seen in report.flipped.items():
+        assert len(seen) >= 2 and all(t.startswith("gemm_") for t in seen)
+        assert {build[layer] for build in report.tactics} == set(seen)
+    # Each distinct set of tactics is a distinct engine.
+    distinct_choices = {tuple(sorted(build.items())) for build in report.tactics}
+    assert len(report.distinct_fingerprints) == len(distinct_choices) >= 2
+    assert report.to_json()["flipped_layers"] == report.flipped
+
+
+def test_pinned_rebuilds_are_identical_in_fingerprint_and_output_bits(spec, tmp_path):
+    backend = CpuBackend()
+    path = tmp_path / "pinned.json"
+    build_engine(spec, NOISY, backend, path)
+    pinned = rebuild(
+        spec,
+        BuildConfig(mode="fp32", error_on_cache_miss=True, options=NOISY.options),
+        backend,
+        5,
+        path,
+    )
+    assert len(pinned.fingerprints) == 5
+    assert len(pinned.distinct_fingerprints) == 1
+    assert pinned.flipped == {}
+    assert pinned.outputs_identical and pinned.identical
+
+
+def test_rebuild_never_writes_the_cache_and_needs_two_builds(spec, tmp_path):
+    backend = CpuBackend()
+    path = tmp_path / "c.json"
+    build_engine(spec, NOISY, backend, path)
+    cache = TimingCache.load(path)
+    assert cache.remove(cache.by_layer("linear")[0].key)  # so each rebuild has a layer to time
+    cache.save(path)
+    before = path.read_bytes()
+    report = rebuild(spec, NOISY, backend, 2, path)
+    assert len(report.fingerprints) == 2
+    assert path.read_bytes() == before
+    with pytest.raises(
+        HarnessError, match="--times 1: a rebuild comparison needs at least 2 builds"
+    ):
+        rebuild(spec, NOISY, backend, 1)
