@@ -128,3 +128,12 @@ def splice(gm: torch.fx.GraphModule, node: torch.fx.Node, sub: torch.fx.GraphMod
                 gm.graph.erase_node(user)
     gm.graph.erase_node(node)
     return created
+
+
+def drop_unused_attributes(gm: torch.fx.GraphModule) -> None:
+    """Delete weights no ``get_attr`` reads any more, so engines never carry dead copies."""
+    gm.graph.eliminate_dead_code()
+    used = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
+    for name, _ in [*gm.named_buffers(recurse=False), *gm.named_parameters(recurse=False)]:
+        if name not in used:
+            delattr(gm, name)

@@ -74,7 +74,7 @@ def test_weights_converted_ahead_of_time_one_copy_per_precision():
             return x @ self.w, (x * 3.0) @ self.w
 
     cg = compile(Shared(), (torch.randn(2, 8),), settings=AutocastSettings(data_max=None, nodes_to_exclude=["^matmul_1$"]))
-    buffers = dict(cg.graph_module.named_buffers())
+    buffers = {**dict(cg.graph_module.named_buffers()), **dict(cg.graph_module.named_parameters())}
     assert set(buffers) == {"w", "w_fp16"}
     assert buffers["w_fp16"].dtype == torch.float16 and buffers["w"].dtype == torch.float32
     assert not any(is_cast(n) and n.args[0].op == "get_attr" for n in cg.graph_module.graph.nodes)

@@ -77,7 +77,7 @@ def test_bad_op_names(name, match):
 
 
 def test_unknown_pass_is_named():
-    with pytest.raises(HarnessError, match="unknown lowering pass 'fold_everything'; valid: functionalize_inplace, remove_asserts"):
+    with pytest.raises(HarnessError, match="unknown lowering pass 'fold_everything'; valid: fold_batch_norm, functionalize_inplace, remove_asserts"):
         PassManager.from_names(["fold_everything"])
 
 
@@ -116,3 +116,18 @@ def test_inplace_ops_on_activations_become_values():
     assert torch.ops.aten.relu_.default not in _targets(gm)
     out = gm(x)
     assert torch.equal(out[0], (x * 2).relu() + 1) and torch.equal(out[1], x)
+
+
+def test_fold_batch_norm_matches_unfolded_in_fp32():
+    import models
+    from harness.lowering.fold_batch_norm import fold_batch_norm
+
+    spec = models.load("resnet")
+    gm = load_graph(spec.module, spec.example_inputs)
+    n_bn = sum(n.target is torch.ops.aten.batch_norm.default for n in gm.graph.nodes)
+    folded = fold_batch_norm(load_graph(spec.module, spec.example_inputs))
+    folded.recompile()
+    assert n_bn == 9 and not any(n.target is torch.ops.aten.batch_norm.default for n in folded.graph.nodes)
+    ref = spec.module(*spec.example_inputs)
+    out = folded(*spec.example_inputs)[0]
+    assert torch.allclose(out, ref, rtol=1e-4, atol=1e-5) and not torch.equal(out, ref)

@@ -17,7 +17,7 @@ import shutil
 import onnx
 import pytest
 import torch
-from conftest import bits_equal
+from tests.helpers import bits_equal
 
 import models
 from harness.engines.modes import compile_for_mode

@@ -6,7 +6,7 @@ import torch
 
 import models
 from harness.autocast import jit
-from tests.conftest import as_tuple, bits_equal
+from tests.helpers import as_tuple, bits_equal
 
 
 def _eager(module, inputs, dtype=None):

@@ -75,6 +75,28 @@ def _promote_type(node: torch.fx.Node, inputs: list[torch.fx.Node], low: torch.d
     return widest
 
 
+# Normalization kernels take a low-precision activation with fp32 parameters
+# and compute their statistics in fp32 (what eager autocast runs): their
+# weights, biases and running statistics stay fp32 when the node is lowered.
+_NORM_PARAMETERS = {
+    aten.batch_norm.default: (1, 2, 3, 4),
+    aten.layer_norm.default: (2, 3),
+    aten.group_norm.default: (2, 3),
+}
+
+
+def _fp32_parameters(node: torch.fx.Node) -> set[torch.fx.Node]:
+    positions = _NORM_PARAMETERS.get(node.target, ())
+    return {
+        a
+        for i in positions
+        if i < len(node.args)
+        and isinstance(a := node.args[i], torch.fx.Node)
+        and a.op == "get_attr"
+        and _dtype(a) == torch.float32
+    }
+
+
 def _dtype_arg_given(node: torch.fx.Node) -> bool:
     schema = node.target._schema  # type: ignore[union-attr]
     for i, arg in enumerate(schema.arguments):
@@ -85,8 +107,9 @@ def _dtype_arg_given(node: torch.fx.Node) -> bool:
 
 
 class _Inserter:
-    def __init__(self, gm: torch.fx.GraphModule, clip_fp16: bool) -> None:
+    def __init__(self, gm: torch.fx.GraphModule, clip_fp16: bool, mixed_norms: bool) -> None:
         self.gm = gm
+        self.mixed_norms = mixed_norms
         self.graph = gm.graph
         self.fake_mode = fake_mode_of(gm)
         self.clip_fp16 = clip_fp16
@@ -138,7 +161,8 @@ class _Inserter:
         targets: dict[torch.fx.Node, torch.dtype] = {}
         if action is Action.CAST:
             assert decision.dtype is not None
-            targets = {a: decision.dtype for a in inputs if _dtype(a) != decision.dtype}
+            keep = _fp32_parameters(node) if self.mixed_norms else set()
+            targets = {a: decision.dtype for a in inputs if _dtype(a) != decision.dtype and a not in keep}
         elif action is Action.PROMOTE:
             widest = _promote_type(node, inputs, decision.dtype or torch.float32)
             targets = {a: widest for a in inputs if _dtype(a) != widest}
@@ -182,9 +206,14 @@ def insert_casts(
     *,
     clip_fp16: bool,
     cast_outputs_back: bool,
+    mixed_norms: bool = True,
 ) -> CastStats:
-    """Apply ``decisions``; with ``cast_outputs_back`` the public output dtypes are kept."""
-    inserter = _Inserter(gm, clip_fp16)
+    """Apply ``decisions``; with ``cast_outputs_back`` the public output dtypes are kept.
+
+    ``mixed_norms`` keeps normalization parameters fp32 on lowered nodes (see
+    ``_NORM_PARAMETERS``); AMP mode turns it off because its policy decides that.
+    """
+    inserter = _Inserter(gm, clip_fp16, mixed_norms)
     output = gm.graph.output_node()
     original_out = [a.meta["val"].dtype if _eligible(a) else None for a in output.args[0]]
     with torch.autocast("cpu", enabled=False):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from harness.autocast.casts import is_cast
+from harness.fxutil import drop_unused_attributes
 from harness.lowering.pass_manager import PassManager
 
 _RANK = {torch.float16: 1, torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}
@@ -68,11 +69,7 @@ def dedupe_casts(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
 
 
 def eliminate_dead_code(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    gm.graph.eliminate_dead_code()
-    used = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
-    for name, _ in list(gm.named_buffers(recurse=False)):
-        if name not in used:
-            delattr(gm, name)
+    drop_unused_attributes(gm)
     return gm
 
 

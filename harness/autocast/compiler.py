@@ -31,6 +31,7 @@ from harness.autocast.regions import Region, inline_autocast_regions
 from harness.autocast.report import PrecisionReport, build_report
 from harness.autocast.rules import Context, effective_state
 from harness.autocast.settings import DTYPES, AutocastSettings, compile_patterns, parse_dtype
+from harness.autocast.verify import verify_graph
 from harness.errors import HarnessError
 from harness.frontend.export import export_program, standalone_graph
 from harness.fxutil import fake_mode_of, splice, trace_call
@@ -111,6 +112,7 @@ def compile(
     amp_enabled: bool = True,
     lowering: PassManager | None = None,
     decompositions: DecompositionTable | None = None,
+    verify: bool = True,
 ) -> CompiledGraph:
     """Compile ``model`` to an explicitly typed graph.
 
@@ -118,6 +120,7 @@ def compile(
     in eager), ``full`` (whole graph low), ``rule`` (rule-based classifier),
     ``amp`` (PyTorch AMP policy for ``device``; with ``amp_enabled=False`` it
     is the plain eager behaviour), ``explicit`` (node-name regex -> dtype).
+    With ``verify`` the result is run once on the example inputs (see verify.py).
     """
     if mode not in MODES:
         raise HarnessError(f"unknown compile mode {mode!r}; valid: {', '.join(MODES)}")
@@ -146,7 +149,7 @@ def compile(
         timings["export"] = time.perf_counter() - t0
 
         gm = inline_autocast_regions(gm)
-        gm = (lowering or default_pass_manager())(gm)
+        gm = (lowering or default_pass_manager(exact=mode in ("amp", "fp32")))(gm)
         ambient = None
         if mode == "amp":
             ambient = Region(device, low, amp_enabled)
@@ -176,6 +179,7 @@ def compile(
             decisions,
             clip_fp16=not exact_amp,
             cast_outputs_back=settings.keep_io_types and not exact_amp,
+            mixed_norms=not exact_amp,
         )
         if not settings.keep_io_types and not exact_amp:
             retype_inputs(gm)
@@ -183,6 +187,10 @@ def compile(
         table = decompositions if decompositions is not None else DecompositionTable()
         gm = decompose(gm, table)
         timings["casts"] = time.perf_counter() - t3
+        if verify:
+            t4 = time.perf_counter()
+            verify_graph(gm, examples)
+            timings["verify"] = time.perf_counter() - t4
 
     report = build_report(gm, decisions, mode, low, stats)
     timings["total"] = time.perf_counter() - t0

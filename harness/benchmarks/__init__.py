@@ -1,1 +1,1 @@
-"""Benchmarks of the harness itself: how its compiler scales and what its typed graphs buy."""
+"""Benchmarks of the harness itself, each runnable as ``python -m harness.benchmarks.<name>``."""

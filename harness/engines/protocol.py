@@ -118,7 +118,11 @@ class LayerInfo:
 
 @dataclass(frozen=True)
 class LayerTiming:
-    """The autotuning record of one layer: every candidate timed and the one kept."""
+    """The autotuning record of one layer: every candidate timed and the one kept.
+
+    ``candidates`` is empty when the layer had a single implementation (nothing
+    was timed); on a cache hit it holds the candidates recorded in the cache.
+    """
 
     layer: str
     key: str

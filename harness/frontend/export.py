@@ -74,9 +74,14 @@ def standalone_graph(ep: ExportedProgram) -> torch.fx.GraphModule:
             continue
         if spec.kind not in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
             raise HarnessError(f"unsupported exported input {spec.arg.name} of kind {spec.kind.name}")
-        tensor = constants[spec.target].detach()
+        value = constants[spec.target]
         attr = _attr_name(spec.target, taken)
-        gm.register_buffer(attr, tensor)
+        if spec.kind == InputKind.PARAMETER:
+            # Keep Parameters as Parameters: some kernels (aten.matmul) take another
+            # path for operands that require grad, and the typed graph must match eager.
+            gm.register_parameter(attr, torch.nn.Parameter(value.detach(), requires_grad=value.requires_grad))
+        else:
+            gm.register_buffer(attr, value.detach())
         with gm.graph.inserting_before(node):
             get = gm.graph.get_attr(attr)
         get.meta.update(node.meta)

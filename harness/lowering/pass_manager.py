@@ -31,7 +31,8 @@ def register_pass(name: str) -> Callable[[GraphPass], GraphPass]:
 
 
 def registered_passes() -> dict[str, GraphPass]:
-    import harness.lowering.structural  # noqa: F401  (registers on import)
+    import harness.lowering.fold_batch_norm  # noqa: F401  (registers on import)
+    import harness.lowering.structural  # noqa: F401
 
     return dict(_REGISTRY)
 
@@ -65,5 +66,9 @@ class PassManager:
 DEFAULT_PASSES = ("remove_asserts", "remove_dropout", "remove_detach", "functionalize_inplace")
 
 
-def default_pass_manager() -> PassManager:
-    return PassManager.from_names(DEFAULT_PASSES)
+# Passes that change the last bits (never run in the exact modes amp / fp32).
+INFERENCE_PASSES = DEFAULT_PASSES + ("fold_batch_norm",)
+
+
+def default_pass_manager(exact: bool = True) -> PassManager:
+    return PassManager.from_names(DEFAULT_PASSES if exact else INFERENCE_PASSES)

@@ -245,19 +245,18 @@ class _Ctx:
     epilogue: str  # activation to apply to the result ("" for none)
     input_shape: tuple[int, ...]  # of the first dynamic input
 
-    def call(self, fn: Any = None, **changes: Any) -> Bound:
-        """``fn`` (default: the node's op) on the node's arguments, with some replaced."""
-        fn = self.fn if fn is None else fn
+    def call(self, **changes: Any) -> Bound:
+        """The node's op on the node's arguments, some replaced (e.g. a prepared weight)."""
         named = {**self.named, **changes}
         args, kwargs = [], {}
-        for arg in fn._schema.arguments:
+        for arg in self.fn._schema.arguments:
             if arg.name not in named:
                 continue
             if arg.kwarg_only:
                 kwargs[arg.name] = named[arg.name]
             else:
                 args.append(named[arg.name])
-        return make_call(fn, args, kwargs)
+        return make_call(self.fn, args, kwargs)
 
 
 def _direct(ctx: _Ctx) -> Bound:

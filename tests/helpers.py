@@ -1,4 +1,4 @@
-"""Shared fixtures: small deterministic models built on the spot."""
+"""Helpers shared by the tests: exact comparisons that also hold for NaN."""
 
 from __future__ import annotations
 

@@ -1,0 +1,44 @@
+"""Run the typed graph once and hold it to its own metadata.
+
+Fake-tensor propagation does not check everything a real kernel checks (a
+``linear`` with an fp16 input and an fp32 weight passes on fake tensors and
+fails for real), and every engine trusts ``meta["val"]``. So compilation ends
+with one real run on the example inputs: a node that cannot run with the
+decided types is reported by name, and a node whose real dtype or shape
+differs from its metadata is a compiler bug, reported as such.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from harness.errors import HarnessError
+from harness.fxutil import op_name, tensor_vals
+
+
+class _Checker(torch.fx.Interpreter):
+    def run_node(self, n: torch.fx.Node) -> Any:
+        try:
+            result = super().run_node(n)
+        except Exception as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise HarnessError(
+                f"node {n.name} ({op_name(n.target)}) cannot run with the types it was given: {first}"
+            ) from exc
+        expected = list(tensor_vals(n.meta.get("val")))
+        actual = list(tensor_vals(result))
+        for real, fake in zip(actual, expected, strict=False):
+            if real.dtype != fake.dtype or tuple(real.shape) != tuple(fake.shape):
+                raise AssertionError(
+                    f"compiler bug: node {n.name} runs as {real.dtype}{list(real.shape)} "
+                    f"but its metadata says {fake.dtype}{list(fake.shape)}"
+                )
+        return result
+
+
+def verify_graph(gm: torch.fx.GraphModule, inputs: Sequence[torch.Tensor]) -> None:
+    with torch.inference_mode(), torch.autocast("cpu", enabled=False):
+        _Checker(gm).run(*inputs)
