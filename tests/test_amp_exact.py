@@ -8,8 +8,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import models
-from harness.errors import HarnessError
 from harness.autocast import compile
+from harness.errors import HarnessError
 from tests.helpers import as_tuple, bits_equal
 
 DTYPES = [torch.bfloat16, torch.float16]

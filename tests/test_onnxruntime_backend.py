@@ -17,7 +17,6 @@ import shutil
 import onnx
 import pytest
 import torch
-from tests.helpers import bits_equal
 
 import models
 from harness.engines.modes import compile_for_mode
@@ -25,6 +24,7 @@ from harness.engines.onnxruntime import OnnxRuntimeBackend, OnnxRuntimeEngine
 from harness.engines.onnxruntime.backend import MODEL_FILE, PLAN_FILE, TACTIC
 from harness.engines.protocol import BuildConfig
 from harness.errors import HarnessError
+from tests.helpers import bits_equal
 
 FP16_ULP = 2.0**-10
 NOTED_NODE = re.compile(r"(?P<name>[\w/]+) \(\w+ [\w/]+ -> [\w/]+\)")
