@@ -90,7 +90,7 @@ def lint(session: nox.Session) -> None:
 @nox.session
 def bench(session: nox.Session) -> None:
     """Benchmark the model zoo across precision modes (posargs go to ``harness bench``)."""
-    _install(session, "gpu")
+    _install(session)
     session.run("harness", "bench", *session.posargs)
 
 
