@@ -175,10 +175,33 @@ def test_damaged_engines_exit_2_and_stay_untouched(built, tmp_path, capsys, dama
             plan["nodes"][0]["outputs"][0]["dtype"] = "fp16"
         plan_path.write_text(json.dumps(plan))
     before = {f.name: f.read_bytes() for f in engine.iterdir()}
-    assert main(["inspect", str(engine)]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("error: engine ") and err.count("\n") == 1
+    # Both commands that read a saved engine refuse it the same way.
+    for argv in (["inspect", str(engine)], ["cache", "verify", str(built[1]), "--engine", str(engine)]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: engine {'plan' if 'plan' in damage or damage == 'version' else 'weights'} ")
+        assert err.count("\n") == 1
     assert {f.name: f.read_bytes() for f in engine.iterdir()} == before
+
+
+def test_cache_verify_checks_the_engine_against_its_cache_and_a_repinned_one(built, tmp_path, capsys):
+    engine_dir, cache_path = built
+    cache = TimingCache.load(cache_path)
+    tuned = [layer for layer in CpuEngine.load(engine_dir).layers() if layer.key]
+    assert sorted(layer.key for layer in tuned) == sorted(cache.query_keys())
+    assert main(["cache", "verify", str(cache_path), "--engine", str(engine_dir)]) == 0
+    assert f"agrees with {cache_path} ({len(tuned)} layers checked)" in capsys.readouterr().out
+
+    entry = cache.entries()[0]
+    other = next(c for c in entry.candidates if c.tactic != entry.tactic)
+    repinned = tmp_path / "repinned.json"
+    args = ["cache", "pin", str(cache_path), "--layer", f"{entry.layer}={other.tactic}", "-o", str(repinned)]
+    assert main(args) == 0
+    capsys.readouterr()
+    assert main(["cache", "verify", str(repinned), "--engine", str(engine_dir / "plan.json")]) == 1
+    out = capsys.readouterr().out
+    assert f"disagrees with {repinned} on 1 of {len(tuned)} layers" in out
+    assert f"layer {entry.layer!r} (key {entry.key}): engine uses {entry.tactic!r}, cache selects {other.tactic!r}" in out
 
 
 def test_bad_cache_files_exit_2_and_stay_untouched(model, built, tmp_path, capsys):
@@ -215,6 +238,7 @@ def test_bad_cache_files_exit_2_and_stay_untouched(model, built, tmp_path, capsy
         refit.entries(),
     )
     moved.save(foreign)
+    before = foreign.read_bytes()
     code = main(
         [
             "build",
@@ -230,6 +254,7 @@ def test_bad_cache_files_exit_2_and_stay_untouched(model, built, tmp_path, capsy
         ]
     )
     assert code == 2 and "device: another CPU" in capsys.readouterr().err
+    assert foreign.read_bytes() == before and not (tmp_path / "e").exists()
 
 
 def test_bad_flags_exit_2(model, tmp_path, capsys):
@@ -267,3 +292,15 @@ def test_engine_from_cli_runs_like_the_model(model, built):
         torch.testing.assert_close(
             engine(*spec.example_inputs)[0], spec.module(*spec.example_inputs), rtol=1e-5, atol=1e-6
         )
+
+
+def test_inspect_finds_the_backend_and_verify_refuses_another_backends_cache(model, built, tmp_path, capsys):
+    engine_dir = tmp_path / "ort"
+    assert main(["build", "--model", model, "--mode", "fp32", "--backend", "onnxruntime", "-o", str(engine_dir)]) == 0
+    capsys.readouterr()
+    assert main(["inspect", str(engine_dir), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["backend"] == "onnxruntime"
+    assert main(["inspect", str(engine_dir), "--backend", "cpu"]) == 2
+    assert "saved by backend onnxruntime: use --backend onnxruntime" in capsys.readouterr().err
+    assert main(["cache", "verify", str(built[1]), "--engine", str(engine_dir)]) == 2
+    assert "built by backend onnxruntime, but" in capsys.readouterr().err

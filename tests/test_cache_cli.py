@@ -211,39 +211,6 @@ def test_merge_mismatch_refused_then_ignored(capsys, tmp_path, cache_file):
     assert code == 0 and out_path.exists()
 
 
-def write_plan(directory, layers):
-    directory.mkdir()
-    (directory / "plan.json").write_text(json.dumps({"backend": "cpu", "layers": layers}))
-    return directory
-
-
-def test_verify_agreeing_engine_exits_0(capsys, tmp_path, cache_file):
-    engine = write_plan(
-        tmp_path / "engine",
-        [
-            {"name": "conv1", "key": KEY_CONV, "tactic": "sm80_conv_64x64"},
-            {"name": "fc", "key": KEY_GEMM, "tactic": "sm80_gemm_32x32"},
-        ],
-    )
-    code, out, _ = run(capsys, "verify", cache_file, "--engine", engine)
-    assert code == 0
-    assert "agrees" in out and "2 layers checked" in out
-
-
-def test_verify_disagreeing_engine_exits_1(capsys, tmp_path, cache_file):
-    engine = write_plan(
-        tmp_path / "engine",
-        [
-            {"name": "conv1", "key": KEY_CONV, "tactic": "ampere_cudnn_conv"},
-            {"name": "fc", "key": KEY_GEMM, "tactic": "sm80_gemm_32x32"},
-        ],
-    )
-    code, out, _ = run(capsys, "verify", cache_file, "--engine", engine / "plan.json")
-    assert code == 1
-    assert "disagrees" in out and "on 1 of 2 layers" in out
-    assert "engine uses 'ampere_cudnn_conv', cache selects 'sm80_conv_64x64'" in out
-
-
 def test_verify_bad_engine_path_exits_2(capsys, tmp_path, cache_file):
     code, _, err = run(capsys, "verify", cache_file, "--engine", tmp_path / "nope")
     assert code == 2 and "no such file" in err

@@ -66,15 +66,38 @@ def test_onnx_holds_exactly_the_compiler_casts(exported, model, mode):
     compiled, record, proto = exported(model, mode)
     placed = fx_casts(compiled)
     assert placed, "the rule-mode graph should contain casts (input to low, output back to fp32)"
+    mixed = mixed_layer_norms(compiled)
     casts = [n for n in proto.graph.node if n.op_type == "Cast"]
-    assert len(casts) == len(placed) == record.cast_count
+    assert len(casts) == len(placed) + 2 * len(mixed) == record.cast_count
     # One ONNX Cast per compiler cast, named after it and converting to the same dtype.
-    assert {n.name: n.attribute[0].i for n in casts} == {
+    assert {n.name: n.attribute[0].i for n in casts if n.name in placed} == {
         name: ONNX_TYPES[dtype] for name, dtype in placed.items()
     }
-    assert [c.placed_by for c in record.casts] == [COMPILER] * len(placed)
+    assert [c.origin for c in record.compiler_casts] == [c.node for c in record.compiler_casts]
+    assert len(record.compiler_casts) == len(placed)
+    # The only other casts widen each mixed layer norm to its parameters' dtype and back.
+    widened = {(c.node, c.source, c.target) for c in record.exporter_casts}
+    assert widened == {
+        cast
+        for name, (low, high) in mixed.items()
+        for cast in ((f"{name}/Cast_input", low, high), (f"{name}/Cast_output", high, low))
+    }
     assert all(c.float_to_float for c in record.casts)
     onnx.checker.check_model(proto, full_check=True)
+
+
+SHORT = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+def mixed_layer_norms(compiled: CompiledGraph) -> dict[str, tuple[str, str]]:
+    """FX layer norms whose input dtype differs from their weight's: name -> (input, weight) dtype."""
+    mixed = {}
+    for node in compiled.graph_module.graph.nodes:
+        if node.op == "call_function" and node.target is torch.ops.aten.layer_norm.default:
+            x, weight = node.args[0].meta["val"].dtype, node.args[2].meta["val"].dtype
+            if x != weight:
+                mixed[node.name] = (SHORT[x], SHORT[weight])
+    return mixed
 
 
 @pytest.mark.parametrize(("model", "mode"), RULE_GRAPHS)

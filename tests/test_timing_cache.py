@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from harness.cache.operations import diff, load_engine_layers, merge, pin, pin_from, verify
+from harness.cache.operations import diff, merge, pin, pin_from, verify
 from harness.cache.timing_cache import (
     CacheEntry,
     Candidate,
@@ -416,33 +416,3 @@ def test_verify_accepts_names_or_hashes_and_reports_disagreement():
         "'sm80_conv_64x64' (0x8f86bebb2737)",
         f"layer 'head': key {'0x' + 'f' * 32} is not in the cache (the builder timed it afresh)",
     ]
-
-
-def test_load_engine_layers_from_directory_or_file(tmp_path):
-    plan = {
-        "layers": [
-            {
-                "name": "conv1",
-                "key": KEY_CONV,
-                "tactic": "sm80_conv_64x64",
-                "tactic_hash": "0x8f86bebb2737",
-            },
-            {"name": "flatten", "key": None, "tactic": None},
-            {"name": "fc", "key": KEY_GEMM, "tactic": "sm80_gemm_32x32"},
-        ]
-    }
-    (tmp_path / "plan.json").write_text(json.dumps(plan))
-    expected = [("conv1", KEY_CONV, "sm80_conv_64x64"), ("fc", KEY_GEMM, "sm80_gemm_32x32")]
-    assert load_engine_layers(tmp_path) == expected
-    assert load_engine_layers(tmp_path / "plan.json") == expected
-
-
-def test_load_engine_layers_errors(tmp_path):
-    with pytest.raises(HarnessError, match="plan.json: no such file"):
-        load_engine_layers(tmp_path)
-    (tmp_path / "plan.json").write_text(json.dumps({"layers": [{"name": "x", "key": None}]}))
-    with pytest.raises(HarnessError, match="nothing to verify"):
-        load_engine_layers(tmp_path)
-    (tmp_path / "plan.json").write_text(json.dumps({"layers": [{"key": "k"}]}))
-    with pytest.raises(HarnessError, match="'name' is a required property"):
-        load_engine_layers(tmp_path)

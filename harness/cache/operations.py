@@ -11,8 +11,7 @@ import os
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
-from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from harness.cache.timing_cache import (
     CacheEntry,
@@ -21,8 +20,9 @@ from harness.cache.timing_cache import (
     check_compatible,
     normalize_hash,
 )
+from harness.engines.registry import get_backend
+from harness.engines.saved import plan_backend
 from harness.errors import HarnessError
-from harness.fileio import read_json
 
 DiffStatus = Literal["same", "changed", "only-a", "only-b"]
 
@@ -202,46 +202,21 @@ def _same_tactic(entry: CacheEntry, tactic: str) -> bool:
     return _looks_like_hash(tactic) and normalize_hash(tactic) == normalize_hash(entry.tactic_hash)
 
 
-PLAN_FILE = "plan.json"
+def load_engine_layers(path: str | os.PathLike[str]) -> tuple[str, list[tuple[str, str, str]]]:
+    """The backend of a saved engine and (layer, key, tactic) for every autotuned layer of it.
 
-_PLAN_LAYERS_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "required": ["layers"],
-    "properties": {
-        "layers": {
-            "type": "array",
-            "items": {
-                "type": "object",
-                "required": ["name"],
-                "properties": {
-                    "name": {"type": "string"},
-                    "key": {"type": ["string", "null"]},
-                    "tactic": {"type": ["string", "null"]},
-                },
-            },
-        }
-    },
-}
-
-
-def load_engine_layers(path: str | os.PathLike[str]) -> list[tuple[str, str, str]]:
-    """(layer, key, tactic) for every timed layer of a saved engine.
-
-    ``path`` is an engine directory holding ``plan.json`` or that file itself.
-    Layers without a key (nothing was timed for them) are skipped; an engine
-    with no keyed layer at all cannot be verified and is refused.
+    ``path`` is an engine directory or its ``plan.json``. The engine is loaded
+    by the backend that saved it, which verifies the plan's fingerprint and
+    its weights or model: a damaged or edited engine is an error, never
+    silently verified. Layers without a key (nothing was timed for them) are
+    skipped; an engine with no keyed layer at all cannot be verified.
     """
-    p = Path(path)
-    plan = p / PLAN_FILE if p.is_dir() else p
-    obj = read_json(plan, _PLAN_LAYERS_SCHEMA, "engine plan")
-    layers = [
-        (item["name"], item["key"], item["tactic"])
-        for item in obj["layers"]
-        if item.get("key") is not None and item.get("tactic") is not None
-    ]
+    directory, backend = plan_backend(path)
+    engine = get_backend(backend).load(directory)
+    layers = [(layer.name, layer.key, layer.tactic) for layer in engine.layers() if layer.key]
     if not layers:
         raise HarnessError(
-            f"engine plan {plan}: no layer records a cache key and tactic, so there is nothing to "
+            f"engine {directory}: no layer records a cache key and tactic, so there is nothing to "
             "verify (was the engine built with tactic selection?)"
         )
-    return layers
+    return backend, layers

@@ -323,7 +323,7 @@ class TimingCache:
         if version not in SUPPORTED_SCHEMA_VERSIONS:
             supported = ", ".join(str(v) for v in SUPPORTED_SCHEMA_VERSIONS)
             raise HarnessError(
-                f"{where}: timing cache schema_version {version!r} is not supported "
+                f"{where}: schema_version {version!r} is not supported "
                 f"(this harness reads version {supported})"
             )
         validate(obj, SCHEMA, where)

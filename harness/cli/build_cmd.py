@@ -15,6 +15,7 @@ from typing import Any
 
 from harness.engines.protocol import PRECISION_MODES, BuildConfig
 from harness.engines.registry import BACKEND_NAMES, get_backend
+from harness.engines.saved import plan_backend
 from harness.errors import HarnessError
 
 
@@ -46,7 +47,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
     inspect = sub.add_parser("inspect", help="load a saved engine and list its layers and tactics")
     inspect.add_argument("engine", metavar="DIR", help="engine directory")
-    inspect.add_argument("--backend", default="cpu", choices=BACKEND_NAMES)
+    inspect.add_argument(
+        "--backend", choices=BACKEND_NAMES, help="default: the backend named in the engine's plan.json"
+    )
     inspect.add_argument("--json", action="store_true", help="print as JSON")
     inspect.set_defaults(func=run_inspect)
 
@@ -180,7 +183,8 @@ def run_rebuild(args: argparse.Namespace) -> int:
 
 
 def run_inspect(args: argparse.Namespace) -> int:
-    engine = get_backend(args.backend).load(args.engine)
+    backend = args.backend or plan_backend(args.engine)[1]
+    engine = get_backend(backend).load(args.engine)
     layers = engine.layers()
     if args.json:
         print(

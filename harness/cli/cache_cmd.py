@@ -164,9 +164,11 @@ def _pin(args: argparse.Namespace) -> int:
         summary = layers
     else:
         specs = [_parse_layer_spec(s) for s in args.layer]
-        summary = [
-            f"{e.layer}: {e.tactic} ({e.tactic_hash})" for e in (pin(cache, n, t) for n, t in specs)
-        ]
+        try:
+            pinned = [pin(cache, n, t) for n, t in specs]
+        except HarnessError as exc:
+            raise HarnessError(f"timing cache {args.file}: {exc}") from None
+        summary = [f"{e.layer}: {e.tactic} ({e.tactic_hash})" for e in pinned]
     out = args.output or args.file
     cache.save(out)
     print(f"pinned {len(summary)} entr{'y' if len(summary) == 1 else 'ies'} -> {out}")
@@ -190,7 +192,12 @@ def _merge(args: argparse.Namespace) -> int:
 
 def _verify(args: argparse.Namespace) -> int:
     cache = TimingCache.load(args.file)
-    layers = load_engine_layers(args.engine)
+    backend, layers = load_engine_layers(args.engine)
+    if backend != cache.provenance.backend:
+        raise HarnessError(
+            f"engine {args.engine} was built by backend {backend}, but {args.file} records "
+            f"backend {cache.provenance.backend}'s tactics; verify it against a cache recorded by backend {backend}"
+        )
     problems = verify(cache, layers)
     if problems:
         print(

@@ -20,10 +20,11 @@ from, and that node knows which node of the typed graph it came from. ONNX
 nodes are renamed after those typed-graph nodes (``conv2d``, ``x_fp16``;
 ``gelu/Erf`` when one FX node became several ONNX nodes), so TensorRT's layer
 names and build log speak the compiler's names. A ``Cast`` whose origin is
-not a compiler cast was placed by the exporter; the one known source is
+not a compiler cast was placed by the exporter; the known sources are
 implicit type promotion (``aten.add(fp32, bf16)`` runs in fp32 in PyTorch,
-while ONNX ``Add`` needs equal types), as in AMP graphs. Those are recorded
-separately, not hidden.
+while ONNX ``Add`` needs equal types), as in AMP graphs, and layer norms with
+fp32 parameters under a low-precision input (:func:`_widen_mixed_layer_norms`).
+Those are recorded separately, not hidden.
 
 Opset: 18 by default; 22 when the graph holds bf16 tensors, because ONNX
 types ``Conv``, ``MaxPool`` and the other pooling ops in bf16 only from 22.
@@ -50,9 +51,10 @@ import onnx_ir.passes.common as ir_passes
 import torch
 from onnxscript.optimizer import fold_constants_ir
 
-from harness.engines.protocol import DTYPE_NAMES, dtype_name
+from harness.engines.protocol import dtype_name
 from harness.errors import HarnessError
 from harness.fileio import atomic_write_bytes, canonical_json
+from harness.fxutil import dtype_name as any_dtype_name
 
 if TYPE_CHECKING:
     from harness.autocast import CompiledGraph
@@ -164,7 +166,7 @@ def check_inputs(
     for tensor, spec in zip(inputs, specs, strict=True):
         if not isinstance(tensor, torch.Tensor):
             raise HarnessError(f"{where} input {spec.name!r}: expected a tensor, got {type(tensor).__name__}")
-        got = (dtype_name(tensor.dtype) if tensor.dtype in DTYPE_NAMES else str(tensor.dtype), tuple(tensor.shape))
+        got = (any_dtype_name(tensor.dtype), tuple(tensor.shape))
         if got != (spec.dtype, spec.shape):
             raise HarnessError(
                 f"{where} input {spec.name!r}: expected {spec.dtype} {spec.shape}, got {got[0]} {got[1]}"
@@ -264,6 +266,7 @@ def export_onnx(
     protected = {n for n, origin in origins.items() if n.op_type == "Cast" and origin in placed}
     _clean(model, protected, set(weights))
     names = _rename(model.graph, origins)
+    _widen_mixed_layer_norms(model.graph)
     proto = ir.to_proto(model)
     _check(proto, path)
     record = _record(model, Path(path), opset, names, placed)
@@ -392,6 +395,44 @@ def _rename(graph: ir.Graph, origins: dict[ir.Node, str | None]) -> dict[str, st
         taken.add(name)
         names[name] = origin
     return names
+
+
+def _widen_mixed_layer_norms(graph: ir.Graph) -> None:
+    """Run each LayerNormalization whose input and scale dtypes differ in the scale's dtype.
+
+    The compiler keeps normalization parameters in fp32 under a low-precision
+    input, as PyTorch's mixed layer norm allows: it normalizes in fp32 and
+    rounds the result to the input's dtype once. ONNX types X, Scale and B
+    alike, so the exporter writes exactly that computation with two casts of
+    its own (recorded as exporter casts): X up to the scale's dtype, Y back.
+    """
+    taken: set[str | None] = {node.name for node in graph}
+    for node in list(graph):
+        if node.op_type != "LayerNormalization" or node.domain not in ("", "ai.onnx"):
+            continue
+        x, scale = node.inputs[0], node.inputs[1]
+        if x is None or scale is None or x.dtype is None or scale.dtype is None or x.dtype == scale.dtype:
+            continue
+        narrow, wide = x.dtype, scale.dtype
+        cast_in = ir.Node("", "Cast", [x], [ir.AttrInt64("to", int(wide))], name=_unique(f"{node.name}/Cast_input", taken))
+        taken.add(cast_in.name)
+        cast_in.outputs[0].name = f"{cast_in.name}:0"
+        cast_in.outputs[0].dtype, cast_in.outputs[0].shape = wide, x.shape
+        graph.insert_before(node, cast_in)
+        node.replace_input_with(0, cast_in.outputs[0])
+        y = node.outputs[0]
+        # Consumers (and a graph output) keep the narrow value under its name;
+        # the layer norm now produces a new wide value feeding the cast.
+        narrow_y = ir.Value(name=y.name, shape=y.shape)
+        narrow_y.dtype = narrow
+        y.replace_all_uses_with(narrow_y, replace_graph_outputs=True)
+        y.name, y.dtype = f"{y.name}:{wide.name.lower()}", wide
+        cast_out = ir.Node(
+            "", "Cast", [y], [ir.AttrInt64("to", int(narrow))], outputs=[narrow_y],
+            name=_unique(f"{node.name}/Cast_output", taken),
+        )
+        taken.add(cast_out.name)
+        graph.insert_after(node, cast_out)
 
 
 def _unique(name: str, taken: set[str | None]) -> str:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from harness.errors import HarnessError
+from harness.fxutil import dtype_name as fx_dtype_name
 
 if TYPE_CHECKING:
     from harness.autocast import CompiledGraph
@@ -37,31 +38,31 @@ PRECISION_MODES = (
     "explicit",
 )
 
-# The dtype vocabulary of LayerInfo, plans and explicit-precision files: short
-# names as users write them ("fp16", not "torch.float16" or TensorRT's "Half").
-DTYPE_NAMES: dict[torch.dtype, str] = {
-    torch.float32: "fp32",
-    torch.float16: "fp16",
-    torch.bfloat16: "bf16",
-    torch.float64: "fp64",
-    torch.int64: "int64",
-    torch.int32: "int32",
-    torch.int16: "int16",
-    torch.int8: "int8",
-    torch.uint8: "uint8",
-    torch.bool: "bool",
-}
+# The dtypes engines take and store, named as users write them ("fp16", not
+# "torch.float16" or TensorRT's "Half"): the compiler's names (harness.fxutil).
+ENGINE_DTYPES = (
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+)
+DTYPE_NAMES: dict[torch.dtype, str] = {dtype: fx_dtype_name(dtype) for dtype in ENGINE_DTYPES}
 _DTYPES_BY_NAME = {name: dtype for dtype, name in DTYPE_NAMES.items()}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    """Short name of a tensor dtype ("fp32", "bf16", "int64", ...)."""
-    try:
-        return DTYPE_NAMES[dtype]
-    except KeyError:
+    """Short name of a tensor dtype ("fp32", "bf16", "int64", ...); other dtypes are refused."""
+    if dtype not in DTYPE_NAMES:
         raise HarnessError(
             f"dtype {dtype} is not supported by the engines; supported: {', '.join(DTYPE_NAMES.values())}"
-        ) from None
+        )
+    return DTYPE_NAMES[dtype]
 
 
 def dtype_from_name(name: str) -> torch.dtype:
@@ -114,6 +115,24 @@ class LayerInfo:
             "input_dtypes": list(self.input_dtypes),
             "output_dtypes": list(self.output_dtypes),
         }
+
+
+# A LayerInfo as saved engine plans store it; ``key`` is null for a layer that
+# was not autotuned (nothing for ``harness cache verify`` to check).
+LAYER_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["name", "key", "tactic", "tactic_hash", "layer_type", "input_dtypes", "output_dtypes"],
+    "additionalProperties": False,
+    "properties": {
+        "name": {"type": "string"},
+        "key": {"type": ["string", "null"]},
+        "tactic": {"type": "string"},
+        "tactic_hash": {"type": "string"},
+        "layer_type": {"type": "string"},
+        "input_dtypes": {"type": "array", "items": {"type": "string"}},
+        "output_dtypes": {"type": "array", "items": {"type": "string"}},
+    },
+}
 
 
 @dataclass(frozen=True)

@@ -34,17 +34,10 @@ from harness.engines.cpu.plan import (
     plan_from_json,
 )
 from harness.engines.protocol import LayerInfo, dtype_from_name, dtype_name
+from harness.engines.saved import PLAN_FILE, engine_directory, read_plan
 from harness.errors import HarnessError
-from harness.fileio import (
-    atomic_write_bytes,
-    atomic_write_json,
-    canonical_json,
-    digest,
-    read_json,
-    validate,
-)
+from harness.fileio import atomic_write_bytes, atomic_write_json, canonical_json, digest
 
-PLAN_FILE = "plan.json"
 WEIGHTS_FILE = "weights.safetensors"
 
 
@@ -101,30 +94,27 @@ class CpuEngine:
         Weights go first: a crash in between leaves a plan whose weights digest
         no longer matches, which :meth:`load` reports instead of running it.
         """
-        target = Path(path)
-        if target.exists() and not target.is_dir():
-            raise HarnessError(f"engine path {target} exists and is not a directory")
+        target = engine_directory(path)
         weights = {name: t.contiguous() for name, t in self.plan.weights.items()}
         atomic_write_bytes(target / WEIGHTS_FILE, safetensors.torch.save(weights))
         atomic_write_json(target / PLAN_FILE, self.plan.to_json())
 
     @staticmethod
     def load(path: str | os.PathLike[str]) -> CpuEngine:
-        directory = Path(path)
-        plan_path, weights_path = directory / PLAN_FILE, directory / WEIGHTS_FILE
-        if not directory.is_dir():
-            raise HarnessError(
-                f"engine {directory}: not a directory (expected {PLAN_FILE} and {WEIGHTS_FILE} in it)"
-            )
-        where = f"engine plan {plan_path}"
-        obj = read_json(plan_path, what="engine plan")
-        _check_version(obj, where)
-        validate(obj, PLAN_SCHEMA, where)
+        directory, obj, where = read_plan(
+            path,
+            backend="cpu",
+            plan_format=PLAN_FORMAT,
+            version=PLAN_VERSION,
+            schema=PLAN_SCHEMA,
+            payload=WEIGHTS_FILE,
+        )
         body = {k: v for k, v in obj.items() if k not in ("fingerprint", "weights_digest")}
         if digest(canonical_json(body)) != obj["fingerprint"]:
             raise HarnessError(
                 f"{where}: contents do not match the recorded fingerprint; the file was modified or corrupted"
             )
+        weights_path = directory / WEIGHTS_FILE
         weights = _read_weights(weights_path)
         plan = plan_from_json(obj, weights, where)
         if plan.weights_digest() != obj["weights_digest"]:
@@ -133,16 +123,6 @@ class CpuEngine:
                 "the weights were modified or belong to another engine"
             )
         return CpuEngine(plan)
-
-
-def _check_version(obj: Any, where: str) -> None:
-    if not isinstance(obj, dict) or obj.get("format") != PLAN_FORMAT:
-        raise HarnessError(f'{where}: not a CPU engine plan (expected "format": "{PLAN_FORMAT}")')
-    if obj.get("version") != PLAN_VERSION:
-        raise HarnessError(
-            f"{where}: plan schema version {obj.get('version')!r} is not supported "
-            f"(this harness reads version {PLAN_VERSION}); rebuild the engine"
-        )
 
 
 def _read_weights(path: Path) -> dict[str, torch.Tensor]:

@@ -23,7 +23,13 @@ from typing import Any
 
 import torch
 
-from harness.engines.protocol import DTYPE_NAMES, LayerInfo, dtype_from_name, dtype_name
+from harness.engines.protocol import (
+    DTYPE_NAMES,
+    LAYER_SCHEMA,
+    LayerInfo,
+    dtype_from_name,
+    dtype_name,
+)
 from harness.errors import HarnessError
 from harness.fileio import canonical_json, digest
 
@@ -149,21 +155,16 @@ class Plan:
             ins = tuple(metas[r.name].dtype for r in node.refs())
             ins += tuple(dtype_name(self.weights[w.name].dtype) for w in node.weight_refs())
             outs = tuple(m.dtype for m in node.outputs if m is not None)
+            # Like TensorRT's log, only autotuned layers name a key: the ones
+            # `harness cache verify` checks against a cache.
+            key = node.key if node.tuned else ""
             result.append(
-                LayerInfo(
-                    node.name, node.layer_type, node.key, ins, outs, node.tactic, node.tactic_hash
-                )
+                LayerInfo(node.name, node.layer_type, key, ins, outs, node.tactic, node.tactic_hash)
             )
         return result
 
     def _layer_nodes(self) -> list[Node]:
         return [node for node in self.nodes if node.is_layer]
-
-    @staticmethod
-    def _layer_json(layer: LayerInfo, node: Node) -> dict[str, Any]:
-        # Like TensorRT's log, a key is listed only for layers that were
-        # autotuned; `harness cache verify` checks exactly those against a cache.
-        return {**layer.to_json(), "key": layer.key if node.tuned else None}
 
     def value_metas(self) -> dict[str, TensorMeta]:
         """Metadata of every value a Ref can name (graph inputs and single-output nodes)."""
@@ -186,10 +187,7 @@ class Plan:
             ],
             "nodes": [_node_json(n) for n in self.nodes],
             "outputs": [encode_arg(o) for o in self.outputs],
-            "layers": [
-                self._layer_json(layer, node)
-                for layer, node in zip(self.layers(), self._layer_nodes(), strict=True)
-            ],
+            "layers": [{**layer.to_json(), "key": layer.key or None} for layer in self.layers()],
         }
 
     def fingerprint(self) -> str:
@@ -378,7 +376,7 @@ PLAN_SCHEMA: dict[str, Any] = {
     "additionalProperties": False,
     "properties": {
         "format": {"const": PLAN_FORMAT},
-        "version": {"type": "integer"},
+        "version": {"const": PLAN_VERSION},
         "backend": {"const": "cpu"},
         "mode": _STR,
         "inputs": {"type": "array", "items": _NAMED_META},
@@ -421,7 +419,7 @@ PLAN_SCHEMA: dict[str, Any] = {
             },
         },
         "outputs": {"type": "array", "minItems": 1},
-        "layers": {"type": "array"},
+        "layers": {"type": "array", "items": LAYER_SCHEMA},
         "fingerprint": _STR,
         "weights_digest": _STR,
     },
@@ -429,12 +427,7 @@ PLAN_SCHEMA: dict[str, Any] = {
 
 
 def plan_from_json(obj: dict[str, Any], weights: dict[str, torch.Tensor], where: str) -> Plan:
-    """Rebuild a plan from validated JSON, checking every reference and op before use."""
-    if obj["version"] != PLAN_VERSION:
-        raise HarnessError(
-            f"{where}: plan schema version {obj['version']} is not supported "
-            f"(this harness reads version {PLAN_VERSION}); rebuild the engine"
-        )
+    """Rebuild a plan from validated JSON (version checked), checking every reference and op before use."""
     declared = {w["name"]: TensorMeta(tuple(w["shape"]), w["dtype"]) for w in obj["weights"]}
     actual = {n: TensorMeta.of(t) for n, t in weights.items()}
     if declared != actual:

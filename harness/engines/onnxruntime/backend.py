@@ -62,16 +62,10 @@ from harness.engines.onnx_export import (
     initializers_digest,
     onnx_dtype_name,
 )
-from harness.engines.protocol import PRECISION_MODES, BuildConfig, BuildLog, LayerInfo
+from harness.engines.protocol import LAYER_SCHEMA, PRECISION_MODES, BuildConfig, BuildLog, LayerInfo
+from harness.engines.saved import PLAN_FILE, engine_directory, read_plan
 from harness.errors import HarnessError
-from harness.fileio import (
-    atomic_write_bytes,
-    atomic_write_json,
-    canonical_json,
-    digest,
-    read_json,
-    validate,
-)
+from harness.fileio import atomic_write_bytes, atomic_write_json, canonical_json, digest
 
 if TYPE_CHECKING:
     from harness.autocast import CompiledGraph
@@ -82,7 +76,6 @@ TACTIC = "ort-default"
 TACTIC_HASH = "0x" + hashlib.sha256(f"{PROVIDER}/{TACTIC}".encode()).hexdigest()[:16]
 PLAN_FORMAT = "harness-onnxruntime-engine"
 PLAN_VERSION = 1
-PLAN_FILE = "plan.json"
 MODEL_FILE = "model.onnx"
 
 OPTIMIZATION_LEVELS = {
@@ -240,30 +233,21 @@ class OnnxRuntimeEngine:
         The model goes first: a crash in between leaves a plan whose model
         digest does not match, which :meth:`load` reports instead of running it.
         """
-        target = Path(path)
-        if target.exists() and not target.is_dir():
-            raise HarnessError(f"engine path {target} exists and is not a directory")
+        target = engine_directory(path)
         atomic_write_bytes(target / MODEL_FILE, self._model_bytes)
         atomic_write_json(target / PLAN_FILE, self.plan_json())
 
     @staticmethod
     def load(path: str | os.PathLike[str]) -> OnnxRuntimeEngine:
-        directory = Path(path)
-        if not directory.is_dir():
-            raise HarnessError(
-                f"engine {directory}: not a directory (expected {PLAN_FILE} and {MODEL_FILE} in it)"
-            )
+        directory, obj, where = read_plan(
+            path,
+            backend=BACKEND,
+            plan_format=PLAN_FORMAT,
+            version=PLAN_VERSION,
+            schema=PLAN_SCHEMA,
+            payload=MODEL_FILE,
+        )
         plan_path = directory / PLAN_FILE
-        where = f"engine plan {plan_path}"
-        obj = read_json(plan_path, what="engine plan")
-        if not isinstance(obj, dict) or obj.get("format") != PLAN_FORMAT:
-            raise HarnessError(f'{where}: not an onnxruntime engine plan (expected "format": "{PLAN_FORMAT}")')
-        if obj.get("version") != PLAN_VERSION:
-            raise HarnessError(
-                f"{where}: plan version {obj.get('version')!r} is not supported (this harness reads "
-                f"version {PLAN_VERSION}); rebuild the engine"
-            )
-        validate(obj, PLAN_SCHEMA, where)
         model_path = directory / obj["model_file"]
         try:
             model_bytes = model_path.read_bytes()
@@ -488,20 +472,6 @@ def _graph_description(model: onnx.ModelProto) -> dict[str, Any]:
     }
 
 
-_LAYER_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "required": ["name", "key", "tactic", "tactic_hash", "layer_type", "input_dtypes", "output_dtypes"],
-    "additionalProperties": False,
-    "properties": {
-        "name": {"type": "string"},
-        "key": {"type": "string"},
-        "tactic": {"type": "string"},
-        "tactic_hash": {"type": "string"},
-        "layer_type": {"type": "string"},
-        "input_dtypes": {"type": "array", "items": {"type": "string"}},
-        "output_dtypes": {"type": "array", "items": {"type": "string"}},
-    },
-}
 PLAN_SCHEMA: dict[str, Any] = {
     "type": "object",
     "required": [
@@ -542,7 +512,7 @@ PLAN_SCHEMA: dict[str, Any] = {
         "casts": {"type": "array", "items": CAST_SCHEMA},
         "model_file": {"const": MODEL_FILE},
         "model_digest": {"type": "string", "pattern": "^sha256:[0-9a-f]{64}$"},
-        "layers": {"type": "array", "items": _LAYER_SCHEMA},
+        "layers": {"type": "array", "items": LAYER_SCHEMA},
         "fingerprint": {"type": "string", "pattern": "^sha256:[0-9a-f]{64}$"},
     },
 }

@@ -63,12 +63,14 @@ from harness.engines.onnx_export import (
     initializers_digest,
 )
 from harness.engines.protocol import (
+    LAYER_SCHEMA,
     PRECISION_MODES,
     BuildConfig,
     BuildLog,
     LayerInfo,
     dtype_from_name,
 )
+from harness.engines.saved import PLAN_FILE, engine_directory, read_plan
 from harness.engines.tensorrt.builder import (
     BuildSettings,
     LogCapture,
@@ -94,14 +96,7 @@ from harness.engines.tensorrt.versions import (
     require_weak_typing,
 )
 from harness.errors import HarnessError
-from harness.fileio import (
-    atomic_write_bytes,
-    atomic_write_json,
-    canonical_json,
-    digest,
-    read_json,
-    validate,
-)
+from harness.fileio import atomic_write_bytes, atomic_write_json, canonical_json, digest
 
 if TYPE_CHECKING:
     import tensorrt
@@ -111,7 +106,6 @@ if TYPE_CHECKING:
 BACKEND = "tensorrt"
 PLAN_FORMAT = "harness-tensorrt-engine"
 PLAN_VERSION = 1
-PLAN_FILE = "plan.json"
 ENGINE_FILE = "engine.plan"
 # Inspector dtype names (inspector.py normalises TensorRT's) -> the engines' short names.
 _INSPECTOR_DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "float64": "fp64"}
@@ -256,28 +250,21 @@ class TensorRTEngine:
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write ``engine.plan`` then ``plan.json`` (each atomically) into directory ``path``."""
-        target = Path(path)
-        if target.exists() and not target.is_dir():
-            raise HarnessError(f"engine path {target} exists and is not a directory")
+        target = engine_directory(path)
         atomic_write_bytes(target / ENGINE_FILE, self._plan)
         atomic_write_json(target / PLAN_FILE, self.plan_json())
 
     @staticmethod
     def load(path: str | os.PathLike[str], trt_module: TrtModule | None = None) -> TensorRTEngine:
-        directory = Path(path)
-        if not directory.is_dir():
-            raise HarnessError(f"engine {directory}: not a directory (expected {PLAN_FILE} and {ENGINE_FILE})")
+        directory, obj, where = read_plan(
+            path,
+            backend=BACKEND,
+            plan_format=PLAN_FORMAT,
+            version=PLAN_VERSION,
+            schema=PLAN_SCHEMA,
+            payload=ENGINE_FILE,
+        )
         plan_path = directory / PLAN_FILE
-        where = f"engine plan {plan_path}"
-        obj = read_json(plan_path, what="engine plan")
-        if not isinstance(obj, dict) or obj.get("format") != PLAN_FORMAT:
-            raise HarnessError(f'{where}: not a tensorrt engine plan (expected "format": "{PLAN_FORMAT}")')
-        if obj.get("version") != PLAN_VERSION:
-            raise HarnessError(
-                f"{where}: plan version {obj.get('version')!r} is not supported (this harness reads "
-                f"version {PLAN_VERSION}); rebuild the engine"
-            )
-        validate(obj, PLAN_SCHEMA, where)
         engine_path = directory / obj["plan_file"]
         try:
             plan = engine_path.read_bytes()
@@ -482,20 +469,6 @@ def merge_decisions(cache: TimingCache, entries: list[CacheEntry]) -> None:
         cache.update(entry)
 
 
-_LAYER_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "required": ["name", "key", "tactic", "tactic_hash", "layer_type", "input_dtypes", "output_dtypes"],
-    "additionalProperties": False,
-    "properties": {
-        "name": {"type": "string"},
-        "key": {"type": ["string", "null"]},
-        "tactic": {"type": "string"},
-        "tactic_hash": {"type": "string"},
-        "layer_type": {"type": "string"},
-        "input_dtypes": {"type": "array", "items": {"type": "string"}},
-        "output_dtypes": {"type": "array", "items": {"type": "string"}},
-    },
-}
 _DIGEST = {"type": "string", "pattern": "^sha256:[0-9a-f]{64}$"}
 PLAN_SCHEMA: dict[str, Any] = {
     "type": "object",
@@ -529,7 +502,7 @@ PLAN_SCHEMA: dict[str, Any] = {
         "inputs": {"type": "array", "items": TENSOR_SPEC_SCHEMA},
         "outputs": {"type": "array", "items": TENSOR_SPEC_SCHEMA},
         "casts": {"type": "array", "items": CAST_SCHEMA},
-        "layers": {"type": "array", "items": _LAYER_SCHEMA},
+        "layers": {"type": "array", "items": LAYER_SCHEMA},
         "layer_keys": {"type": "object", "additionalProperties": {"type": "string"}},
         "cache_entries": {
             "type": "array",

@@ -1,0 +1,78 @@
+"""The on-disk envelope every saved engine shares: a directory with ``plan.json`` beside its payload.
+
+Each backend stores a different payload (safetensors weights, an ONNX model,
+a TensorRT plan), but the checks before trusting a saved engine are the
+same: the directory exists, ``plan.json`` is JSON of this backend's format and
+a plan version this harness reads, and it matches the backend's schema. One
+place for them keeps every backend's messages for damaged or foreign engines
+alike, and lets tools that only read the plan (``harness cache verify``) tell
+which backend must load it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from harness.errors import HarnessError
+from harness.fileio import read_json, validate
+
+PLAN_FILE = "plan.json"
+
+
+def engine_directory(path: str | os.PathLike[str]) -> Path:
+    """The directory an engine is saved into; refused when a file is in its place."""
+    target = Path(path)
+    if target.exists() and not target.is_dir():
+        raise HarnessError(f"engine path {target} exists and is not a directory")
+    return target
+
+
+def plan_backend(path: str | os.PathLike[str]) -> tuple[Path, str]:
+    """(engine directory, backend name) of a saved engine, given its directory or its plan.json."""
+    given = Path(path)
+    directory = given if given.is_dir() else given.parent
+    plan_path = directory / PLAN_FILE
+    obj = read_json(plan_path, what="engine plan")
+    backend = obj.get("backend") if isinstance(obj, dict) else None
+    if not isinstance(backend, str):
+        raise HarnessError(f'engine plan {plan_path}: no "backend" field; this is not a saved engine plan')
+    return directory, backend
+
+
+def read_plan(
+    path: str | os.PathLike[str],
+    *,
+    backend: str,
+    plan_format: str,
+    version: int,
+    schema: dict[str, Any],
+    payload: str,
+) -> tuple[Path, dict[str, Any], str]:
+    """Read and validate ``plan.json`` of the engine directory ``path``.
+
+    Returns the directory, the plan, and the "engine plan FILE" prefix for
+    further messages. ``payload`` names the file stored beside the plan, for
+    the message when ``path`` is not a directory.
+    """
+    directory = Path(path)
+    if not directory.is_dir():
+        raise HarnessError(
+            f"engine {directory}: not a directory (expected {PLAN_FILE} and {payload} in it)"
+        )
+    plan_path = directory / PLAN_FILE
+    where = f"engine plan {plan_path}"
+    obj = read_json(plan_path, what="engine plan")
+    if not isinstance(obj, dict) or obj.get("format") != plan_format:
+        found = obj.get("backend") if isinstance(obj, dict) else None
+        saved_by = isinstance(found, str) and found != backend
+        hint = f"; it was saved by backend {found}: use --backend {found}" if saved_by else ""
+        raise HarnessError(f'{where}: not a {backend} engine plan (expected "format": "{plan_format}"){hint}')
+    if obj.get("version") != version:
+        raise HarnessError(
+            f"{where}: plan schema version {obj.get('version')!r} is not supported "
+            f"(this harness reads version {version}); rebuild the engine"
+        )
+    validate(obj, schema, where)
+    return directory, obj, where
