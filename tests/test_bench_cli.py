@@ -101,10 +101,20 @@ def test_ctrl_c_keeps_finished_cases_and_exits_130(capsys, tmp_path, monkeypatch
     assert code == 130
     doc = load_results(tmp_path / "r.json")
     assert doc["complete"] is False and [c["mode"] for c in doc["cases"]] == ["fp32"]
-    assert "INCOMPLETE" in out and "1 of 3 cases kept" in err
+    assert "INCOMPLETE" in out and "1 of 3 cases kept" in err and "--resume" in err
     # an incomplete run cannot become a baseline
     code, _, err = run(capsys, "baseline", "promote", tmp_path / "r.json", "--root", tmp_path / "root")
     assert code == 2 and "incomplete" in err
+    # --resume finishes it: the kept case is not measured again
+    again = ("--models", "digits", "--modes", "fp32,amp-bf16,bf16", "--resume")
+    code, _, err = bench(capsys, tmp_path, tmp_path / "r.json", "--models", "digits", "--modes", "fp32", "--resume")
+    assert code == 2 and "settings" in err  # other flags: not the same run
+    assert bench(capsys, tmp_path, tmp_path / "r.json", *again)[0] == 0
+    doc = load_results(tmp_path / "r.json")
+    assert doc["complete"] is True and [c["mode"] for c in doc["cases"]] == ["fp32", "amp-bf16", "bf16"]
+    assert len(calls) == 4
+    code, _, err = bench(capsys, tmp_path, tmp_path / "r.json", *again)
+    assert code == 2 and "nothing to resume" in err
 
 
 def test_gate_flags_a_pinned_slower_tactic_and_passes_an_unchanged_rerun(capsys, tmp_path):
@@ -194,7 +204,7 @@ def test_gate_without_baseline_or_runs_explains_what_is_missing(capsys, tmp_path
     code, _, err = run(capsys, "gate", "--root", tmp_path)
     assert code == 2 and f"no baseline for machine '{MACHINE}'" in err and "baseline promote" in err
     code, _, err = run(capsys, "gate", "--root", tmp_path, "--baseline", tmp_path / "b.json")
-    assert code == 2 and "no run-*.json in" in err
+    assert code == 2 and "no run-*.json (other than shards) in" in err
 
 
 @pytest.mark.parametrize("command", ["gate", "compare", "merge", "promote"])
@@ -216,3 +226,11 @@ def test_corrupt_results_file_is_rejected_and_left_alone(capsys, tmp_path, comma
     assert code == 2 and str(bad) in err and "non-negative integers" in err
     assert bad.read_bytes() == original
     assert not (tmp_path / "merged.json").exists() and not (tmp_path / "root").exists()
+
+
+def test_gate_default_current_is_the_newest_whole_run_not_a_shard(tmp_path):
+    from harness.cli.bench_cmd import newest_run
+
+    for name in ("run-20250101T000000Z.json", "run-20250102T000000Z.json", "run-20250103T000000Z-shard1of2.json"):
+        (tmp_path / name).write_text("{}")
+    assert newest_run(tmp_path) == tmp_path / "run-20250102T000000Z.json"

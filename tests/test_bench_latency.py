@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 from harness.bench.latency import DEFAULT_COV_THRESHOLD, measure_latency, measure_overhead
-from harness.bench.memory import MemoryReport, measure_memory, path_size, weight_bytes
+from harness.bench.memory import MemoryReport, measure_memory
 from harness.bench.stats import Summary
 from harness.errors import HarnessError
 
@@ -115,30 +114,7 @@ def test_peak_rss_measures_the_run() -> None:
         assert small.peak_rss_bytes is not None and small.peak_rss_bytes < report.peak_rss_bytes
 
 
-def test_weight_bytes_by_dtype_counts_shared_tensors_once() -> None:
-    w = torch.zeros(3, 4)  # 48 bytes
-    state = {
-        "a.weight": w,
-        "tied.weight": w,
-        "b": torch.zeros(10, dtype=torch.float16),
-        "c": torch.zeros(2, dtype=torch.bfloat16),
-    }
-    assert weight_bytes(state) == {"bfloat16": 4, "float16": 20, "float32": 48}
-    assert weight_bytes([torch.zeros(5, dtype=torch.int8)]) == {"int8": 5}
-    report = MemoryReport(weight_bytes=weight_bytes(state), engine_bytes=100)
-    d = report.to_dict()
-    assert (
-        d["weight_bytes_total"] == 72 and d["engine_bytes"] == 100 and d["peak_rss_bytes"] is None
-    )
-
-
-def test_path_size_of_file_and_directory(tmp_path: Path) -> None:
-    (tmp_path / "engine.plan").write_bytes(b"x" * 1000)
-    sub = tmp_path / "dir" / "nested"
-    sub.mkdir(parents=True)
-    (tmp_path / "dir" / "a.bin").write_bytes(b"y" * 300)
-    (sub / "b.bin").write_bytes(b"z" * 22)
-    assert path_size(tmp_path / "engine.plan") == 1000
-    assert path_size(tmp_path / "dir") == 322
-    with pytest.raises(HarnessError, match="missing.plan"):
-        path_size(tmp_path / "missing.plan")
+def test_memory_report_totals_weight_bytes() -> None:
+    d = MemoryReport(weight_bytes={"float16": 20, "float32": 48}, engine_bytes=100).to_dict()
+    assert d["weight_bytes_total"] == 68 and d["engine_bytes"] == 100
+    assert d["peak_rss_bytes"] is None and MemoryReport().to_dict()["weight_bytes_total"] is None

@@ -7,7 +7,7 @@ from typing import Any
 
 import matplotlib.image
 
-from harness.bench.plots import pareto_front, plot_results
+from harness.bench.plots import _plot_model, _Point, pareto_front, plot_results
 
 
 def test_pareto_front_hand_cases() -> None:
@@ -74,3 +74,28 @@ def test_plot_results_writes_decodable_pngs(tmp_path: Path) -> None:
         assert image[..., :3].std() > 0  # something was drawn
     more = plot_results(doc, results, error_metric="max_abs_error")
     assert more == paths
+
+
+def test_close_modes_get_readable_labels_and_wide_spans_a_log_axis() -> None:
+    # bf16 and autocast-bf16 nearly on top of each other, fp32 450x faster (as digits on this CPU)
+    points = [
+        _Point("fp32", 0.027, 0.03, 5e-15),
+        _Point("bf16", 12.7, 15.1, 2.2e-6),
+        _Point("autocast-bf16", 14.3, 15.9, 2.2e-6),
+    ]
+    fig = _plot_model("digits", points, "1-cosine", "")
+    ax = fig.axes[0]
+    assert ax.get_xscale() == "log" and ax.get_yscale() == "log"
+    renderer = fig.canvas.get_renderer()
+    boxes = {t.get_text(): t.get_window_extent(renderer) for t in ax.texts}
+    assert set(boxes) == {"fp32 *", "bf16", "autocast-bf16"}  # fp32 dominates here
+    names = sorted(boxes)
+    for i, a in enumerate(names):
+        for b in names[i + 1 :]:
+            assert not boxes[a].overlaps(boxes[b]), (a, b)
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert legend == ["Pareto front", "Pareto-optimal mode", "mode (median, p95)"]
+    narrow = _plot_model(
+        "m", [_Point("fp32", 2.0, 2.5, 0.0), _Point("bf16", 1.0, 1.1, 1e-3)], "1-cosine", ""
+    )
+    assert narrow.axes[0].get_xscale() == "linear"

@@ -22,7 +22,7 @@ from harness.bench.machine import (
     machine_info,
     slug,
 )
-from harness.bench.memory import MemoryReport, measure_memory, weight_bytes
+from harness.bench.memory import MemoryReport, measure_memory
 from harness.bench.results import (
     SCHEMA_VERSION,
     CaseResult,
@@ -282,7 +282,7 @@ def test_results_table() -> None:
     # bf16 at exactly a quarter of the fp32 median: the speed-up column reads x4.00
     quarter = [round(fp32.latency.summary.median / 4)] * 3
     bf16.latency = replace(bf16.latency, summary=Summary.from_samples(quarter), iterations=3)
-    bf16.memory = MemoryReport(weight_bytes=weight_bytes([torch.zeros(8, dtype=torch.bfloat16)]))
+    bf16.memory = MemoryReport(weight_bytes={"bfloat16": 16})
     failed = CaseResult.failed("mlp", "fp16", "cpu", "build failed\ntraceback follows")
     doc = {
         "machine": MACHINE,
@@ -296,6 +296,11 @@ def test_results_table() -> None:
     assert "x1.00" in rows["fp32"] and "1.000000" in rows["fp32"]  # cosine of an exact fp32 run
     assert "x4.00" in rows["bf16"] and "16 B" in rows["bf16"]
     assert rows["fp16"].rstrip().endswith("failed: build failed")
+    # a mode 400x slower than fp32 keeps its digits
+    slow = [round(fp32.latency.summary.median * 400)] * 3
+    bf16.latency = replace(bf16.latency, summary=Summary.from_samples(slow), iterations=3)
+    doc["cases"][1] = bf16.to_dict()
+    assert "x0.0025" in results_table(doc)
     md = results_table(doc, fmt="github")
     assert md.splitlines()[2].startswith("| model") and md.splitlines()[3].startswith("|--")
     assert (

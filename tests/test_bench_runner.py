@@ -110,6 +110,11 @@ def test_ok_case_measures_against_eager_fp32_and_pins_on_rerun(tmp_path):
         p.numel() * 4 for p in spec.module.parameters()
     )
     assert first["telemetry"]["samples"] >= 2 and first["telemetry"]["gpu"].startswith("unavailable")
+    # the peak covers the whole case, the timing loop the sampler watched included
+    memory = first["memory"]
+    assert memory["peak_rss_method"] == "vmhwm" and memory["engine_bytes"] > 0
+    assert memory["peak_rss_bytes"] >= first["telemetry"]["cpu"]["rss_bytes"]["max"]
+    assert first["latency"]["overhead"]["count"] == 10_000
     assert eager.shape == (spec.example_inputs[0].shape[0], 10)
 
     # cold cache: tactics were timed and written; the recorded digest is the file's

@@ -229,35 +229,3 @@ class TaskAccuracy:
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "value": self.value, "samples": self.samples}
-
-
-def top1_correct(logits: Any, labels: torch.Tensor) -> tuple[int, int]:
-    """(correct, total) of argmax over the last dimension against integer labels."""
-    scores = flatten_outputs(logits)[0]
-    pred = scores.detach().reshape(-1, scores.shape[-1]).argmax(-1).cpu()
-    target = labels.detach().reshape(-1).cpu()
-    if pred.numel() != target.numel():
-        raise HarnessError(f"{pred.numel()} predictions but {target.numel()} labels")
-    return int((pred == target).sum()), int(target.numel())
-
-
-def task_accuracy(
-    run: Callable[[Any], Any],
-    batches: Iterable[tuple[Any, torch.Tensor]],
-    *,
-    metric: Callable[[Any, torch.Tensor], tuple[int, int]] = top1_correct,
-    name: str = "top1",
-) -> TaskAccuracy:
-    """Run the engine over labelled batches and pool the model's metric.
-
-    ``metric`` returns (correct, total) per batch so that batches of unequal
-    size are weighted by their size.
-    """
-    correct = total = 0
-    for inputs, labels in batches:
-        c, n = metric(run(inputs), labels)
-        correct += c
-        total += n
-    if total == 0:
-        raise HarnessError(f"task accuracy {name!r}: the labelled data set is empty")
-    return TaskAccuracy(name=name, value=correct / total, samples=total)

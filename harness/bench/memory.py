@@ -12,11 +12,10 @@ bound on the run's peak, not the run's peak.
 
 from __future__ import annotations
 
-import os
 import re
 import resource
 import sys
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -24,7 +23,6 @@ from typing import Any, Literal, TypeVar
 import torch
 
 from harness.bench.telemetry import NvmlUnavailable, open_nvml
-from harness.errors import HarnessError
 
 T = TypeVar("T")
 RssMethod = Literal["vmhwm", "ru_maxrss"]
@@ -125,34 +123,3 @@ def gpu_memory(gpu_index: int = 0) -> dict[str, int] | None:
         out["torch_max_allocated_bytes"] = int(torch.cuda.max_memory_allocated(gpu_index))
         out["torch_max_reserved_bytes"] = int(torch.cuda.max_memory_reserved(gpu_index))
     return out or None
-
-
-def weight_bytes(tensors: Mapping[str, torch.Tensor] | Iterable[torch.Tensor]) -> dict[str, int]:
-    """Bytes per dtype (``"float16": n``), counting shared tensors once.
-
-    A state dict lists tied weights under every name; two entries with the
-    same data pointer, dtype and size are one allocation.
-    """
-    values = tensors.values() if isinstance(tensors, Mapping) else tensors
-    seen: set[tuple[int, torch.dtype, int]] = set()
-    out: dict[str, int] = {}
-    for t in values:
-        nbytes = t.numel() * t.element_size()
-        key = (t.data_ptr(), t.dtype, nbytes)
-        if key[0] != 0:
-            if key in seen:
-                continue
-            seen.add(key)
-        name = str(t.dtype).removeprefix("torch.")
-        out[name] = out.get(name, 0) + nbytes
-    return dict(sorted(out.items()))
-
-
-def path_size(path: str | os.PathLike[str]) -> int:
-    """Size of an engine file, or of every file under an engine directory."""
-    p = Path(path)
-    if p.is_file():
-        return p.stat().st_size
-    if p.is_dir():
-        return sum(f.stat().st_size for f in p.rglob("*") if f.is_file() and not f.is_symlink())
-    raise HarnessError(f"engine path {p}: no such file or directory")

@@ -78,6 +78,18 @@ def _points(cases: list[Mapping[str, Any]], metric: ErrorMetric) -> list[_Point]
     return out
 
 
+LOG_LATENCY_SPAN = 10.0
+
+
+def _log_latency(medians: Sequence[float]) -> bool:
+    """Log latency axis when the modes span more than a decade.
+
+    On a linear axis a 25 us mode next to a 12 ms one sits on the y axis
+    and its whisker and label are unreadable.
+    """
+    return min(medians) > 0 and max(medians) / min(medians) > LOG_LATENCY_SPAN
+
+
 def _plot_model(model: str, points: list[_Point], metric: ErrorMetric, title_suffix: str) -> Figure:
     fig = Figure(figsize=(7, 5), dpi=100)
     FigureCanvasAgg(fig)
@@ -114,18 +126,50 @@ def _plot_model(model: str, points: list[_Point], metric: ErrorMetric, title_suf
         s=140,
         facecolors="none",
         edgecolors="tab:red",
+        label="Pareto-optimal mode",
     )
-    for i, p in enumerate(points):
-        text = p.label + (" (exact)" if p.error == 0 else "") + (" *" if i in front else "")
-        ax.annotate(text, (xs[i], ys[i]), textcoords="offset points", xytext=(6, 6), fontsize=8)
     ax.set_yscale("log")
-    ax.set_xlabel("latency, median with p95 whisker (ms)")
+    if _log_latency(xs):
+        ax.set_xscale("log")
+    ax.set_xlabel(
+        "latency, median with p95 whisker (ms"
+        + (", log scale)" if ax.get_xscale() == "log" else ")")
+    )
     ax.set_ylabel("1 - cosine similarity" if metric == "1-cosine" else "max abs error")
     ax.set_title(f"{model}: latency vs error{title_suffix}  (* = Pareto front)")
-    ax.grid(True, which="both", alpha=0.3)
+    ax.grid(True, which="major", alpha=0.3)
     ax.legend(loc="best", fontsize=8)
+    ax.margins(x=0.12, y=0.08)  # room for the labels right of the outermost points
+    _label_points(
+        ax,
+        [(xs[i], ys[i]) for i in range(len(points))],
+        [
+            p.label + (" (exact)" if p.error == 0 else "") + (" *" if i in front else "")
+            for i, p in enumerate(points)
+        ],
+    )
     fig.tight_layout()
     return fig
+
+
+def _label_points(ax: Any, xy: Sequence[tuple[float, float]], texts: Sequence[str]) -> None:
+    """Label every point, moving a label down a line while it overlaps one already placed.
+
+    Modes close in latency and error (bf16 and autocast-bf16 often are)
+    would otherwise print their names on top of each other.
+    """
+    renderer = ax.figure.canvas.get_renderer()
+    placed: list[Any] = []
+    for (x, y), text in sorted(zip(xy, texts, strict=True)):
+        dy = 6
+        while True:
+            note = ax.annotate(text, (x, y), textcoords="offset points", xytext=(6, dy), fontsize=8)
+            box = note.get_window_extent(renderer)
+            if not any(box.overlaps(other) for other in placed) or dy < -60:
+                placed.append(box)
+                break
+            note.remove()
+            dy -= 10
 
 
 def _file_part(name: str) -> str:

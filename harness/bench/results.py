@@ -338,7 +338,8 @@ class ResultsWriter:
         """Start a run file (written at once, with no cases and ``complete: false``)."""
         if Path(path).exists() and not overwrite:
             raise HarnessError(
-                f"results file {path} already exists; choose a new path or resume it"
+                f"results file {path} already exists; choose a new path, or continue an "
+                "interrupted run with `harness bench --resume -o FILE`"
             )
         writer = cls(
             path,
@@ -372,17 +373,18 @@ class ResultsWriter:
         doc = load_results(path)
         if doc["complete"]:
             raise HarnessError(f"results file {path} is complete; there is nothing to resume")
-        machine_id = (machine if machine is not None else machine_info())["id"]
-        commit = (git if git is not None else git_info())["commit"]
-        for what, was, now in (
-            ("machine id", doc["machine"]["id"], machine_id),
-            ("git commit", doc["git"]["commit"], commit),
-            ("settings", doc["settings"], dict(settings)),
-        ):
-            if was != now:
-                raise HarnessError(
-                    f"cannot resume {path}: its {what} is {was!r}, this run's is {now!r}; start a new run"
-                )
+        now = {
+            "machine": machine if machine is not None else machine_info(),
+            "git": git if git is not None else git_info(),
+            "settings": dict(settings),
+        }
+        mismatch = _run_mismatch(doc, now)
+        if mismatch is not None:
+            what, was, this = mismatch
+            raise HarnessError(
+                f"cannot resume {path}: its {what} is {was!r}, this run's is {this!r}; "
+                "repeat the interrupted command's flags exactly or start a new run"
+            )
         return cls(path, doc)
 
     @property
@@ -420,6 +422,18 @@ class ResultsWriter:
             self.finish()
 
 
+def _run_mismatch(a: Mapping[str, Any], b: Mapping[str, Any]) -> tuple[str, Any, Any] | None:
+    """The first of machine id, git commit, settings that differs between two parts of one run."""
+    for what, x, y in (
+        ("machine id", a["machine"]["id"], b["machine"]["id"]),
+        ("git commit", a["git"]["commit"], b["git"]["commit"]),
+        ("settings", a["settings"], b["settings"]),
+    ):
+        if x != y:
+            return what, x, y
+    return None
+
+
 def merge_results(paths: Iterable[str | os.PathLike[str]]) -> dict[str, Any]:
     """One document from the shards of a run.
 
@@ -435,15 +449,12 @@ def merge_results(paths: Iterable[str | os.PathLike[str]]) -> dict[str, Any]:
     origin: dict[CaseKey, Path] = {}
     cases: list[dict[str, Any]] = []
     for doc, path in zip(docs, files, strict=True):
-        for what, a, b in (
-            ("machine id", first["machine"]["id"], doc["machine"]["id"]),
-            ("git commit", first["git"]["commit"], doc["git"]["commit"]),
-            ("settings", first["settings"], doc["settings"]),
-        ):
-            if a != b:
-                raise HarnessError(
-                    f"cannot merge {path} with {first_path}: {what} differs ({b!r} vs {a!r})"
-                )
+        mismatch = _run_mismatch(first, doc)
+        if mismatch is not None:
+            what, a, b = mismatch
+            raise HarnessError(
+                f"cannot merge {path} with {first_path}: {what} differs ({b!r} vs {a!r})"
+            )
         for case in doc["cases"]:
             key = case_key(case)
             if key in origin:

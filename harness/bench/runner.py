@@ -29,8 +29,8 @@ from typing import Any
 import torch
 
 from harness.bench.accuracy import TaskAccuracy, compare_outputs, flatten_outputs, output_digest
-from harness.bench.latency import measure_latency
-from harness.bench.memory import measure_memory
+from harness.bench.latency import Timer, measure_latency, measure_overhead
+from harness.bench.memory import MemoryReport, measure_memory
 from harness.bench.results import CaseResult, ResultsWriter
 from harness.bench.stats import Summary
 from harness.bench.telemetry import TelemetrySampler
@@ -40,6 +40,8 @@ from harness.engines.protocol import Backend, BuildConfig, Engine
 from harness.errors import HarnessError
 
 DEFAULT_MODELS = ("resnet", "transformer", "digits")
+# Backends whose engines run on a CUDA device: timed with CUDA events, GPU memory recorded.
+GPU_BACKENDS = frozenset({"tensorrt"})
 EXPLICIT_MODE = "explicit"
 
 
@@ -156,15 +158,14 @@ class BenchRunner:
         cache_dir: str | os.PathLike[str],
         settings: MeasureSettings = MeasureSettings(),
         explicit_path: str | None = None,
-        overhead: Summary | None = None,
         load_model: ModelLoader = _load_model,
     ) -> None:
         self.backend = backend
         self.cache_dir = Path(cache_dir)
         self.settings = settings
         self.explicit_path = explicit_path
-        self.overhead = overhead
         self.load_model = load_model
+        self._overheads: dict[Timer, Summary] = {}
         self._references: dict[str, _Reference] = {}
 
     def reference(self, model: str) -> _Reference:
@@ -180,58 +181,80 @@ class BenchRunner:
         return self._references[model]
 
     def run_case(self, model: str, mode: str) -> dict[str, Any]:
-        """One case as a results entry; any failure becomes a ``failed`` entry naming its stage."""
-        backend = self.backend.name
-        stage = "load model"
+        """One case as a results entry; any failure becomes a ``failed`` entry naming its stage.
+
+        Peak RSS covers the whole case (build, accuracy runs and the timing
+        loop), the "peak host RSS during the run" a reader expects.
+        """
+        stage = ["load model"]
         try:
-            spec = self.load_model(model)
-            stage = "fp32 eager reference"
-            ref = self.reference(model)
-            stage = "build"
-            config = BuildConfig(
-                mode=mode, explicit_path=self.explicit_path if mode == EXPLICIT_MODE else None
+            (case, build), peaks = measure_memory(
+                lambda: self._measure_case(model, mode, stage), gpu_index=self._gpu_index()
             )
-            cache_path = cache_file(self.cache_dir, model, mode)
-            self.cache_dir.mkdir(parents=True, exist_ok=True)
-            t0 = time.perf_counter()
-            built, memory = measure_memory(
-                lambda: build_engine(spec, config, self.backend, cache_path)
+            engine_memory = case.memory or MemoryReport()
+            case.memory = dataclasses.replace(
+                peaks,
+                weight_bytes=engine_memory.weight_bytes,
+                engine_bytes=engine_memory.engine_bytes,
             )
-            build_s = time.perf_counter() - t0
-            engine = built.engine
-            inputs = spec.example_inputs
-            stage = "run"
-            with torch.inference_mode():
-                outputs = engine(*inputs)
-            stage = "accuracy"
-            accuracy = compare_outputs(outputs, ref.outputs, logits=ref.logits)
-            task = self._task_accuracy(spec, engine)
-            stage = "latency"
-            latency, telemetry = self._latency(engine, inputs)
-            stage = "memory"
-            memory = dataclasses.replace(
-                memory,
+            return {**case.to_dict(), "build": build}
+        except Exception as exc:  # recorded, and the matrix goes on; Ctrl-C is not an Exception
+            return CaseResult.failed(model, mode, self.backend.name, _error_text(stage[0], exc)).to_dict()
+
+    def _gpu_index(self) -> int | None:
+        """The CUDA device a GPU backend runs on (GPU memory is recorded for it), else None."""
+        if self.backend.name not in GPU_BACKENDS or not torch.cuda.is_available():
+            return None
+        return int(torch.cuda.current_device())
+
+    def _measure_case(
+        self, model: str, mode: str, stage: list[str]
+    ) -> tuple[CaseResult, dict[str, Any]]:
+        """The case (memory: the engine's parts only) and its build record.
+
+        ``stage[0]`` names the step in progress, for the error of a failed case.
+        """
+        spec = self.load_model(model)
+        stage[0] = "fp32 eager reference"
+        ref = self.reference(model)
+        stage[0] = "build"
+        config = BuildConfig(
+            mode=mode, explicit_path=self.explicit_path if mode == EXPLICIT_MODE else None
+        )
+        cache_path = cache_file(self.cache_dir, model, mode)
+        self.cache_dir.mkdir(parents=True, exist_ok=True)
+        t0 = time.perf_counter()
+        built = build_engine(spec, config, self.backend, cache_path)
+        build_s = time.perf_counter() - t0
+        engine = built.engine
+        inputs = spec.example_inputs
+        stage[0] = "run"
+        with torch.inference_mode():
+            outputs = engine(*inputs)
+        stage[0] = "accuracy"
+        accuracy = compare_outputs(outputs, ref.outputs, logits=ref.logits)
+        task = self._task_accuracy(spec, engine)
+        stage[0] = "latency"
+        latency, telemetry = self._latency(engine, inputs)
+        stage[0] = "memory"
+        return CaseResult(
+            model=model,
+            mode=mode,
+            backend=self.backend.name,
+            latency=latency,
+            memory=MemoryReport(
                 weight_bytes=dict(sorted(engine.weight_bytes_by_dtype().items())),
                 engine_bytes=engine.size_bytes(),
-            )
-            case = CaseResult(
-                model=model,
-                mode=mode,
-                backend=backend,
-                latency=latency,
-                memory=memory,
-                accuracy=accuracy,
-                task_accuracy=task,
-                telemetry=telemetry,
-                engine_fingerprint=engine.fingerprint(),
-                timing_cache_digest=_cache_digest(built),
-                pinned=built.cache_misses == 0,
-                output_digest=output_digest(outputs),
-                layers=[layer.to_json() for layer in engine.layers()],
-            )
-            return {**case.to_dict(), "build": _build_record(built, build_s)}
-        except Exception as exc:  # recorded, and the matrix goes on; Ctrl-C is not an Exception
-            return CaseResult.failed(model, mode, backend, _error_text(stage, exc)).to_dict()
+            ),
+            accuracy=accuracy,
+            task_accuracy=task,
+            telemetry=telemetry,
+            engine_fingerprint=engine.fingerprint(),
+            timing_cache_digest=_cache_digest(built),
+            pinned=built.cache_misses == 0,
+            output_digest=output_digest(outputs),
+            layers=[layer.to_json() for layer in engine.layers()],
+        ), _build_record(built, build_s)
 
     def _task_accuracy(self, spec: Any, engine: Engine) -> TaskAccuracy | None:
         if spec.evaluate is None:
@@ -243,13 +266,21 @@ class BenchRunner:
             raise HarnessError(f"model {spec.name!r}: evaluate() never ran the engine")
         return TaskAccuracy(name="top1", value=value, samples=run.samples)
 
+    def overhead(self, timer: Timer) -> Summary:
+        """The timing loop's own cost, measured once per timer and stored with every case."""
+        if timer not in self._overheads:
+            self._overheads[timer] = measure_overhead(timer=timer)
+        return self._overheads[timer]
+
     def _latency(self, engine: Engine, inputs: tuple[torch.Tensor, ...]) -> tuple[Any, Any]:
         s = self.settings
+        gpu = self._gpu_index()
+        timer: Timer = "cpu" if gpu is None else "cuda"
 
         def call() -> object:
             return engine(*inputs)
 
-        sampler = TelemetrySampler(interval_s=s.telemetry_interval_s)
+        sampler = TelemetrySampler(interval_s=s.telemetry_interval_s, gpu_index=gpu or 0)
         with torch.inference_mode(), sampler:
             latency = measure_latency(
                 call,
@@ -257,8 +288,9 @@ class BenchRunner:
                 min_iters=s.min_iters,
                 min_duration_s=s.min_duration_s,
                 max_iters=s.max_iters,
+                timer=timer,
                 batch_size=_batch_size(inputs),
-                overhead=self.overhead,
+                overhead=self.overhead(timer),
             )
         return latency, sampler.summary()
 
@@ -272,11 +304,13 @@ class BenchRunner:
     ) -> dict[str, Any]:
         """Run every case into ``writer`` and finish it; an interrupt leaves it incomplete.
 
-        ``on_case`` sees each recorded case (the CLI reports failures with it).
+        Cases the writer already holds (a resumed run) are skipped. ``on_case``
+        sees each newly recorded case (the CLI reports failures with it).
         """
         from tqdm import tqdm
 
-        bar = tqdm(matrix, desc="bench", unit="case", file=sys.stderr, disable=not progress)
+        todo = [(m, mode) for m, mode in matrix if not writer.has(m, mode, self.backend.name)]
+        bar = tqdm(todo, desc="bench", unit="case", file=sys.stderr, disable=not progress)
         try:
             for model, mode in bar:
                 bar.set_postfix_str(f"{model} {mode}")

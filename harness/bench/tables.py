@@ -43,6 +43,14 @@ def _num(value: float | None, spec: str) -> str:
     return "" if value is None else format(value, spec)
 
 
+def _speedup(reference_ns: float | None, median_ns: float | None) -> str:
+    """fp32 median over this mode's; a large slowdown keeps 2 significant digits, not "x0.00"."""
+    if not reference_ns or not median_ns:
+        return ""
+    ratio = reference_ns / median_ns
+    return f"x{ratio:.2f}" if ratio >= 0.1 else f"x{ratio:.2g}"
+
+
 def _status(case: Mapping[str, Any], width: int = 60) -> str:
     if case["status"] == "ok":
         return "ok"
@@ -82,7 +90,7 @@ def results_rows(doc: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]:
                 c["backend"],
                 format_ns(median),
                 format_ns(lat["summary"]["p95"] if lat else None),
-                f"x{ref / median:.2f}" if ref and median else "",
+                _speedup(ref, median),
                 cov,
                 _num(acc["max_abs_error"] if acc else None, ".2e"),
                 _num(acc["cosine"] if acc else None, ".6f"),

@@ -8,6 +8,7 @@ interrupted (the finished cases are kept in a file marked incomplete).
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--quick", action="store_true", help="tiny warm-up and timing windows: checks the pipeline, not the numbers")
     p.add_argument("-o", "--output", default=None, metavar="FILE",
                    help=f"results file (default: {DEFAULT_ROOT}/<machine>/run-<timestamp>.json)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the interrupted run in -o FILE (same flags), skipping its finished cases")
     p.add_argument("--summary-md", default=None, metavar="FILE", help="also write the table as Markdown (CI job summary)")
     p.add_argument("--no-plots", action="store_true", help="skip the latency-vs-error PNGs")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -150,7 +153,6 @@ def _overhead_line(doc: dict[str, Any]) -> str:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    from harness.bench.latency import measure_overhead
     from harness.bench.machine import machine_info
     from harness.bench.results import ResultsWriter, new_run_path
     from harness.bench.runner import (
@@ -180,7 +182,6 @@ def run_bench(args: argparse.Namespace) -> int:
         if shard is not None:
             output = output.with_name(f"{output.stem}-shard{shard[0]}of{shard[1]}.json")
     cache_dir = Path(args.cache_dir) if args.cache_dir is not None else output.parent / "caches"
-    overhead = measure_overhead()
     # Shards of one run must carry equal settings (merge checks them), so the
     # shard is in the file name and the measured overhead in each case, not here.
     settings = {
@@ -192,19 +193,21 @@ def run_bench(args: argparse.Namespace) -> int:
         "measure": measure.to_dict(),
     }
     matrix = build_matrix(model_names, modes, shard)
-    writer = ResultsWriter.create(output, settings=settings, machine=machine)
+    if args.resume:
+        if args.output is None:
+            raise HarnessError("--resume needs -o FILE, the results file of the interrupted run")
+        writer = ResultsWriter.resume(output, settings=settings, machine=machine)
+    else:
+        writer = ResultsWriter.create(output, settings=settings, machine=machine)
     runner = BenchRunner(
         backend,
         cache_dir=cache_dir,
         settings=measure,
         explicit_path=args.explicit,
-        overhead=overhead,
     )
-    failed: list[str] = []
 
     def on_case(case: dict[str, Any]) -> None:
         if case["status"] == "failed":
-            failed.append(f"{case['model']}/{case['mode']}")
             print(f"case {case['model']}/{case['mode']} failed: {case['error']}", file=sys.stderr)
 
     try:
@@ -213,11 +216,13 @@ def run_bench(args: argparse.Namespace) -> int:
         doc = writer.doc
         _report(doc, output, args, results_table)
         print(
-            f"interrupted: {len(doc['cases'])} of {len(matrix)} cases kept in {output} (marked incomplete)",
+            f"interrupted: {len(doc['cases'])} of {len(matrix)} cases kept in {output} "
+            f"(marked incomplete; finish it by repeating the command with --resume -o {output})",
             file=sys.stderr,
         )
         return 130
     _report(doc, output, args, results_table)
+    failed = [f"{c['model']}/{c['mode']}" for c in doc["cases"] if c["status"] == "failed"]
     if failed:
         print(f"{len(failed)} of {len(matrix)} cases failed: {', '.join(failed)}", file=sys.stderr)
         return 1
@@ -290,12 +295,23 @@ def parse_threshold(text: str) -> float:
     return value
 
 
+_SHARD_NAME = re.compile(r"-shard\d+of\d+\.json$")
+
+
 def newest_run(directory: Path) -> Path:
-    """The newest ``run-*.json`` by its timestamped name (merged and sharded runs included)."""
-    runs = sorted(p for p in directory.glob("run-*.json") if p.is_file())
+    """The newest whole ``run-<timestamp>.json``, by name.
+
+    Shard files (``-shard<i>of<n>``) are skipped: gating one shard would
+    report the other shards' cases as missing instead of gating them; merge
+    the shards into a ``run-<timestamp>.json`` first.
+    """
+    runs = sorted(
+        p for p in directory.glob("run-*.json") if p.is_file() and not _SHARD_NAME.search(p.name)
+    )
     if not runs:
         raise HarnessError(
-            f"no run-*.json in {directory}; run `harness bench` first or pass --current FILE"
+            f"no run-*.json (other than shards) in {directory}; run `harness bench` "
+            "(or `harness merge` the shards) first, or pass --current FILE"
         )
     return runs[-1]
 
