@@ -21,12 +21,19 @@ import jsonschema
 from harness.errors import HarnessError
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
     """Replace ``path`` with ``data`` atomically (same-directory temp file + rename)."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     try:
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; results and caches are shared files
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
             fh.flush()

@@ -40,5 +40,9 @@ class _Checker(torch.fx.Interpreter):
 
 
 def verify_graph(gm: torch.fx.GraphModule, inputs: Sequence[torch.Tensor]) -> None:
-    with torch.inference_mode(), torch.autocast("cpu", enabled=False):
-        _Checker(gm).run(*inputs)
+    try:
+        with torch.inference_mode(), torch.autocast("cpu", enabled=False):
+            _Checker(gm).run(*inputs)
+    except HarnessError as exc:
+        # fx.Interpreter appends the node's source and a tlparse hint; keep one clear line.
+        raise HarnessError(str(exc).strip().splitlines()[0]) from exc.__cause__

@@ -21,7 +21,7 @@ import hashlib
 import keyword
 import math
 import re
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -336,7 +336,12 @@ def _with_epilogue(fn: Bound, epilogue: str) -> Bound:
 
 
 def _split_k(parts: int) -> Callable[[_Ctx], Bound]:
-    """Sum of ``parts`` partial GEMMs over chunks of K, accumulated in the layer's dtype."""
+    """Partial GEMMs over ``parts`` chunks of K, summed in another order than the direct kernel.
+
+    Each partial product runs in the layer's dtype (that is where the speed is);
+    for fp16/bf16 layers the partials are summed in fp32 and rounded once, so the
+    tactic changes the last bits without adding a rounding per chunk.
+    """
 
     def binder(ctx: _Ctx) -> Bound:
         if ctx.packet == "linear":
@@ -345,6 +350,7 @@ def _split_k(parts: int) -> Callable[[_Ctx], Bound]:
         get_a, get_b = _getter(ctx.named[a_name]), _getter(ctx.named[b_name])
         get_bias = _getter(ctx.named["self"]) if ctx.packet == "addmm" else None
         first, rest = _SPLIT_FNS[ctx.packet]
+        product = _PRODUCT_FNS[ctx.packet]
 
         def split(*d: Any) -> Any:
             a, b = get_a(d), get_b(d)
@@ -355,6 +361,8 @@ def _split_k(parts: int) -> Callable[[_Ctx], Bound]:
                 if get_bias
                 else first(a[..., s0], b[..., s0, :])
             )
+            if ctx.low:
+                return _sum_in_fp32(out, (product(a[..., s], b[..., s, :]) for s in chunks[1:]))
             for s in chunks[1:]:
                 out = rest(out, a[..., s], b[..., s, :])
             return out
@@ -364,18 +372,29 @@ def _split_k(parts: int) -> Callable[[_Ctx], Bound]:
     return binder
 
 
+def _sum_in_fp32(first: torch.Tensor, partials: Iterable[torch.Tensor]) -> torch.Tensor:
+    acc = first.float()
+    for p in partials:
+        acc.add_(p)
+    return acc.to(first.dtype)
+
+
 def _split_linear(ctx: _Ctx, parts: int) -> Bound:
     weight, bias = ctx.named["weight"], ctx.named["bias"]
     n, k = weight.shape
     wt = weight.t().contiguous()
     pieces = [(s, wt[s]) for s in _chunks(k, parts)]
     (s0, w0), rest = pieces[0], pieces[1:]
+    low = ctx.low
 
     def split(x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, k)
         out = torch.mm(x2[:, s0], w0) if bias is None else torch.addmm(bias, x2[:, s0], w0)
-        for s, w in rest:
-            out = torch.addmm(out, x2[:, s], w)
+        if low:
+            out = _sum_in_fp32(out, (torch.mm(x2[:, s], w) for s, w in rest))
+        else:
+            for s, w in rest:
+                out = torch.addmm(out, x2[:, s], w)
         return out.reshape(*x.shape[:-1], n)
 
     return split
@@ -524,6 +543,12 @@ _SPLIT_FNS: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {
     "mm": (torch.mm, torch.addmm),
     "bmm": (torch.bmm, torch.baddbmm),
     "matmul": (torch.matmul, lambda out, a, b: out + torch.matmul(a, b)),
+}
+_PRODUCT_FNS: dict[str, Callable[..., Any]] = {
+    "addmm": torch.mm,
+    "mm": torch.mm,
+    "bmm": torch.bmm,
+    "matmul": torch.matmul,
 }
 _SOFTMAX_LOG = ("softmax", "_softmax", "log_softmax", "_log_softmax")
 # epilogue -> in-place-or-not PyTorch op applied after the layer's own op
