@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.errors import HarnessError
-from harness.fileio import read_json, validate
+from harness.fileio import digest, read_json, validate
 
 PLAN_FILE = "plan.json"
 
@@ -76,3 +76,18 @@ def read_plan(
         )
     validate(obj, schema, where)
     return directory, obj, where
+
+
+def read_payload(directory: Path, name: str, expected_digest: str, what: str) -> bytes:
+    """The payload file beside ``plan.json``, refused when its digest is not the plan's."""
+    path = directory / name
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise HarnessError(f"{what} {path}: cannot read ({exc})") from None
+    if digest(data) != expected_digest:
+        raise HarnessError(
+            f"{what} {path}: digest does not match {directory / PLAN_FILE}; it was modified "
+            "or belongs to another engine"
+        )
+    return data

@@ -20,8 +20,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import safetensors.torch
 import torch
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
 
 from harness.engines.cpu import tactics
 from harness.engines.cpu.plan import (
@@ -96,7 +97,7 @@ class CpuEngine:
         """
         target = engine_directory(path)
         weights = {name: t.contiguous() for name, t in self.plan.weights.items()}
-        atomic_write_bytes(target / WEIGHTS_FILE, safetensors.torch.save(weights))
+        atomic_write_bytes(target / WEIGHTS_FILE, save_safetensors(weights))
         atomic_write_json(target / PLAN_FILE, self.plan.to_json())
 
     @staticmethod
@@ -133,7 +134,7 @@ def _read_weights(path: Path) -> dict[str, torch.Tensor]:
     except OSError as exc:
         raise HarnessError(f"engine weights {path}: cannot read ({exc})") from None
     try:
-        return safetensors.torch.load(data)
+        return load_safetensors(data)
     except Exception as exc:  # safetensors raises its own error types for every kind of damage
         raise HarnessError(
             f"engine weights {path}: not a valid safetensors file ({exc}); it may be truncated or corrupt"

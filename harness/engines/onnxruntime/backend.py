@@ -63,7 +63,7 @@ from harness.engines.onnx_export import (
     onnx_dtype_name,
 )
 from harness.engines.protocol import LAYER_SCHEMA, PRECISION_MODES, BuildConfig, BuildLog, LayerInfo
-from harness.engines.saved import PLAN_FILE, engine_directory, read_plan
+from harness.engines.saved import PLAN_FILE, engine_directory, read_payload, read_plan
 from harness.errors import HarnessError
 from harness.fileio import atomic_write_bytes, atomic_write_json, canonical_json, digest
 
@@ -247,17 +247,7 @@ class OnnxRuntimeEngine:
             schema=PLAN_SCHEMA,
             payload=MODEL_FILE,
         )
-        plan_path = directory / PLAN_FILE
-        model_path = directory / obj["model_file"]
-        try:
-            model_bytes = model_path.read_bytes()
-        except OSError as exc:
-            raise HarnessError(f"engine model {model_path}: cannot read ({exc})") from None
-        if digest(model_bytes) != obj["model_digest"]:
-            raise HarnessError(
-                f"engine model {model_path}: digest does not match {plan_path}; the model was "
-                "modified or belongs to another engine"
-            )
+        model_bytes = read_payload(directory, obj["model_file"], obj["model_digest"], "engine model")
         record = EngineRecord(
             mode=obj["mode"],
             inputs=tuple(TensorSpec.from_json(s) for s in obj["inputs"]),

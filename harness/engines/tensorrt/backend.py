@@ -70,7 +70,7 @@ from harness.engines.protocol import (
     LayerInfo,
     dtype_from_name,
 )
-from harness.engines.saved import PLAN_FILE, engine_directory, read_plan
+from harness.engines.saved import PLAN_FILE, engine_directory, read_payload, read_plan
 from harness.engines.tensorrt.builder import (
     BuildSettings,
     LogCapture,
@@ -264,14 +264,7 @@ class TensorRTEngine:
             schema=PLAN_SCHEMA,
             payload=ENGINE_FILE,
         )
-        plan_path = directory / PLAN_FILE
-        engine_path = directory / obj["plan_file"]
-        try:
-            plan = engine_path.read_bytes()
-        except OSError as exc:
-            raise HarnessError(f"engine {engine_path}: cannot read ({exc})") from None
-        if digest(plan) != obj["plan_digest"]:
-            raise HarnessError(f"engine {engine_path}: digest does not match {plan_path}; modified or foreign plan")
+        plan = read_payload(directory, obj["plan_file"], obj["plan_digest"], "engine")
         record = EngineRecord(
             mode=obj["mode"],
             settings=obj["builder"],
