@@ -42,11 +42,11 @@ def inline_autocast_regions(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target is WRAP_WITH_AUTOCAST:
             _inline_one(gm, node, ())
+    gm.graph.eliminate_dead_code()  # the bodies' get_attr nodes are dead now
     used = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
     for name, child in list(gm.named_children()):
         if isinstance(child, torch.fx.GraphModule) and name not in used:
             delattr(gm, name)
-    gm.graph.eliminate_dead_code()
     gm.graph.lint()
     gm.recompile()
     return gm
@@ -92,8 +92,10 @@ def _copy_body(
             if sn.op == "output":
                 outputs = list(mapped(sn.args[0]))
                 continue
+            if sn.op == "get_attr" and not sn.users:
+                continue  # a nested region's body, already inlined into this one
             if sn.op == "get_attr":
-                # A nested region's body (or a constant): move it onto the owner.
+                # A constant the body reads: move it onto the owner.
                 name = _fresh_attr(owner, str(sn.target))
                 setattr(owner, name, getattr(body, str(sn.target)))
                 new = owner.graph.get_attr(name)
