@@ -196,6 +196,7 @@ class BenchRunner:
                 peaks,
                 weight_bytes=engine_memory.weight_bytes,
                 engine_bytes=engine_memory.engine_bytes,
+                engine_device_bytes=engine_memory.engine_device_bytes,
             )
             return {**case.to_dict(), "build": build}
         except Exception as exc:  # recorded, and the matrix goes on; Ctrl-C is not an Exception
@@ -245,6 +246,7 @@ class BenchRunner:
             memory=MemoryReport(
                 weight_bytes=dict(sorted(engine.weight_bytes_by_dtype().items())),
                 engine_bytes=engine.size_bytes(),
+                engine_device_bytes=engine.device_memory_bytes(),
             ),
             accuracy=accuracy,
             task_accuracy=task,

@@ -206,6 +206,10 @@ class Engine(Protocol):
 
     def weight_bytes_by_dtype(self) -> dict[str, int]: ...
 
+    def device_memory_bytes(self) -> int | None:
+        """Activation memory the engine needs on its device (TensorRT); None on the host."""
+        ...
+
 
 class Backend(Protocol):
     name: str

@@ -83,6 +83,9 @@ class CpuEngine:
     def size_bytes(self) -> int:
         return len(canonical_json(self.plan.to_json())) + sum(self.weight_bytes_by_dtype().values())
 
+    def device_memory_bytes(self) -> int | None:
+        return None  # host engine: its memory is in the run's peak RSS
+
     def weight_bytes_by_dtype(self) -> dict[str, int]:
         sizes: dict[str, int] = defaultdict(int)
         for tensor in self.plan.weights.values():

@@ -206,6 +206,9 @@ class OnnxRuntimeEngine:
     def size_bytes(self) -> int:
         return len(self._model_bytes)
 
+    def device_memory_bytes(self) -> int | None:
+        return None  # host engine: its memory is in the run's peak RSS
+
     def weight_bytes_by_dtype(self) -> dict[str, int]:
         return initializer_bytes_by_dtype(self._model)
 

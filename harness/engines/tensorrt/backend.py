@@ -225,6 +225,9 @@ class TensorRTEngine:
     def weight_bytes_by_dtype(self) -> dict[str, int]:
         return dict(self.record.weight_bytes)
 
+    def device_memory_bytes(self) -> int | None:
+        return int(self._engine.device_memory_size_v2)
+
     def plan_json(self) -> dict[str, Any]:
         record = self.record
         return {
