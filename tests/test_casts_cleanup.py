@@ -126,3 +126,24 @@ def test_widen_narrow_back_to_source_disappears_and_dedupe():
     assert pairs.count((torch.float16, torch.float32)) <= 1
     x = torch.randn(4)
     assert torch.isfinite(gm(x)[0]).all()
+
+
+def test_keep_io_types_false_exposes_low_precision_io():
+    spec = models.load("digits")
+    cg = compile(spec.module, spec.example_inputs, settings=AutocastSettings(low_precision_type="bf16", keep_io_types=False))
+    assert cg.input_dtypes == (torch.bfloat16,)
+    x = spec.example_inputs[0]
+    out = cg(x.bfloat16())[0]
+    assert out.dtype == torch.bfloat16
+    kept = compile(spec.module, spec.example_inputs, settings=AutocastSettings(low_precision_type="bf16"))
+    assert kept.input_dtypes == (torch.float32,) and kept(x)[0].dtype == torch.float32
+    assert torch.equal(out.float(), kept(x)[0])  # same computation, only the I/O casts moved out
+
+
+def test_exported_program_input_equals_module_input():
+    spec = models.load("resnet")
+    ep = torch.export.export(spec.module, spec.example_inputs)
+    from_ep = compile(ep, mode="rule", low_precision_type=torch.bfloat16)
+    from_module = compile(spec.module, spec.example_inputs, mode="rule", low_precision_type=torch.bfloat16)
+    assert [r.precision for r in from_ep.report.rows] == [r.precision for r in from_module.report.rows]
+    assert torch.equal(from_ep(*spec.example_inputs)[0], from_module(*spec.example_inputs)[0])

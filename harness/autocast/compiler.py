@@ -189,7 +189,8 @@ def compile(
         timings["casts"] = time.perf_counter() - t3
         if verify:
             t4 = time.perf_counter()
-            verify_graph(gm, examples)
+            placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+            verify_graph(gm, [x.to(p.meta["val"].dtype) for x, p in zip(examples, placeholders, strict=True)])
             timings["verify"] = time.perf_counter() - t4
 
     report = build_report(gm, decisions, mode, low, stats)

@@ -17,12 +17,12 @@ from harness.errors import HarnessError
 SUBCOMMAND_MODULES = ("harness.cli.compile_cmd", "harness.cli.cache_cmd", "harness.cli.build_cmd", "harness.cli.bench_cmd")
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse exits 2 on bad flags already; keep its message format."""
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="harness", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="harness",
+        description="Reproducible builds and benchmarks for mixed-precision inference: "
+        "autocast compiler, engine builds with editable timing caches, benchmarks and a regression gate.",
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in SUBCOMMAND_MODULES:
         importlib.import_module(name).register(sub)
