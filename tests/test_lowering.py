@@ -77,7 +77,7 @@ def test_bad_op_names(name, match):
 
 
 def test_unknown_pass_is_named():
-    with pytest.raises(HarnessError, match="unknown lowering pass 'fold_everything'; valid: fold_batch_norm, functionalize_inplace, remove_asserts"):
+    with pytest.raises(HarnessError, match="unknown lowering pass 'fold_everything'; valid: channels_last_weights, fold_batch_norm, functionalize_inplace"):
         PassManager.from_names(["fold_everything"])
 
 
@@ -131,3 +131,22 @@ def test_fold_batch_norm_matches_unfolded_in_fp32():
     ref = spec.module(*spec.example_inputs)
     out = folded(*spec.example_inputs)[0]
     assert torch.allclose(out, ref, rtol=1e-4, atol=1e-5) and not torch.equal(out, ref)
+
+
+def test_conv_weights_channels_last_outside_the_exact_modes():
+    import models
+    from harness.autocast import compile
+
+    spec = models.load("resnet")
+
+    def conv_weights(cg):
+        gm = cg.graph_module
+        return [getattr(gm, n.args[1].target) for n in gm.graph.nodes if n.target is torch.ops.aten.conv2d.default]
+
+    rule = compile(spec.module, spec.example_inputs, mode="rule", low_precision_type=torch.bfloat16)
+    amp = compile(spec.module, spec.example_inputs, mode="amp", low_precision_type=torch.bfloat16)
+    assert all(w.is_contiguous(memory_format=torch.channels_last) for w in conv_weights(rule))
+    assert sum(not w.is_contiguous() for w in conv_weights(rule)) >= 7  # the 3x3 kernels moved
+    assert all(w.is_contiguous() for w in conv_weights(amp))
+    ref = spec.module(*spec.example_inputs)
+    assert torch.allclose(rule(*spec.example_inputs)[0], ref, atol=0.05)

@@ -36,7 +36,8 @@ from harness.errors import HarnessError
 from harness.frontend.export import export_program, standalone_graph
 from harness.fxutil import fake_mode_of, splice, trace_call
 from harness.lowering.decompose import DecompositionTable, decompose
-from harness.lowering.pass_manager import PassManager, default_pass_manager
+from harness.lowering.layout import channels_last_weights
+from harness.lowering.pass_manager import PassManager, default_pass_manager, validate
 
 
 @dataclass
@@ -184,6 +185,8 @@ def compile(
         if not settings.keep_io_types and not exact_amp:
             retype_inputs(gm)
         gm = CLEANUP(gm)
+        if not exact_amp:
+            gm = validate(channels_last_weights(gm))
         table = decompositions if decompositions is not None else DecompositionTable()
         gm = decompose(gm, table)
         timings["casts"] = time.perf_counter() - t3
