@@ -61,9 +61,6 @@ class Ops(nn.Module):
                 p.copy_(torch.randn(p.shape, generator=g) * 0.3)
 
     def forward(self, x, ids):
-        # Note: ``t.float()`` is a no-op at export time (everything is fp32 then) and
-        # torch.export makes later uses of ``t`` alias it; under autocast eager sees two
-        # tensors. So each ``.float()`` here is the last use of its input.
         e = self.emb(ids)  # int input
         h = self.lin(x + e)  # lower_precision_fp
         n = self.ln(h)  # unlisted on CPU: runs in h's dtype
@@ -75,7 +72,10 @@ class Ops(nn.Module):
         a = torch.softmax(h, -1) + F.log_softmax(h.float(), -1)
         c = torch.cat([a, x], -1)  # promote: fp32 wins
         st = torch.stack([s, n.float()])
-        return c, st, s + nrm, mm, cv, d
+        # h.float() is a no-op at export (all fp32 then) but not under autocast: the
+        # later uses of h must still see the low-precision h, as eager does.
+        g = h.float() * 2 + h.sum(-1, keepdim=True) + n.type_as(x).mean() + h.to(torch.float32).amax()
+        return c, st, s + nrm, mm, cv, d, g, h
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -18,8 +18,37 @@ from typing import Any
 import torch
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
+from torch.overrides import TorchFunctionMode
 
 from harness.errors import HarnessError
+
+_DTYPE_METHODS = {
+    torch.Tensor.float: torch.float32,
+    torch.Tensor.half: torch.float16,
+    torch.Tensor.bfloat16: torch.bfloat16,
+    torch.Tensor.double: torch.float64,
+}
+
+
+class _CastsCopy(TorchFunctionMode):
+    """Make every dtype conversion in the traced code a real copy.
+
+    At export time everything is fp32, so ``h.float()`` returns ``h`` itself and
+    the tracer then records later uses of ``h`` as uses of the cast. Once the
+    compiler lowers ``h`` that is wrong (eager autocast sees two tensors there).
+    Tracing the cast with ``copy=True`` keeps the two values apart; the copy
+    has the same values, so the model's meaning is unchanged.
+    """
+
+    def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func in _DTYPE_METHODS and len(args) == 1 and not kwargs.get("memory_format"):
+            return args[0].to(_DTYPE_METHODS[func], copy=True)
+        if func is torch.Tensor.type_as and len(args) == 2:
+            return args[0].to(args[1].dtype, copy=True)
+        if func is torch.Tensor.to and "copy" not in kwargs:
+            return func(*args, **kwargs, copy=True)
+        return func(*args, **kwargs)
 
 
 def export_program(module: torch.nn.Module, example_inputs: Sequence[Any]) -> ExportedProgram:
@@ -31,7 +60,8 @@ def export_program(module: torch.nn.Module, example_inputs: Sequence[Any]) -> Ex
         kinds = ", ".join(type(a).__name__ for a in args) or "nothing"
         raise HarnessError(f"example inputs must be a non-empty tuple of tensors (got {kinds})")
     try:
-        return torch.export.export(module.eval(), args)
+        with _CastsCopy():
+            return torch.export.export(module.eval(), args)
     except Exception as exc:  # export raises many unrelated types; the user needs the text
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise HarnessError(
