@@ -185,6 +185,7 @@ def test_compare_reports_same_fingerprints_for_a_rerun(capsys, tmp_path):
         (("bench", "--models", "digits,digits"), "appears twice"),
         (("gate", "--latency-threshold", "fast"), "--latency-threshold 'fast'"),
         (("gate", "--alpha", "1.5"), "--alpha 1.5"),
+        (("bench", "--cov-threshold", "abc"), "--cov-threshold 'abc'"),
     ],
 )
 def test_bad_input_exits_2_with_a_message(capsys, tmp_path, argv, message):
@@ -234,3 +235,13 @@ def test_gate_default_current_is_the_newest_whole_run_not_a_shard(tmp_path):
     for name in ("run-20250101T000000Z.json", "run-20250102T000000Z.json", "run-20250103T000000Z-shard1of2.json"):
         (tmp_path / name).write_text("{}")
     assert newest_run(tmp_path) == tmp_path / "run-20250102T000000Z.json"
+
+
+def test_cov_threshold_decides_the_unstable_flag(capsys, tmp_path):
+    strict, loose = tmp_path / "strict.json", tmp_path / "loose.json"
+    common = ("--models", "digits", "--modes", "fp32")
+    assert bench(capsys, tmp_path, strict, *common, "--cov-threshold", "0%")[0] == 0
+    assert bench(capsys, tmp_path, loose, *common, "--cov-threshold", "999%")[0] == 0
+    (s,), (l,) = load_results(strict)["cases"], load_results(loose)["cases"]
+    assert s["latency"]["unstable"] is True and l["latency"]["unstable"] is False
+    assert load_results(loose)["settings"]["measure"]["cov_threshold"] == pytest.approx(9.99)

@@ -62,6 +62,9 @@ class MeasureSettings:
     # test) so a run file with raw samples stays around a megabyte.
     max_iters: int | None = 20000
     telemetry_interval_s: float = 0.25
+    # CoV above which a case is flagged unstable; None: the timer's default
+    # (5% on CPU, 2.5% on GPU as trtexec warns).
+    cov_threshold: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -293,6 +296,7 @@ class BenchRunner:
                 timer=timer,
                 batch_size=_batch_size(inputs),
                 overhead=self.overhead(timer),
+                cov_threshold=s.cov_threshold,
             )
         return latency, sampler.summary()
 

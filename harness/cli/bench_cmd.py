@@ -8,6 +8,7 @@ interrupted (the finished cases are kept in a file marked incomplete).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
 import sys
 from pathlib import Path
@@ -36,6 +37,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--cache-dir", default=None, metavar="DIR",
                    help="timing caches, one per (model, mode) (default: caches/ next to the results file)")
     p.add_argument("--shard", default=None, metavar="I/N", help="run every N-th case of the matrix, starting at the I-th")
+    p.add_argument("--cov-threshold", default=None, metavar="PCT",
+                   help="flag a case unstable above this coefficient of variation (default: 5%% on CPU, 2.5%% on GPU)")
     p.add_argument("--quick", action="store_true", help="tiny warm-up and timing windows: checks the pipeline, not the numbers")
     p.add_argument("-o", "--output", default=None, metavar="FILE",
                    help=f"results file (default: {DEFAULT_ROOT}/<machine>/run-<timestamp>.json)")
@@ -173,6 +176,8 @@ def run_bench(args: argparse.Namespace) -> int:
     modes = _modes(args.modes, backend, args.explicit)
     _check_models(model_names)
     measure = QUICK if args.quick else MeasureSettings()
+    if args.cov_threshold is not None:
+        measure = dataclasses.replace(measure, cov_threshold=parse_threshold(args.cov_threshold, "--cov-threshold"))
 
     machine = machine_info()
     if args.output is not None:
@@ -281,17 +286,17 @@ def run_compare(args: argparse.Namespace) -> int:
 # --- gate ------------------------------------------------------------------------------
 
 
-def parse_threshold(text: str) -> float:
+def parse_threshold(text: str, flag: str = "--latency-threshold") -> float:
     """``"5%"`` or ``"0.05"`` -> 0.05."""
     raw = text.strip()
     try:
         value = float(raw[:-1]) / 100 if raw.endswith("%") else float(raw)
     except ValueError:
         raise HarnessError(
-            f"--latency-threshold {text!r}: expected a percentage such as 5% or a fraction such as 0.05"
+            f"{flag} {text!r}: expected a percentage such as 5% or a fraction such as 0.05"
         ) from None
     if not 0 <= value < 10:
-        raise HarnessError(f"--latency-threshold {text!r}: must be between 0% and 1000%")
+        raise HarnessError(f"{flag} {text!r}: must be between 0% and 1000%")
     return value
 
 
