@@ -242,6 +242,6 @@ def test_cov_threshold_decides_the_unstable_flag(capsys, tmp_path):
     common = ("--models", "digits", "--modes", "fp32")
     assert bench(capsys, tmp_path, strict, *common, "--cov-threshold", "0%")[0] == 0
     assert bench(capsys, tmp_path, loose, *common, "--cov-threshold", "999%")[0] == 0
-    (s,), (l,) = load_results(strict)["cases"], load_results(loose)["cases"]
-    assert s["latency"]["unstable"] is True and l["latency"]["unstable"] is False
+    (tight,), (wide,) = load_results(strict)["cases"], load_results(loose)["cases"]
+    assert tight["latency"]["unstable"] is True and wide["latency"]["unstable"] is False
     assert load_results(loose)["settings"]["measure"]["cov_threshold"] == pytest.approx(9.99)
