@@ -41,16 +41,6 @@ def input_nodes(node: torch.fx.Node) -> list[torch.fx.Node]:
     return [a for a in pytree.tree_leaves((node.args, node.kwargs)) if isinstance(a, torch.fx.Node)]
 
 
-def node_dtype(node: torch.fx.Node) -> torch.dtype | None:
-    val = node.meta.get("val")
-    return val.dtype if isinstance(val, torch.Tensor) else None
-
-
-def is_float_tensor_node(node: torch.fx.Node) -> bool:
-    dt = node_dtype(node)
-    return dt is not None and dt.is_floating_point
-
-
 def module_path(node: torch.fx.Node) -> str:
     stack = node.meta.get("nn_module_stack")
     if not stack:

@@ -40,9 +40,6 @@ class PrecisionReport:
     def counts(self) -> dict[str, int]:
         return dict(sorted(Counter(r.rule for r in self.rows).items()))
 
-    def precision_of(self, name: str) -> str:
-        return next(r.precision for r in self.rows if r.name == name)
-
     def to_json(self) -> dict[str, Any]:
         doc = asdict(self)
         doc["counts"] = self.counts()
