@@ -317,7 +317,9 @@ def _step_error(step: Step, xs: list[torch.Tensor], errs: list[float], out: torc
         g = _absmax(layer.weight)  # type: ignore[arg-type]
         p = g * _layer_norm_growth(xs[0], e) + u * (g * math.sqrt(xs[0].shape[-1]) + _absmax(layer.bias))  # type: ignore[arg-type]
     elif op == "softmax":
-        p = _absmax(out) * math.expm1(2 * e)
+        # exp of an input error e moves probabilities by a factor up to e^(2e); past
+        # float range the bound is simply unbounded (no assertion is possible there).
+        p = _absmax(out) * math.expm1(2 * e) if 2 * e < 700 else math.inf
     elif op == "log_softmax":
         p = 2 * e
     elif op in ("sum", "cumsum"):
