@@ -76,39 +76,76 @@ def trace_call(node: torch.fx.Node, fn: Callable[..., Any], fake_mode: FakeTenso
         return make_fx(call)(*[flat[i].meta["val"] for i in positions])
 
 
+def fresh_attr(owner: torch.nn.Module, base: str) -> str:
+    name, i = base, 0
+    while hasattr(owner, name):
+        i += 1
+        name = f"{base}_{i}"
+    return name
+
+
+def copy_body(
+    owner: torch.fx.GraphModule,
+    at: torch.fx.Node,
+    body: torch.fx.GraphModule,
+    inputs: list[Any],
+    prefix: str = "",
+    annotate: Callable[[torch.fx.Node], None] | None = None,
+) -> tuple[Any, list[torch.fx.Node]]:
+    """Copy ``body``'s nodes into ``owner`` before ``at``, its placeholders bound to ``inputs``.
+
+    Returns the body's output value in ``owner``'s terms and the nodes created.
+    Constants the body reads move onto ``owner``; ``get_attr`` nodes nothing
+    reads (an already inlined subgraph) are skipped. Copies keep the body's
+    meta, then ``annotate`` may add to it.
+    """
+    env: dict[torch.fx.Node, Any] = dict(
+        zip([n for n in body.graph.nodes if n.op == "placeholder"], inputs, strict=True)
+    )
+
+    def mapped(a: Any) -> Any:
+        return pytree.tree_map(lambda x: env[x] if isinstance(x, torch.fx.Node) else x, a)
+
+    result: Any = None
+    created: list[torch.fx.Node] = []
+    with owner.graph.inserting_before(at):
+        for sn in body.graph.nodes:
+            if sn.op == "placeholder" or (sn.op == "get_attr" and not sn.users):
+                continue
+            if sn.op == "output":
+                result = mapped(sn.args[0])
+                continue
+            if sn.op == "get_attr":
+                name = fresh_attr(owner, f"{prefix}{sn.target}")
+                value = getattr(body, str(sn.target))
+                if isinstance(value, torch.Tensor):
+                    owner.register_buffer(name, value)
+                else:
+                    setattr(owner, name, value)
+                new = owner.graph.get_attr(name)
+            else:
+                new = owner.graph.create_node(sn.op, sn.target, mapped(sn.args), mapped(sn.kwargs), name=f"{prefix}{sn.name}")
+            new.meta.update(sn.meta)
+            if annotate is not None:
+                annotate(new)
+            env[sn] = new
+            created.append(new)
+    return result, created
+
+
 def splice(gm: torch.fx.GraphModule, node: torch.fx.Node, sub: torch.fx.GraphModule) -> list[torch.fx.Node]:
     """Replace ``node`` by the body of ``sub`` (traced by :func:`trace_call`).
 
     New nodes are named after the replaced node so reports and engine layer
     names still point at the user's op, and inherit its module path and tags.
     """
-    inputs = input_nodes(node)
-    env: dict[torch.fx.Node, Any] = {}
-    placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
-    for ph, arg in zip(placeholders, inputs, strict=True):
-        env[ph] = arg
     inherited = {k: v for k, v in node.meta.items() if k not in ("val", "tensor_meta")}
-    created: list[torch.fx.Node] = []
-    result: Any = None
-    with gm.graph.inserting_before(node):
-        for sn in sub.graph.nodes:
-            if sn.op == "placeholder":
-                continue
-            if sn.op == "output":
-                result = pytree.tree_map(lambda a: env[a] if isinstance(a, torch.fx.Node) else a, sn.args[0])
-                continue
-            if sn.op == "get_attr":
-                attr = f"{node.name}_{sn.target}"
-                gm.register_buffer(attr, getattr(sub, str(sn.target)))
-                new = gm.graph.get_attr(attr)
-            else:
-                args = pytree.tree_map(lambda a: env[a] if isinstance(a, torch.fx.Node) else a, (sn.args, sn.kwargs))
-                new = gm.graph.create_node(sn.op, sn.target, args[0], args[1], name=f"{node.name}_{sn.name}")
-            new.meta.update(inherited)
-            new.meta["val"] = sn.meta.get("val")
-            new.meta["decomposed_from"] = node.name
-            env[sn] = new
-            created.append(new)
+
+    def annotate(new: torch.fx.Node) -> None:
+        new.meta.update(inherited)
+        new.meta["decomposed_from"] = node.name
+
+    result, created = copy_body(gm, node, sub, input_nodes(node), prefix=f"{node.name}_", annotate=annotate)
     if isinstance(result, torch.fx.Node) or not isinstance(result, (tuple, list)):
         node.replace_all_uses_with(result)
     else:
@@ -121,9 +158,10 @@ def splice(gm: torch.fx.GraphModule, node: torch.fx.Node, sub: torch.fx.GraphMod
 
 
 def drop_unused_attributes(gm: torch.fx.GraphModule) -> None:
-    """Delete weights no ``get_attr`` reads any more, so engines never carry dead copies."""
+    """Delete weights and subgraphs no ``get_attr`` reads any more, so engines never carry dead copies."""
     gm.graph.eliminate_dead_code()
     used = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
-    for name, _ in [*gm.named_buffers(recurse=False), *gm.named_parameters(recurse=False)]:
+    subgraphs = [(n, m) for n, m in gm.named_children() if isinstance(m, torch.fx.GraphModule)]
+    for name, _ in [*gm.named_buffers(recurse=False), *gm.named_parameters(recurse=False), *subgraphs]:
         if name not in used:
             delattr(gm, name)

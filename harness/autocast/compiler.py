@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,10 +59,10 @@ class CompiledGraph:
 
     def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         # Ambient autocast must not re-type an explicitly typed graph.
-        with torch.autocast("cpu", enabled=False), torch.inference_mode():
-            if self.device != "cpu":
-                with torch.autocast(self.device, enabled=False):
-                    return tuple(self.graph_module(*inputs))
+        with ExitStack() as stack:
+            for device in {"cpu", self.device}:
+                stack.enter_context(torch.autocast(device, enabled=False))
+            stack.enter_context(torch.inference_mode())
             return tuple(self.graph_module(*inputs))
 
 

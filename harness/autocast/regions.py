@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
-from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
+
+from harness.fxutil import copy_body, drop_unused_attributes
 
 WRAP_WITH_AUTOCAST = torch.ops.higher_order.wrap_with_autocast
 
@@ -42,11 +42,7 @@ def inline_autocast_regions(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target is WRAP_WITH_AUTOCAST:
             _inline_one(gm, node, ())
-    gm.graph.eliminate_dead_code()  # the bodies' get_attr nodes are dead now
-    used = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
-    for name, child in list(gm.named_children()):
-        if isinstance(child, torch.fx.GraphModule) and name not in used:
-            delattr(gm, name)
+    drop_unused_attributes(gm)  # the inlined bodies
     gm.graph.lint()
     gm.recompile()
     return gm
@@ -60,57 +56,14 @@ def _inline_one(owner: torch.fx.GraphModule, node: torch.fx.Node, outer: tuple[R
     for inner in list(body.graph.nodes):  # nested regions first, with the deeper stack
         if inner.op == "call_function" and inner.target is WRAP_WITH_AUTOCAST:
             _inline_one(body, inner, stack)
-    results = _copy_body(owner, node, body, operands, stack)
+    def annotate(new: torch.fx.Node) -> None:
+        if new.op == "call_function":
+            new.meta.setdefault("autocast_regions", stack)  # nested nodes keep their deeper stack
+
+    results, _ = copy_body(owner, node, body, list(operands), annotate=annotate)
     for user in list(node.users):
         if user.target is not operator.getitem:
             raise AssertionError(f"{node.name}: wrap_with_autocast results must be unpacked with getitem")
         user.replace_all_uses_with(results[user.args[1]])
         owner.graph.erase_node(user)
     owner.graph.erase_node(node)
-
-
-def _copy_body(
-    owner: torch.fx.GraphModule,
-    at: torch.fx.Node,
-    body: torch.fx.GraphModule,
-    operands: list[Any],
-    regions: tuple[Region, ...],
-) -> list[Any]:
-    env: dict[torch.fx.Node, Any] = {}
-    placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
-    for ph, arg in zip(placeholders, operands, strict=True):
-        env[ph] = arg
-
-    def mapped(a: Any) -> Any:
-        return pytree.tree_map(lambda x: env[x] if isinstance(x, torch.fx.Node) else x, a)
-
-    outputs: list[Any] = []
-    with owner.graph.inserting_before(at):
-        for sn in body.graph.nodes:
-            if sn.op == "placeholder":
-                continue
-            if sn.op == "output":
-                outputs = list(mapped(sn.args[0]))
-                continue
-            if sn.op == "get_attr" and not sn.users:
-                continue  # a nested region's body, already inlined into this one
-            if sn.op == "get_attr":
-                # A constant the body reads: move it onto the owner.
-                name = _fresh_attr(owner, str(sn.target))
-                setattr(owner, name, getattr(body, str(sn.target)))
-                new = owner.graph.get_attr(name)
-            else:
-                new = owner.graph.create_node(sn.op, sn.target, mapped(sn.args), mapped(sn.kwargs), name=sn.name)
-            new.meta.update(sn.meta)
-            if new.op == "call_function":
-                new.meta.setdefault("autocast_regions", regions)  # nested nodes keep their deeper stack
-            env[sn] = new
-    return outputs
-
-
-def _fresh_attr(owner: torch.nn.Module, base: str) -> str:
-    name, i = f"{base}_inlined", 0
-    while hasattr(owner, name):
-        i += 1
-        name = f"{base}_inlined_{i}"
-    return name

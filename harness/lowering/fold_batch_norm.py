@@ -20,6 +20,28 @@ aten = torch.ops.aten
 _CONVS = {aten.conv1d.default, aten.conv2d.default, aten.conv3d.default}
 
 
+def fold_conv_batch_norm(
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    gamma: torch.Tensor | None,
+    beta: torch.Tensor | None,
+    mean: torch.Tensor,
+    var: torch.Tensor,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The folded (weight, bias), computed in float64 and stored in the weight's dtype.
+
+    Shared by this pass and the CPU engine's own fold (which runs in the exact
+    modes, where the compiler leaves batch norm alone), so both fold alike.
+    """
+    mean64 = mean.double()
+    scale = torch.rsqrt(var.double() + eps) * (gamma.double() if gamma is not None else 1.0)
+    new_weight = weight.double() * scale.reshape(-1, *([1] * (weight.dim() - 1)))
+    old_bias = bias.double() if bias is not None else torch.zeros_like(mean64)
+    new_bias = (old_bias - mean64) * scale + (beta.double() if beta is not None else 0.0)
+    return new_weight.to(weight.dtype).contiguous(), new_bias.to(weight.dtype).contiguous()
+
+
 def _const(gm: torch.fx.GraphModule, node: object) -> torch.Tensor | None:
     if isinstance(node, torch.fx.Node) and node.op == "get_attr":
         return getattr(gm, str(node.target)).detach()
@@ -40,19 +62,15 @@ def fold_batch_norm(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         stats = [_const(gm, a) for a in (mean, var)]
         if weight is None or any(s is None for s in stats) or (len(conv.args) > 2 and conv.args[2] is not None and bias is None):
             continue
-        g = _const(gm, gamma) if gamma is not None else torch.ones_like(stats[0])
-        b = _const(gm, beta) if beta is not None else torch.zeros_like(stats[0])
-        if g is None or b is None:
+        g = _const(gm, gamma) if gamma is not None else None
+        b = _const(gm, beta) if beta is not None else None
+        if (gamma is not None and g is None) or (beta is not None and b is None):
             continue
-        scale = g.double() / torch.sqrt(stats[1].double() + eps)
-        shape = (-1,) + (1,) * (weight.dim() - 1)
-        new_w = (weight.double() * scale.reshape(shape)).to(weight.dtype)
-        old_b = bias.double() if bias is not None else torch.zeros_like(scale)
-        new_b = ((old_b - stats[0].double()) * scale + b.double()).to(weight.dtype)
+        new_w, new_b = fold_conv_batch_norm(weight, bias, g, b, stats[0], stats[1], eps)
         getters = []
         for suffix, tensor in (("weight", new_w), ("bias", new_b)):
             name = f"{conv.name}_folded_{suffix}"
-            gm.register_buffer(name, tensor.contiguous())
+            gm.register_buffer(name, tensor)
             with gm.graph.inserting_before(conv):
                 get = gm.graph.get_attr(name)
             get.meta["val"] = fake_mode.from_tensor(tensor, static_shapes=True)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import operator
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -39,6 +39,7 @@ from harness.engines.cpu.plan import (
     resolve_op,
 )
 from harness.errors import HarnessError
+from harness.lowering.fold_batch_norm import fold_conv_batch_norm
 
 _DROPPED = (
     "_assert_tensor_metadata",
@@ -183,25 +184,43 @@ def _fold_constants(plan: Plan) -> int:
     return folded
 
 
-def _fold_batch_norms(plan: Plan) -> list[tuple[str, str]]:
+Absorb = Callable[[Node, dict[str, Node], Counter[str]], Node | None]
+
+
+def _absorb_into_producers(plan: Plan, absorb: Absorb) -> list[tuple[str, str]]:
+    """Remove each node ``absorb`` merges into its producer; its users read the producer.
+
+    ``absorb(node, producers, users)`` returns the producer that took the node
+    over (after updating it), or None to keep the node.
+    """
     users = Counter(r.name for node in plan.nodes for r in node.refs())
     users.update(o.name for o in plan.outputs if isinstance(o, Ref))
     producers = {node.name: node for node in plan.nodes}
-    folded: list[tuple[str, str]] = []
+    merged: list[tuple[str, str]] = []
     replacements: dict[str, Ref] = {}
     kept = []
     for node in plan.nodes:
         _substitute(node, replacements)
-        conv = _foldable_conv(node, producers, users, plan)
-        if conv is None:
+        producer = absorb(node, producers, users)
+        if producer is None:
             kept.append(node)
             continue
-        _fold_into(conv, node, plan)
-        replacements[node.name] = Ref(conv.name)
-        folded.append((conv.name, node.name))
+        producer.fused = (*producer.fused, node.name)
+        replacements[node.name] = Ref(producer.name)
+        merged.append((producer.name, node.name))
     plan.nodes = kept
     plan.outputs = [replacements.get(o.name, o) if isinstance(o, Ref) else o for o in plan.outputs]
-    return folded
+    return merged
+
+
+def _fold_batch_norms(plan: Plan) -> list[tuple[str, str]]:
+    def absorb(node: Node, producers: dict[str, Node], users: Counter[str]) -> Node | None:
+        conv = _foldable_conv(node, producers, users, plan)
+        if conv is not None:
+            _fold_into(conv, node, plan)
+        return conv
+
+    return _absorb_into_producers(plan, absorb)
 
 
 def _foldable_conv(
@@ -237,41 +256,25 @@ def _foldable_conv(
 
 
 def _fold_into(conv: Node, bn: Node, plan: Plan) -> None:
-    gamma, beta, mean, var = (
-        None if p is None else plan.weights[p.name].double() for p in bn.args[1:5]
-    )
-    eps = float(bn.args[7])
+    gamma, beta, mean, var = (None if p is None else plan.weights[p.name] for p in bn.args[1:5])
     weight_ref = conv.args[1]
     assert isinstance(weight_ref, WeightRef) and mean is not None and var is not None
-    weight = plan.weights[weight_ref.name]
     bias_ref = conv.args[2] if len(conv.args) > 2 else None
-    bias = (
-        plan.weights[bias_ref.name].double()
-        if isinstance(bias_ref, WeightRef)
-        else torch.zeros_like(mean)
+    bias = plan.weights[bias_ref.name] if isinstance(bias_ref, WeightRef) else None
+    new_weight, new_bias = fold_conv_batch_norm(
+        plan.weights[weight_ref.name], bias, gamma, beta, mean, var, float(bn.args[7])
     )
-    scale = torch.rsqrt(var + eps) * (gamma if gamma is not None else 1.0)
-    new_weight = weight.double() * scale.reshape(-1, *([1] * (weight.dim() - 1)))
-    new_bias = (bias - mean) * scale + (beta if beta is not None else 0.0)
     w_name = _fresh(plan.weights, f"{conv.name}.folded_weight")
-    plan.weights[w_name] = new_weight.to(weight.dtype).contiguous()
+    plan.weights[w_name] = new_weight
     b_name = _fresh(plan.weights, f"{conv.name}.folded_bias")
-    plan.weights[b_name] = new_bias.to(weight.dtype).contiguous()
+    plan.weights[b_name] = new_bias
     args = list(conv.args) + [None] * max(0, 3 - len(conv.args))
     args[1], args[2] = WeightRef(w_name), WeightRef(b_name)
     conv.args = tuple(args)
-    conv.fused = (*conv.fused, bn.name)
 
 
 def _fuse_epilogues(plan: Plan) -> list[tuple[str, str]]:
-    users = Counter(r.name for node in plan.nodes for r in node.refs())
-    users.update(o.name for o in plan.outputs if isinstance(o, Ref))
-    producers = {node.name: node for node in plan.nodes}
-    fused: list[tuple[str, str]] = []
-    replacements: dict[str, Ref] = {}
-    kept = []
-    for node in plan.nodes:
-        _substitute(node, replacements)
+    def absorb(node: Node, producers: dict[str, Node], users: Counter[str]) -> Node | None:
         epilogue = _activation(node)
         source = node.args[0] if node.args else None
         producer = producers.get(source.name) if isinstance(source, Ref) else None
@@ -283,15 +286,11 @@ def _fuse_epilogues(plan: Plan) -> list[tuple[str, str]]:
             or producer.outputs != node.outputs
             or not tactics.epilogue_ok(producer, epilogue)
         ):
-            kept.append(node)
-            continue
+            return None
         producer.epilogue = epilogue
-        producer.fused = (*producer.fused, node.name)
-        replacements[node.name] = Ref(producer.name)
-        fused.append((producer.name, node.name))
-    plan.nodes = kept
-    plan.outputs = [replacements.get(o.name, o) if isinstance(o, Ref) else o for o in plan.outputs]
-    return fused
+        return producer
+
+    return _absorb_into_producers(plan, absorb)
 
 
 def _activation(node: Node) -> str | None:
