@@ -23,6 +23,7 @@ from harness.engines.modes import compile_for_mode
 from harness.engines.protocol import Backend, BuildConfig, BuildLog, Engine
 from harness.errors import HarnessError
 from harness.fileio import atomic_write_json
+from harness.globalstate import preserves_global_state
 
 if TYPE_CHECKING:
     from harness.autocast import CompiledGraph
@@ -66,6 +67,7 @@ def load_cache(path: str | os.PathLike[str], backend: Backend, config: BuildConf
     return cache
 
 
+@preserves_global_state
 def build_engine(
     spec: ModelSpec,
     config: BuildConfig,
@@ -149,6 +151,7 @@ class RebuildReport:
         }
 
 
+@preserves_global_state
 def rebuild(
     spec: ModelSpec,
     config: BuildConfig,
@@ -180,7 +183,7 @@ def rebuild(
         engine, _ = backend.build(compiled, config, cache)
         fingerprints.append(engine.fingerprint())
         per_build.append({layer.name: layer.tactic for layer in engine.layers()})
-        outputs = tuple(t.detach().cpu() for t in engine(*spec.example_inputs))
+        outputs = tuple(t.detach().cpu() for t in engine.run(*spec.example_inputs))
         if first is None:
             first = outputs
         elif not _bits_equal(first, outputs):

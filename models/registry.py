@@ -21,6 +21,7 @@ import hashlib
 import importlib.util
 import inspect
 import math
+import random
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -28,10 +29,12 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import numpy as np
 import torch
 
 from harness.autocast.calibrate import default_calibration_data  # noqa: F401  (re-exported for model files)
 from harness.errors import HarnessError
+from harness.globalstate import preserved_global_state
 
 Factory = Callable[[], "ModelSpec"]
 
@@ -128,11 +131,27 @@ def _bound(weight: torch.Tensor, gain: float) -> float:
     return gain / math.sqrt(weight[0].numel())
 
 
+# Every factory starts from this seed, so one that draws random weights from
+# the global generators builds the same model in every process (rebuilds and
+# cross-machine comparisons then compare the same model).
+FACTORY_SEED = 0
+
+
 def _rng_isolated(factory: Factory) -> Factory:
+    """Run ``factory`` on freshly seeded global generators, restoring the caller's afterwards."""
+
     @functools.wraps(factory)
     def wrapper() -> ModelSpec:
-        with torch.random.fork_rng(devices=[]):
-            return factory()
+        py_state, np_state = random.getstate(), np.random.get_state()
+        try:
+            with torch.random.fork_rng(devices=[]), preserved_global_state():
+                torch.manual_seed(FACTORY_SEED)
+                random.seed(FACTORY_SEED)
+                np.random.seed(FACTORY_SEED)
+                return factory()
+        finally:
+            random.setstate(py_state)
+            np.random.set_state(np_state)
 
     return wrapper
 
@@ -177,6 +196,8 @@ def _built_from_file(path: str, mtime_ns: int, factory_name: str) -> ModelSpec:
         result = _rng_isolated(factory)()
     except HarnessError:
         raise
+    except SystemExit as exc:
+        raise HarnessError(f"{culprit} called sys.exit({exc.code!r}); a factory must return a model") from None
     except Exception as exc:
         raise HarnessError(f"{culprit} raised {type(exc).__name__}: {exc}") from exc
     return _checked(_as_spec(result, factory_name, culprit), culprit)
@@ -193,7 +214,14 @@ def _import_file(path: Path) -> ModuleType:
     # cls.__module__) in the user's file look their module up in sys.modules.
     sys.modules[module_name] = module
     try:
-        import_spec.loader.exec_module(module)
+        with preserved_global_state():
+            import_spec.loader.exec_module(module)
+    except SystemExit as exc:
+        del sys.modules[module_name]
+        raise HarnessError(
+            f"model file {path} called sys.exit({exc.code!r}) while being imported; "
+            "a model file must only define its factory (guard scripts with if __name__ == '__main__')"
+        ) from None
     except Exception as exc:
         del sys.modules[module_name]
         raise HarnessError(

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from harness.outputs import tensor_paths
+
 
 def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bit-for-bit equality that also holds for NaN payloads (torch.equal says NaN != NaN)."""
@@ -16,4 +18,15 @@ def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def as_tuple(x: object) -> tuple[torch.Tensor, ...]:
-    return tuple(x) if isinstance(x, (tuple, list)) else (x,)  # type: ignore[arg-type]
+    """The tensors of an output structure, in pytree order."""
+    return tuple(t for _, t in tensor_paths(x))
+
+
+def assert_same_outputs(out: object, ref: object) -> None:
+    """Same structure (container types and paths) and bit-identical tensors, NaNs included."""
+    assert type(out) is type(ref), (type(out), type(ref))
+    got, want = tensor_paths(out), tensor_paths(ref)
+    assert [p for p, _ in got] == [p for p, _ in want]
+    for (path, a), (_, b) in zip(got, want, strict=True):
+        assert a.dtype == b.dtype, (path, a.dtype, b.dtype)
+        assert bits_equal(a, b), (path, (a.float() - b.float()).abs().max())

@@ -35,7 +35,7 @@ def test_seed_example_lenet_fp16_exclude_conv2d():
     assert sorted(casts) == [("fp16", "fp32"), ("fp32", "fp16")]
     # no autocast region survives
     assert not any("wrap_with_autocast" in str(n.target) for n in cg.graph_module.graph.nodes)
-    out = cg(*spec.example_inputs)[0]
+    out = cg(*spec.example_inputs)
     ref = spec.module(*spec.example_inputs)
     assert out.dtype == torch.float32  # keep_io_types
     assert torch.allclose(out, ref, atol=5e-2, rtol=5e-2)
@@ -193,7 +193,7 @@ def test_nested_regions_nest():
     x = torch.randn(2, 8)
     with torch.autocast("cpu", dtype=torch.float16):  # eager: regions inside, fp16 outside
         eager = m(x)
-    assert torch.allclose(cg(x)[0], eager.float(), atol=2e-2)
+    assert torch.allclose(cg(x), eager.float(), atol=2e-2)
 
 
 @pytest.mark.parametrize(
@@ -228,10 +228,10 @@ def test_overflow_model_full_fp16_nonfinite_rule_mode_accurate():
     spec = models.load("overflow")
     x = spec.example_inputs
     ref = spec.module(*x)
-    full = compile(spec.module, x, mode="full", low_precision_type=torch.float16)(*x)[0]
+    full = compile(spec.module, x, mode="full", low_precision_type=torch.float16)(*x)
     assert not torch.isfinite(full).all()
     rule = compile(spec.module, x, mode="rule", low_precision_type=torch.float16,
-                   calibration_data=spec.calibration_data)(*x)[0]
+                   calibration_data=spec.calibration_data)(*x)
     assert torch.isfinite(rule).all()
     cos = F.cosine_similarity(rule.double().flatten(), ref.double().flatten(), dim=0)
     assert cos >= 0.999

@@ -10,7 +10,6 @@ import torch
 from harness.bench.accuracy import (
     TaskAccuracy,
     compare_outputs,
-    flatten_outputs,
     output_digest,
 )
 from harness.errors import HarnessError
@@ -98,36 +97,39 @@ def test_multiple_outputs_report_the_worst() -> None:
         torch.tensor([1.0, 1.0]),
         {"b": torch.tensor([2.0, 2.0, 2.0, 2.0]), "a": torch.tensor([5.0])},
     )
+    # The engine's dict lists its keys in another order: outputs pair by path, not position.
     out = (
         torch.tensor([1.0, 1.5]),
-        {"b": torch.tensor([2.0, 2.0, 2.0, 2.1]), "a": torch.tensor([5.0])},
+        {"a": torch.tensor([5.0]), "b": torch.tensor([2.0, 2.0, 2.0, 2.1])},
     )
     acc = compare_outputs(out, ref)
-    assert len(acc.outputs) == 3
-    # dict entries come in sorted key order: a before b
-    assert acc.outputs[1].shape == [1] and acc.outputs[2].shape == [4]
+    assert [m.path for m in acc.outputs] == ["[0]", "[1]['b']", "[1]['a']"]
+    assert acc.outputs[1].shape == [4] and acc.outputs[2].shape == [1]
     assert acc.max_abs_error == pytest.approx(0.5)
     # mean over all 7 compared elements: (0.5 + 0.1) / 7
     assert acc.mean_abs_error == pytest.approx(0.6 / 7)
-    first, last = acc.outputs[0].cosine, acc.outputs[2].cosine
+    first, last = acc.outputs[0].cosine, acc.outputs[1].cosine
     assert first is not None and last is not None
     assert acc.cosine == first < last
 
 
 def test_structure_errors_name_the_output() -> None:
-    with pytest.raises(HarnessError, match="2 output tensors, the reference 1"):
+    with pytest.raises(HarnessError, match=r"only the engine has \[0\], \[1\]; only the reference has "):
         compare_outputs((torch.zeros(2), torch.zeros(2)), torch.zeros(2))
+    with pytest.raises(HarnessError, match=r"only the engine has \['logits'\]; only the reference has \['last'\]"):
+        compare_outputs({"logits": torch.zeros(2)}, {"last": torch.zeros(2)})
     with pytest.raises(
-        HarnessError, match=r"output 0: shape \(3,\) differs from the reference shape \(2,\)"
+        HarnessError, match=r"output \[0\]: shape \(3,\) differs from the reference shape \(2,\)"
     ):
-        compare_outputs(torch.zeros(3), torch.zeros(2))
+        compare_outputs((torch.zeros(3),), (torch.zeros(2),))
     with pytest.raises(HarnessError, match=r"output\[1\] is a str"):
-        flatten_outputs((torch.zeros(1), "x"))
+        compare_outputs((torch.zeros(1), "x"), (torch.zeros(1), "x"))
 
 
 def test_output_digest_is_bit_exact() -> None:
     x = torch.tensor([1.0, 2.0, 3.0, 4.0])
-    assert output_digest(x) == output_digest(x.clone()) == output_digest((x.clone(),))
+    assert output_digest(x) == output_digest(x.clone())
+    assert output_digest((x,)) != output_digest(x)  # the structure is part of the output
     assert output_digest(x).startswith("sha256:") and len(output_digest(x)) == 7 + 64
     y = x.clone()
     y[2] = torch.nextafter(y[2], torch.tensor(10.0))  # one ulp

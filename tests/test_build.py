@@ -64,7 +64,7 @@ def test_cache_file_round_trip_makes_the_second_build_identical_without_timing(
     assert second.cache_hits == len(timed) and second.cache_misses == 0
     assert second.engine.fingerprint() == first.engine.fingerprint()
     assert torch.equal(
-        second.engine(*spec.example_inputs)[0], first.engine(*spec.example_inputs)[0]
+        second.engine(*spec.example_inputs), first.engine(*spec.example_inputs)
     )
     assert second.cache_entries_added == 0
     assert path.read_bytes() == written and path.stat().st_mtime_ns == mtime
@@ -79,7 +79,7 @@ def test_build_writes_engine_directory_with_build_log(spec, backend, tmp_path):
     assert linear["key"].startswith("0x") and len(linear["candidates"]) >= 2
     assert linear["chosen"] in {c["tactic"] for c in linear["candidates"]}
     loaded = CpuEngine.load(out)
-    assert torch.equal(loaded(*spec.example_inputs)[0], result.engine(*spec.example_inputs)[0])
+    assert torch.equal(loaded(*spec.example_inputs), result.engine(*spec.example_inputs))
 
 
 def test_corrupt_cache_is_an_error_and_never_overwritten(spec, backend, tmp_path):
@@ -153,7 +153,7 @@ def test_pinning_a_slower_tactic_changes_the_engine_and_the_engine_runs_it(backe
     expected = tactics.bind(node, impl, plan.value_metas(), plan.weights)(
         x.to(torch.bfloat16)
     ).float()
-    assert torch.equal(pinned.engine(x)[0], expected)
+    assert torch.equal(pinned.engine(x), expected)
 
 
 def test_a_cached_tactic_the_layer_does_not_have_is_refused(spec, backend, tmp_path):
@@ -244,6 +244,6 @@ def test_every_mode_builds_on_cpu(spec, backend, tmp_path: Path):
             mode=mode, explicit_path=str(explicit) if mode == "explicit" else None, options=FAST
         )
         result = build_engine(spec, cfg, backend)
-        (out,) = result.engine(*spec.example_inputs)
+        out = result.engine(*spec.example_inputs)
         assert result.engine.mode == mode
         torch.testing.assert_close(out.float(), reference, rtol=0.05, atol=0.15, msg=mode)

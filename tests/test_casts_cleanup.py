@@ -133,11 +133,11 @@ def test_keep_io_types_false_exposes_low_precision_io():
     cg = compile(spec.module, spec.example_inputs, settings=AutocastSettings(low_precision_type="bf16", keep_io_types=False))
     assert cg.input_dtypes == (torch.bfloat16,)
     x = spec.example_inputs[0]
-    out = cg(x.bfloat16())[0]
+    out = cg(x.bfloat16())
     assert out.dtype == torch.bfloat16
     kept = compile(spec.module, spec.example_inputs, settings=AutocastSettings(low_precision_type="bf16"))
-    assert kept.input_dtypes == (torch.float32,) and kept(x)[0].dtype == torch.float32
-    assert torch.equal(out.float(), kept(x)[0])  # same computation, only the I/O casts moved out
+    assert kept.input_dtypes == (torch.float32,) and kept(x).dtype == torch.float32
+    assert torch.equal(out.float(), kept(x))  # same computation, only the I/O casts moved out
 
 
 def test_exported_program_input_equals_module_input():
@@ -146,4 +146,4 @@ def test_exported_program_input_equals_module_input():
     from_ep = compile(ep, mode="rule", low_precision_type=torch.bfloat16)
     from_module = compile(spec.module, spec.example_inputs, mode="rule", low_precision_type=torch.bfloat16)
     assert [r.precision for r in from_ep.report.rows] == [r.precision for r in from_module.report.rows]
-    assert torch.equal(from_ep(*spec.example_inputs)[0], from_module(*spec.example_inputs)[0])
+    assert torch.equal(from_ep(*spec.example_inputs), from_module(*spec.example_inputs))

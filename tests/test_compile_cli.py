@@ -39,7 +39,7 @@ def test_bad_flags_exit_2(argv, message, capsys):
 
 def test_unknown_model_and_unexportable_model_exit_2(tmp_path, capsys):
     assert main(["compile", "--model", "nosuch"]) == 2
-    assert "valid names: digits, lenet" in capsys.readouterr().err
+    assert "valid names: digits, hf-bert" in capsys.readouterr().err
     f = tmp_path / "dyn.py"
     f.write_text(
         "import torch\n"
@@ -51,6 +51,19 @@ def test_unknown_model_and_unexportable_model_exit_2(tmp_path, capsys):
     )
     assert main(["compile", "--model", f"{f}:make"]) == 2
     assert "failed to export with torch.export" in capsys.readouterr().err
+    # torch.export's own log and graph dumps stay off the terminal: one line, the error.
+    r = subprocess.run(
+        [sys.executable, "-m", "harness", "compile", "--model", f"{f}:make"], capture_output=True, text=True
+    )
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and r.stderr.startswith("error: model M failed")
+
+
+def test_a_bare_op_name_means_every_overload(capsys):
+    assert main(["compile", "--model", "transformer", "--mode", "rule", "--low", "bf16",
+                 "--exclude-op", "aten.layer_norm", "--exclude-op", "aten.softmax", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    norms = [r for r in rows if r["op"].startswith("aten.layer_norm")]
+    assert norms and all(r["precision"] == "fp32" and r["rule"] == "targets_to_exclude" for r in norms)
 
 
 def test_python_dash_m_entry_point():

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -123,7 +126,7 @@ def test_engine_output_matches_eager_and_keys_are_tensorrt_style(net, fp32_build
     _, engine, log = fp32_build
     with torch.inference_mode():
         expected = module(*inputs)
-    (out,) = engine(*inputs)
+    out = engine(*inputs)  # the model returns one tensor, and so does the engine
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
     keys = [t.key for t in log.layers]
     assert len(set(keys)) == len(keys)
@@ -147,8 +150,8 @@ def test_strong_mode_obeys_the_graph_dtypes(net):
         )
         assert layer.tactic.endswith(f"[{layer.output_dtypes[0]}]") or layer.layer_type == "cast"
     assert {"bf16"} <= {d for layer in layers for d in layer.output_dtypes}
-    (out,) = engine(*inputs)
-    assert out.dtype == compiled(*inputs)[0].dtype
+    out = engine(*inputs)  # the model returns one tensor, and so does the engine
+    assert out.dtype == compiled(*inputs).dtype
 
 
 def test_weak_mode_chooses_precision_per_layer_by_timing(net):
@@ -169,7 +172,7 @@ def test_weak_mode_chooses_precision_per_layer_by_timing(net):
         assert layer.output_dtypes == (precision,)
         # Casts (reformat layers) make the activation inputs arrive in that precision.
         assert layer.input_dtypes[0] == precision
-    (out,) = engine(*inputs)
+    out = engine(*inputs)  # the model returns one tensor, and so does the engine
     assert out.dtype == torch.float32
     with torch.inference_mode():
         torch.testing.assert_close(out, module(*inputs), rtol=0.05, atol=0.02)
@@ -187,7 +190,7 @@ def test_save_load_round_trip_is_bit_exact(fp32_build, net, tmp_path):
     assert loaded.fingerprint() == engine.fingerprint()
     assert loaded.weights_digest() == engine.weights_digest()
     assert loaded.layers() == engine.layers()
-    assert torch.equal(loaded(*inputs)[0], engine(*inputs)[0])
+    assert torch.equal(loaded(*inputs), engine(*inputs))
     plan = json.loads((tmp_path / "e" / "plan.json").read_text())
     tuned = [entry for entry in plan["layers"] if entry["key"] is not None]
     assert {entry["name"] for entry in tuned} >= {"conv2d", "linear"}
@@ -212,6 +215,7 @@ def test_fingerprint_covers_tactics_but_not_weight_values(fp32_build):
             plan.nodes,
             plan.outputs,
             {k: v + 1 for k, v in plan.weights.items()},
+            plan.structure,
         )
     )
     assert heavier.fingerprint() == engine.fingerprint()
@@ -224,7 +228,7 @@ def test_fingerprint_covers_tactics_but_not_weight_values(fp32_build):
     ]
     assert (
         CpuEngine(
-            type(plan)(plan.mode, plan.inputs, swapped, plan.outputs, plan.weights)
+            type(plan)(plan.mode, plan.inputs, swapped, plan.outputs, plan.weights, plan.structure)
         ).fingerprint()
         != engine.fingerprint()
     )
@@ -270,6 +274,14 @@ def test_wrong_schema_version_is_refused(saved):
 def _forge(node: dict, change: str) -> None:
     if change == "op":
         node["op"] = "aten::_foreach_add.List"
+    elif change == "inplace":
+        node["op"] = "aten::add_.Tensor"
+    elif change == "random":
+        node["op"] = "aten::bernoulli.default"
+    elif change == "raw memory":
+        node["op"] = "aten::as_strided.default"
+    elif change == "not aten":
+        node["op"] = "os::system.default"
     elif change == "ref":
         node["args"][0] = {"ref": "defined_nowhere"}
     elif change == "tactic":
@@ -281,10 +293,14 @@ def _forge(node: dict, change: str) -> None:
 @pytest.mark.parametrize(
     ("change", "match"),
     [
-        ("op", "not supported by the CPU engine"),
+        ("op", r"aten::_foreach_add.List\): invalid arguments"),
+        ("inplace", "cannot run in the CPU engine: it writes one of its arguments"),
+        ("random", "cannot run in the CPU engine: it draws random numbers"),
+        ("raw memory", "cannot run in the CPU engine: it addresses memory through raw strides"),
+        ("not aten", "is not an ATen op name"),
         ("ref", "refers to 'defined_nowhere', which is not defined before it"),
         ("tactic", "has no implementation 'conv_nchw'"),
-        ("kwarg", "arguments do not match aten::flatten.using_ints"),
+        ("kwarg", "invalid arguments: Unknown keyword argument"),
     ],
 )
 def test_forged_plans_with_a_recomputed_fingerprint_are_still_refused(saved, change, match):
@@ -382,3 +398,73 @@ def test_every_tactic_of_every_layer_agrees_with_the_plain_aten_call(dtype):
     if torch.backends.mkldnn.is_available():
         expected_impls.add("gemm_onednn")
     assert tried >= expected_impls
+
+
+def _resign(plan: dict) -> None:
+    body = {k: v for k, v in plan.items() if k not in ("fingerprint", "weights_digest")}
+    plan["fingerprint"] = digest(canonical_json(body))
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        ({"stride": [0, 0]}, "non-positive stride"),
+        ({"stride": [1, 1, 1]}, "stride to be a single integer value or a list of 2 values"),
+        ({"padding": [1.5, 1]}, "Expected a value of type 'List\\[int\\]' for argument 'padding'"),
+        ({"padding": [-1, 1]}, "negative padding"),
+        ({"groups": 5}, "groups"),
+    ],
+)
+def test_crafted_convolution_arguments_are_refused_before_any_kernel_runs(saved, args, match):
+    """Once, stride 0 reached oneDNN's weight reorder at load and killed the process (SIGFPE)."""
+    plan = json.loads((saved / "plan.json").read_text())
+    conv = next(n for n in plan["nodes"] if n["name"] == "conv2d")
+    positions = {"stride": 3, "padding": 4, "dilation": 5, "groups": 6}
+    while len(conv["args"]) < 7:
+        conv["args"].append([1, 1] if len(conv["args"]) in (3, 5) else [0, 0] if len(conv["args"]) == 4 else 1)
+    for name, value in args.items():
+        conv["args"][positions[name]] = value
+    conv["tactic"] = "conv_onednn[fp32]"
+    _resign(plan)
+    (saved / "plan.json").write_text(json.dumps(plan))
+    # In a child process, so that a native crash would fail the test instead of killing pytest.
+    code = (
+        "import sys\n"
+        "from harness.engines.cpu import CpuEngine\n"
+        "from harness.errors import HarnessError\n"
+        "try:\n    CpuEngine.load(sys.argv[1])\n"
+        "except HarnessError as e:\n    print(e); sys.exit(2)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code, str(saved)], capture_output=True, text=True)
+    assert result.returncode == 2, (result.returncode, result.stderr[-500:])
+    assert "layer 'conv2d' (aten::conv2d.default): invalid arguments" in result.stdout
+    assert re.search(match, result.stdout), result.stdout
+
+
+def test_a_declared_output_the_op_does_not_produce_is_refused(saved):
+    plan = json.loads((saved / "plan.json").read_text())
+    node = next(n for n in plan["nodes"] if n["name"] == "flatten")
+    node["outputs"][0]["shape"] = [4, 7]
+    _resign(plan)
+    (saved / "plan.json").write_text(json.dumps(plan))
+    _assert_refused(saved, r"layer 'flatten' .* declares outputs fp32\[4, 7\] but its op returns fp32\[4, 1024\]")
+
+
+def test_a_graph_with_several_unrunnable_ops_names_them_all_at_once():
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    noisy = graph.call_function(torch.ops.aten.bernoulli.p, (x, 0.5))
+    strided = graph.call_function(torch.ops.aten.as_strided.default, (noisy, [4], [1]))
+    graph.output((graph.call_function(torch.ops.aten.add_.Tensor, (strided, x)),))
+    gm = torch.fx.GraphModule(nn.Module(), graph)
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    FakeTensorProp(gm).propagate(torch.ones(4))
+    with pytest.raises(HarnessError) as err:
+        lower(gm, "fp32")
+    message = str(err.value)
+    assert message.startswith("the CPU engine cannot run 3 node(s) of this graph")
+    for fragment in ("node bernoulli_p: op 'aten::bernoulli.p' cannot run in the CPU engine: it draws random numbers",
+                     "node as_strided_default: op 'aten::as_strided.default' cannot run in the CPU engine: it addresses memory",
+                     "node add__tensor: op 'aten::add_.Tensor' cannot run in the CPU engine: it writes one of its arguments"):
+        assert fragment in message

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import copy
 import importlib
 import os
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 from typing import TypeVar
@@ -18,6 +21,7 @@ from models import digits as digits_model
 from models import overflow as overflow_model
 from models import resnet as resnet_model
 from models import transformer as transformer_model
+from models.thirdparty import THIRD_PARTY
 
 ZOO = ["digits", "lenet", "overflow", "resnet", "transformer"]
 M = TypeVar("M", bound=torch.nn.Module)
@@ -39,7 +43,7 @@ def _same_state(a: torch.nn.Module, b: torch.nn.Module) -> bool:
 
 
 def test_available_lists_every_builtin_sorted() -> None:
-    assert available() == ZOO
+    assert available() == sorted(ZOO + list(THIRD_PARTY))
 
 
 # --- every zoo model ---------------------------------------------------------------------
@@ -463,3 +467,56 @@ def test_default_calibration_data_is_seeded_and_keeps_dtypes() -> None:
     assert all(torch.equal(a[0], b[0]) for a, b in zip(first, again, strict=True))
     other = registry.default_calibration_data(example, batches=3, seed=2)
     assert not torch.equal(first[0][0], other[0][0])
+
+
+@pytest.mark.parametrize(
+    ("body", "where"),
+    [
+        ("import sys\nsys.exit(3)\ndef f():\n    pass\n", r"exit\.py called sys\.exit\(3\) while being imported"),
+        ("import sys\ndef f():\n    sys.exit('bye')\n", r"factory 'f' in .*exit\.py called sys\.exit\('bye'\)"),
+    ],
+)
+def test_sys_exit_in_a_model_file_is_an_error_not_an_exit(tmp_path: Path, body: str, where: str) -> None:
+    path = _write(tmp_path, body, name="exit.py")
+    with pytest.raises(HarnessError, match=where):
+        load(f"{path}:f")
+
+
+RANDOM_FACTORY = """
+import torch
+
+def make():
+    # Weights drawn from the global generator, as many user factories do.
+    return torch.nn.Linear(4, 3), (torch.ones(1, 4),)
+"""
+
+
+def test_a_random_factory_builds_the_same_model_in_every_process(tmp_path: Path) -> None:
+    """Two fresh processes, with different amounts of RNG use before loading, get one model."""
+    path = _write(tmp_path, RANDOM_FACTORY, name="rand_model.py")
+    script = (
+        "import sys, torch, models\n"
+        "from harness.weights import module_weights_digest\n"
+        "torch.randn(int(sys.argv[2]))\n"
+        "print(module_weights_digest(models.load(sys.argv[1]).module))\n"
+    )
+    digests = {
+        subprocess.run(
+            [sys.executable, "-c", script, f"{path}:make", str(n)],
+            capture_output=True, text=True, check=True, cwd=Path(__file__).parents[1],
+        ).stdout.strip()
+        for n in (1, 1000)
+    }
+    assert len(digests) == 1 and next(iter(digests)).startswith("sha256:")
+
+
+def test_module_weights_digest_sees_values_names_and_dtypes() -> None:
+    from harness.weights import module_weights_digest
+
+    module = torch.nn.Linear(2, 2)
+    base = module_weights_digest(module)
+    assert module_weights_digest(copy.deepcopy(module)) == base
+    with torch.no_grad():
+        module.bias[0] += 1
+    assert module_weights_digest(module) != base
+    assert module_weights_digest(module.double()) != module_weights_digest(module.float())

@@ -29,6 +29,7 @@ from harness.engines.onnx_export import (
     export_onnx,
 )
 from harness.errors import HarnessError
+from harness.outputs import OutputSpec
 
 TO_COPY = torch.ops.aten._to_copy.default
 ONNX_TYPES = {torch.float32: 1, torch.float16: 10, torch.bfloat16: 16}
@@ -126,7 +127,7 @@ def test_opset_follows_the_graph_dtypes(exported, mode, opset):
 def test_inputs_and_outputs_keep_the_public_dtypes(exported):
     compiled, record, proto = exported("transformer", "autocast-fp16")
     (example,) = compiled.example_inputs
-    (reference,) = compiled(*compiled.example_inputs)
+    reference = compiled(*compiled.example_inputs)
     assert [(s.name, s.dtype, s.shape) for s in record.inputs] == [("ids", "int64", tuple(example.shape))]
     assert [(s.name, s.dtype, s.shape) for s in record.outputs] == [("output_0", "fp32", tuple(reference.shape))]
     assert [i.name for i in proto.graph.input] == ["ids"]
@@ -186,7 +187,7 @@ def typed_graph(op: object, example: torch.Tensor, weight: torch.Tensor, cast_we
     gm = torch.fx.GraphModule(root, graph)
     # meta["val"] on every node, as the compiler leaves it.
     FakeTensorProp(gm, FakeTensorMode(allow_non_fake_inputs=True)).propagate(example)
-    return CompiledGraph(gm, None, (example,), "explicit", torch.float16)  # type: ignore[arg-type]
+    return CompiledGraph(gm, None, (example,), "explicit", torch.float16, OutputSpec.flat(1))  # type: ignore[arg-type]
 
 
 def cast_of_constant() -> CompiledGraph:

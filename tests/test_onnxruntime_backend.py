@@ -48,8 +48,8 @@ def built():
 
 
 def max_error(engine, compiled) -> tuple[float, float]:
-    (reference,) = compiled(*compiled.example_inputs)
-    (output,) = engine(*compiled.example_inputs)
+    reference = compiled(*compiled.example_inputs)
+    output = engine(*compiled.example_inputs)
     assert output.dtype == reference.dtype and output.shape == reference.shape
     error = (output.double() - reference.double()).abs().max().item()
     return error, reference.abs().max().item()
@@ -69,7 +69,7 @@ def test_autocast_fp16_engine_matches_the_typed_graph_to_fp16_accuracy(built, mo
     # Not trivially equal to an fp32 run: the fp16 graph really rounds somewhere.
     with torch.inference_mode():
         fp32_out = models.load(model).module(*compiled.example_inputs)
-    (out,) = engine(*compiled.example_inputs)
+    out = engine(*compiled.example_inputs)
     assert not torch.equal(out, fp32_out)
 
 

@@ -28,7 +28,7 @@ from harness.autocast.calibrate import (
 from harness.autocast.casts import insert_casts, retype_inputs
 from harness.autocast.classify import MODES, classify, rules_for
 from harness.autocast.cleanup import CLEANUP
-from harness.autocast.regions import Region, inline_autocast_regions
+from harness.autocast.regions import Region, inline_higher_order_ops
 from harness.autocast.report import PrecisionReport, build_report
 from harness.autocast.rules import Context, effective_state
 from harness.autocast.settings import DTYPES, AutocastSettings, compile_patterns, parse_dtype
@@ -36,9 +36,11 @@ from harness.autocast.verify import verify_graph
 from harness.errors import HarnessError
 from harness.frontend.export import export_program, standalone_graph
 from harness.fxutil import fake_mode_of, splice, trace_call
+from harness.globalstate import preserves_global_state
 from harness.lowering.decompose import DecompositionTable, decompose
 from harness.lowering.layout import channels_last_weights
 from harness.lowering.pass_manager import PassManager, default_pass_manager, validate
+from harness.outputs import OutputSpec, output_spec_of
 
 
 @dataclass
@@ -50,6 +52,7 @@ class CompiledGraph:
     example_inputs: tuple[torch.Tensor, ...]
     mode: str
     low_precision_type: torch.dtype
+    outputs: OutputSpec
     device: str = "cpu"
     timings: dict[str, float] = field(default_factory=dict)
 
@@ -57,7 +60,12 @@ class CompiledGraph:
     def input_dtypes(self) -> tuple[torch.dtype, ...]:
         return tuple(n.meta["val"].dtype for n in self.graph_module.graph.nodes if n.op == "placeholder")
 
-    def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def __call__(self, *inputs: torch.Tensor) -> Any:
+        """The model's outputs in the structure the eager model returns (dict, ModelOutput, ...)."""
+        return self.outputs.unflatten(self.run(*inputs))
+
+    def run(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The flat output tuple, in :attr:`outputs` order (what engines compute)."""
         # Ambient autocast must not re-type an explicitly typed graph.
         with ExitStack() as stack:
             for device in {"cpu", self.device}:
@@ -101,6 +109,7 @@ def _explicit_patterns(explicit: Mapping[str, Any] | None) -> list[tuple[Any, to
     return [(p, parse_dtype(explicit[p.pattern], f"explicit pattern {p.pattern!r}", DTYPES)) for p in patterns]
 
 
+@preserves_global_state
 def compile(
     model: torch.nn.Module | ExportedProgram,
     example_inputs: Sequence[torch.Tensor] | None = None,
@@ -150,7 +159,7 @@ def compile(
         gm = standalone_graph(ep)
         timings["export"] = time.perf_counter() - t0
 
-        gm = inline_autocast_regions(gm)
+        gm = inline_higher_order_ops(gm)
         gm = (lowering or default_pass_manager(exact=mode in ("amp", "fp32")))(gm)
         ambient = None
         if mode == "amp":
@@ -199,4 +208,4 @@ def compile(
 
     report = build_report(gm, decisions, mode, low, stats)
     timings["total"] = time.perf_counter() - t0
-    return CompiledGraph(gm, report, examples, mode, low, device, timings)
+    return CompiledGraph(gm, report, examples, mode, low, output_spec_of(ep), device, timings)

@@ -1,11 +1,15 @@
-"""Inline ``torch.autocast`` regions, remembering the region each node came from.
+"""Inline the higher-order ops export produces, remembering autocast regions.
 
 ``torch.export`` records ``with torch.autocast(device, dtype, enabled)`` as a
-``wrap_with_autocast`` higher-order op calling a submodule. Engines cannot run
-that, and the classifier needs to see the region's ops one by one, so the body
-is inlined into the parent graph and every inlined node gets the stack of
-regions around it in ``meta["autocast_regions"]`` (outermost first). Nested
-regions are inlined first, innermost out.
+``wrap_with_autocast`` higher-order op calling a submodule, and a method under
+``torch.no_grad()`` / ``torch.enable_grad()`` (rotary embeddings in
+``transformers`` are one) as ``wrap_with_set_grad_enabled``. Engines cannot run
+either, and the classifier needs to see their ops one by one, so both bodies
+are inlined into the parent graph. Autocast bodies tag every inlined node with
+the stack of regions around it in ``meta["autocast_regions"]`` (outermost
+first); grad mode has no meaning for inference, so those bodies are inlined
+untagged. Any other higher-order op (``cond``, ``map``, ...) is refused, all of
+them named at once, before anything runs it.
 """
 
 from __future__ import annotations
@@ -15,9 +19,12 @@ from dataclasses import dataclass
 
 import torch
 
-from harness.fxutil import copy_body, drop_unused_attributes
+from harness.errors import HarnessError
+from harness.fxutil import copy_body, drop_unused_attributes, op_name
 
 WRAP_WITH_AUTOCAST = torch.ops.higher_order.wrap_with_autocast
+WRAP_WITH_SET_GRAD_ENABLED = torch.ops.higher_order.wrap_with_set_grad_enabled
+INLINED_HIGHER_ORDER_OPS = (WRAP_WITH_AUTOCAST, WRAP_WITH_SET_GRAD_ENABLED)
 
 
 @dataclass(frozen=True)
@@ -37,10 +44,11 @@ def regions_of(node: torch.fx.Node) -> tuple[Region, ...]:
     return tuple(node.meta.get("autocast_regions", ()))
 
 
-def inline_autocast_regions(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """Replace every ``wrap_with_autocast`` node by its body, tagged with its regions."""
+def inline_higher_order_ops(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """Replace every autocast and grad-mode wrapper by its body; refuse any other higher-order op."""
+    _refuse_other_higher_order_ops(gm)
     for node in list(gm.graph.nodes):
-        if node.op == "call_function" and node.target is WRAP_WITH_AUTOCAST:
+        if _is_inlined(node):
             _inline_one(gm, node, ())
     drop_unused_attributes(gm)  # the inlined bodies
     gm.graph.lint()
@@ -48,22 +56,58 @@ def inline_autocast_regions(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     return gm
 
 
+def _is_inlined(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and node.target in INLINED_HIGHER_ORDER_OPS
+
+
+def _refuse_other_higher_order_ops(gm: torch.fx.GraphModule) -> None:
+    found: list[str] = []
+
+    def walk(module: torch.fx.GraphModule, where: str) -> None:
+        for node in module.graph.nodes:
+            if node.op != "call_function" or not isinstance(node.target, torch._ops.HigherOrderOperator):
+                continue
+            if node.target not in INLINED_HIGHER_ORDER_OPS:
+                found.append(f"{where}{node.name} ({op_name(node.target)})")
+                continue
+            body = getattr(module, _body_arg(node).target)
+            walk(body, f"{where}{node.name}/")
+
+    walk(gm, "")
+    if found:
+        supported = ", ".join(op_name(op) for op in INLINED_HIGHER_ORDER_OPS)
+        raise HarnessError(
+            f"the exported graph contains higher-order ops with no meaning for an inference graph: "
+            f"{'; '.join(found)}. Only {supported} are inlined; rewrite the model without the others "
+            "(for example torch.cond -> torch.where on both branches)"
+        )
+
+
+def _body_arg(node: torch.fx.Node) -> torch.fx.Node:
+    return node.args[4] if node.target is WRAP_WITH_AUTOCAST else node.args[1]
+
+
 def _inline_one(owner: torch.fx.GraphModule, node: torch.fx.Node, outer: tuple[Region, ...]) -> None:
-    device, dtype, enabled, _cache, sub_ref, *operands = node.args
+    if node.target is WRAP_WITH_AUTOCAST:
+        device, dtype, enabled, _cache, sub_ref, *operands = node.args
+        region = Region(str(device), dtype or torch.get_autocast_dtype(str(device)), bool(enabled))
+        stack = outer + (region,)
+    else:  # wrap_with_set_grad_enabled: grad mode means nothing at inference
+        _enabled, sub_ref, *operands = node.args
+        stack = outer
     body: torch.fx.GraphModule = getattr(owner, sub_ref.target)
-    region = Region(str(device), dtype or torch.get_autocast_dtype(str(device)), bool(enabled))
-    stack = outer + (region,)
-    for inner in list(body.graph.nodes):  # nested regions first, with the deeper stack
-        if inner.op == "call_function" and inner.target is WRAP_WITH_AUTOCAST:
+    for inner in list(body.graph.nodes):  # nested wrappers first, with the deeper stack
+        if _is_inlined(inner):
             _inline_one(body, inner, stack)
+
     def annotate(new: torch.fx.Node) -> None:
-        if new.op == "call_function":
+        if new.op == "call_function" and stack:
             new.meta.setdefault("autocast_regions", stack)  # nested nodes keep their deeper stack
 
     results, _ = copy_body(owner, node, body, list(operands), annotate=annotate)
     for user in list(node.users):
         if user.target is not operator.getitem:
-            raise AssertionError(f"{node.name}: wrap_with_autocast results must be unpacked with getitem")
+            raise AssertionError(f"{node.name}: {op_name(node.target)} results must be unpacked with getitem")
         user.replace_all_uses_with(results[user.args[1]])
         owner.graph.erase_node(user)
     owner.graph.erase_node(node)

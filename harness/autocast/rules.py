@@ -40,10 +40,12 @@ class Context:
     _absmax: dict[str, float] = field(default_factory=dict)
 
     def weight_absmax(self, node: torch.fx.Node) -> float:
+        """Absmax of a constant tensor; 0 for what has no float values (int tensors, submodules)."""
         name = str(node.target)
         if name not in self._absmax:
             t = getattr(self.gm, name)
-            self._absmax[name] = float(t.detach().abs().max()) if t.is_floating_point() and t.numel() else 0.0
+            floating = isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()
+            self._absmax[name] = float(t.detach().abs().max()) if floating else 0.0
         return self._absmax[name]
 
 

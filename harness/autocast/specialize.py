@@ -14,10 +14,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 
 from harness.autocast.compiler import CompiledGraph, compile
 from harness.frontend.export import export_program
+from harness.globalstate import preserves_global_state
 
 StateKey = tuple[bool, torch.dtype | None]
 
@@ -29,7 +29,6 @@ class AutocastModule(torch.nn.Module):
             self._program = export_program(module, example_inputs)
         self._examples = tuple(example_inputs)
         self._device = device
-        self._out_spec = self._program.call_spec.out_spec
         self.specializations: dict[StateKey, CompiledGraph] = {}
 
     def state(self) -> StateKey:
@@ -51,9 +50,9 @@ class AutocastModule(torch.nn.Module):
             )
         return self.specializations[key]
 
+    @preserves_global_state
     def forward(self, *inputs: torch.Tensor) -> Any:
-        outputs = self.specialization(self.state())(*inputs)
-        return pytree.tree_unflatten(list(outputs), self._out_spec) if self._out_spec is not None else outputs
+        return self.specialization(self.state())(*inputs)
 
 
 def jit(module: torch.nn.Module, example_inputs: Sequence[torch.Tensor], device: str = "cpu") -> AutocastModule:

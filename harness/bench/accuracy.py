@@ -1,8 +1,10 @@
 """Accuracy of an engine's outputs against the fp32 eager reference.
 
 All metrics are computed in float64 so the comparison adds no rounding of
-its own. Outputs may be a tensor or (nested) tuples, lists or dicts of
-tensors; they are flattened in a fixed order and compared pairwise.
+its own. Outputs may be a tensor or any pytree of tensors (tuples, lists,
+dicts, ``transformers`` ``ModelOutput``); an engine's output is paired with
+the reference's by its *path* (``['logits']``, ``[1][0]``), never by position
+in a flattening order, and outputs that exist on one side only are an error.
 
 Non-finite values are counted (``nan_count``, ``inf_count`` of the output
 under test) and the error metrics are computed over the positions where
@@ -21,28 +23,16 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 
 from harness.errors import HarnessError
+from harness.outputs import tensor_paths
 
 DEFAULT_REL_FLOOR = 1e-3
-
-
-def flatten_outputs(obj: Any, where: str = "output") -> list[torch.Tensor]:
-    """Tensors of an output structure, depth first; dict entries in sorted key order."""
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, (tuple, list)):
-        return [t for i, item in enumerate(obj) for t in flatten_outputs(item, f"{where}[{i}]")]
-    if isinstance(obj, Mapping):
-        return [t for k in sorted(obj) for t in flatten_outputs(obj[k], f"{where}[{k!r}]")]
-    raise HarnessError(
-        f"{where} is a {type(obj).__name__}; outputs must be tensors or tuples, lists or dicts of tensors"
-    )
 
 
 @dataclass(frozen=True)
@@ -54,6 +44,7 @@ class OutputMetrics:
     reference is all zeros (no signal).
     """
 
+    path: str
     shape: list[int]
     dtype: str
     count: int
@@ -70,7 +61,9 @@ class OutputMetrics:
     top1_agreement: float | None
 
 
-def _metrics(out: torch.Tensor, ref: torch.Tensor, logits: bool, rel_floor: float) -> OutputMetrics:
+def _metrics(
+    path: str, out: torch.Tensor, ref: torch.Tensor, logits: bool, rel_floor: float
+) -> OutputMetrics:
     o = out.detach().to("cpu", torch.float64).reshape(-1)
     r = ref.detach().to("cpu", torch.float64).reshape(-1)
     mask = torch.isfinite(o) & torch.isfinite(r)
@@ -102,6 +95,7 @@ def _metrics(out: torch.Tensor, ref: torch.Tensor, logits: bool, rel_floor: floa
         rows_r = ref.detach().reshape(-1, ref.shape[-1]).to("cpu", torch.float64)
         top1 = float((rows_o.argmax(-1) == rows_r.argmax(-1)).double().mean())
     return OutputMetrics(
+        path=path,
         shape=list(out.shape),
         dtype=str(out.dtype).removeprefix("torch."),
         count=int(o.numel()),
@@ -190,20 +184,23 @@ def compare_outputs(
     ``logits=True`` adds top-1 agreement: the fraction of rows (all leading
     dimensions flattened) whose argmax over the last dimension matches.
     """
-    outs = flatten_outputs(output)
-    refs = flatten_outputs(reference, "reference")
-    if len(outs) != len(refs):
+    outs = dict(tensor_paths(output))
+    refs = dict(tensor_paths(reference, "reference"))
+    if outs.keys() != refs.keys():
+        only_out = sorted(outs.keys() - refs.keys())
+        only_ref = sorted(refs.keys() - outs.keys())
         raise HarnessError(
-            f"the engine returned {len(outs)} output tensors, the reference {len(refs)}"
+            "the engine's outputs and the reference's differ in structure: "
+            f"only the engine has {', '.join(only_out) or 'nothing more'}; "
+            f"only the reference has {', '.join(only_ref) or 'nothing more'}"
         )
-    for i, (o, r) in enumerate(zip(outs, refs, strict=True)):
-        if o.shape != r.shape:
+    for path, r in refs.items():
+        if outs[path].shape != r.shape:
             raise HarnessError(
-                f"output {i}: shape {tuple(o.shape)} differs from the reference shape {tuple(r.shape)}"
+                f"output {path or '(the only one)'}: shape {tuple(outs[path].shape)} differs from the reference "
+                f"shape {tuple(r.shape)}"
             )
-    return AccuracyResult(
-        [_metrics(o, r, logits, rel_floor) for o, r in zip(outs, refs, strict=True)]
-    )
+    return AccuracyResult([_metrics(p, outs[p], r, logits, rel_floor) for p, r in refs.items()])
 
 
 def output_digest(output: Any) -> str:
@@ -212,9 +209,9 @@ def output_digest(output: Any) -> str:
     Equal digests mean bit-identical outputs: the determinism check.
     """
     h = hashlib.sha256()
-    for t in flatten_outputs(output):
+    for path, t in sorted(tensor_paths(output), key=lambda pair: pair[0]):
         c = t.detach().to("cpu").contiguous()
-        h.update(f"{c.dtype}{tuple(c.shape)};".encode())
+        h.update(f"{path}{c.dtype}{tuple(c.shape)};".encode())
         h.update(c.reshape(-1).view(torch.uint8).numpy().tobytes())
     return "sha256:" + h.hexdigest()
 

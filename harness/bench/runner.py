@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from harness.bench.accuracy import TaskAccuracy, compare_outputs, flatten_outputs, output_digest
+from harness.bench.accuracy import TaskAccuracy, compare_outputs, output_digest
 from harness.bench.latency import Timer, measure_latency, measure_overhead
 from harness.bench.memory import MemoryReport, measure_memory
 from harness.bench.results import CaseResult, ResultsWriter
@@ -38,6 +38,8 @@ from harness.build import BuildResult, build_engine
 from harness.cache.timing_cache import TimingCache
 from harness.engines.protocol import Backend, BuildConfig, Engine
 from harness.errors import HarnessError
+from harness.globalstate import preserves_global_state
+from harness.outputs import tensor_paths
 
 DEFAULT_MODELS = ("resnet", "transformer", "digits")
 # Backends whose engines run on a CUDA device: timed with CUDA events, GPU memory recorded.
@@ -179,10 +181,11 @@ class BenchRunner:
             with torch.inference_mode():
                 outputs = module(*spec.example_inputs)
             self._references[model] = _Reference(
-                outputs, _is_logits(flatten_outputs(outputs, "reference"))
+                outputs, _is_logits([t for _, t in tensor_paths(outputs, "reference")])
             )
         return self._references[model]
 
+    @preserves_global_state
     def run_case(self, model: str, mode: str) -> dict[str, Any]:
         """One case as a results entry; any failure becomes a ``failed`` entry naming its stage.
 

@@ -32,6 +32,7 @@ from torch import nn
 import models
 from harness.autocast import AutocastSettings, compile
 from harness.bench.stats import bootstrap_ratio_ci
+from harness.outputs import flat_tensors
 
 LOW = torch.bfloat16
 
@@ -120,10 +121,6 @@ def _max_abs_error(got: Sequence[torch.Tensor], ref: Sequence[torch.Tensor]) -> 
     return max(float((g.float() - r.float()).abs().max()) for g, r in zip(got, ref, strict=True))
 
 
-def _as_tuple(out: torch.Tensor | Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-    return (out,) if isinstance(out, torch.Tensor) else tuple(out)
-
-
 def interleaved_samples(
     a: Callable[[], object], b: Callable[[], object], rounds: int, block: int, warmup: int
 ) -> tuple[list[float], list[float]]:
@@ -145,7 +142,7 @@ def interleaved_samples(
 
 def _autocast_run(module: torch.nn.Module, batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
     with torch.autocast("cpu", dtype=LOW):
-        return _as_tuple(module(*batch))
+        return flat_tensors(module(*batch))
 
 
 def measure_latency(name: str, rounds: int, block: int, warmup: int) -> LatencyRow:
@@ -163,8 +160,8 @@ def measure_latency(name: str, rounds: int, block: int, warmup: int) -> LatencyR
         # The max error of one batch is a noisy statistic (one unlucky rounding
         # decides it): take the worst over the example and the calibration batches.
         batches = [tuple(inputs), *(tuple(b) for b in spec.calibration_data)]
-        eager_err = max(_max_abs_error(_autocast_run(module, b), _as_tuple(module(*b))) for b in batches)
-        compiled_err = max(_max_abs_error(compiled(*b), _as_tuple(module(*b))) for b in batches)
+        eager_err = max(_max_abs_error(_autocast_run(module, b), flat_tensors(module(*b))) for b in batches)
+        compiled_err = max(_max_abs_error(flat_tensors(compiled(*b)), flat_tensors(module(*b))) for b in batches)
         eager_s, compiled_s = interleaved_samples(eager, typed, rounds, block, warmup)
     ci = bootstrap_ratio_ci(eager_s, compiled_s)
     return LatencyRow(

@@ -34,6 +34,7 @@ from harness.cache.timing_cache import TimingCache
 from harness.engines.cpu import CpuBackend
 from harness.engines.protocol import BuildConfig
 from harness.errors import HarnessError
+from harness.outputs import flat_tensors
 
 ROUNDS = 3
 
@@ -61,14 +62,10 @@ def abs_errors(run: Callable[..., Any], module: torch.nn.Module, batches: Sequen
         [
             (o.double() - r.double()).abs().flatten()
             for batch in batches
-            for o, r in zip(as_tuple(run(*batch)), as_tuple(module(*batch)), strict=True)
+            for o, r in zip(flat_tensors(run(*batch)), flat_tensors(module(*batch)), strict=True)
         ]
     )
     return f"{float(diffs.max()):.2e}/{float(diffs.mean()):.1e}"
-
-
-def as_tuple(value: Any) -> tuple[torch.Tensor, ...]:
-    return tuple(value) if isinstance(value, (tuple, list)) else (value,)
 
 
 def bench_model(name: str, seconds: float) -> dict[str, Any]:

@@ -13,6 +13,7 @@ import sys
 from collections.abc import Sequence
 
 from harness.errors import HarnessError
+from harness.globalstate import preserved_global_state
 
 SUBCOMMAND_MODULES = ("harness.cli.compile_cmd", "harness.cli.cache_cmd", "harness.cli.build_cmd", "harness.cli.bench_cmd")
 
@@ -33,7 +34,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return int(args.func(args))
+        with preserved_global_state():
+            return int(args.func(args))
     except HarnessError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code

@@ -20,6 +20,7 @@ import torch
 
 from harness.errors import HarnessError
 from harness.fxutil import dtype_name as fx_dtype_name
+from harness.outputs import OutputSpec
 
 if TYPE_CHECKING:
     from harness.autocast import CompiledGraph
@@ -187,8 +188,15 @@ class BuildLog:
 class Engine(Protocol):
     backend: str
     mode: str
+    outputs: OutputSpec
 
-    def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]: ...
+    def __call__(self, *inputs: torch.Tensor) -> Any:
+        """The model's outputs in the structure the eager model returns (see :class:`StructuredOutputs`)."""
+        ...
+
+    def run(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The flat outputs, in ``outputs`` order."""
+        ...
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the engine as a directory (created or replaced file by file, atomically)."""
@@ -209,6 +217,22 @@ class Engine(Protocol):
     def device_memory_bytes(self) -> int | None:
         """Activation memory the engine needs on its device (TensorRT); None on the host."""
         ...
+
+
+class StructuredOutputs:
+    """What every engine shares: it computes flat outputs (``run``), callers get the model's structure.
+
+    A dict, ``ModelOutput`` or nested tuple returned by the eager model comes
+    back the same from every engine, so outputs are compared by path.
+    """
+
+    outputs: OutputSpec
+
+    def run(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        raise NotImplementedError
+
+    def __call__(self, *inputs: torch.Tensor) -> Any:
+        return self.outputs.unflatten(self.run(*inputs))
 
 
 class Backend(Protocol):

@@ -11,9 +11,12 @@ user's tensors, so weights become ``get_attr`` constants owned by the module.
 from __future__ import annotations
 
 import copy
+import io
+import logging
 import re
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, redirect_stderr
 from typing import Any
 
 import torch
@@ -22,6 +25,8 @@ from torch.export.graph_signature import InputKind, OutputKind
 from torch.overrides import TorchFunctionMode
 
 from harness.errors import HarnessError
+
+_log = logging.getLogger(__name__)
 
 _DTYPE_METHODS = {
     torch.Tensor.float: torch.float32,
@@ -52,6 +57,24 @@ class _CastsCopy(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+@contextmanager
+def _torch_output_captured() -> Iterator[io.StringIO]:
+    """Keep what torch.export writes while tracing (its log, graph dumps on failure) off the terminal.
+
+    A failed export prints a dozen lines of its own before raising; the user
+    needs the one error the harness makes of it. The text is kept for
+    ``harness -v`` (debug log) and the logging switch is restored afterwards.
+    """
+    captured = io.StringIO()
+    previous = logging.root.manager.disable
+    logging.disable(logging.WARNING)
+    try:
+        with redirect_stderr(captured):
+            yield captured
+    finally:
+        logging.disable(previous)
+
+
 def export_program(module: torch.nn.Module, example_inputs: Sequence[Any]) -> ExportedProgram:
     """``torch.export.export`` with failures turned into one clear error."""
     if not isinstance(module, torch.nn.Module):
@@ -61,12 +84,13 @@ def export_program(module: torch.nn.Module, example_inputs: Sequence[Any]) -> Ex
         kinds = ", ".join(type(a).__name__ for a in args) or "nothing"
         raise HarnessError(f"example inputs must be a non-empty tuple of tensors (got {kinds})")
     try:
-        with _CastsCopy(), warnings.catch_warnings():
+        with _CastsCopy(), warnings.catch_warnings(), _torch_output_captured() as captured:
             # A torch.autocast(cpu, float32) region is recorded as disabled; the
             # precision report says so per node, so PyTorch's warning is noise here.
             warnings.filterwarnings("ignore", "In CPU autocast, but the target dtype is not supported")
             return torch.export.export(module.eval(), args)
     except Exception as exc:  # export raises many unrelated types; the user needs the text
+        _log.debug("torch.export output before the failure:\n%s", captured.getvalue())
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise HarnessError(
             f"model {type(module).__name__} failed to export with torch.export: {type(exc).__name__}: {first}. "

@@ -30,15 +30,19 @@ DEFAULT_DECOMPOSITIONS: tuple[str, ...] = (
 )
 
 
-def resolve_op(name: str) -> torch._ops.OpOverload:
-    """``aten.conv2d`` or ``aten.conv2d.default`` (or ``aten::conv2d``) to an OpOverload."""
-    text = name.replace("::", ".")
-    parts = text.split(".")
+def _packet(name: str) -> tuple[torch._ops.OpOverloadPacket, list[str]]:
+    parts = name.replace("::", ".").split(".")
     if len(parts) not in (2, 3) or parts[0] != "aten":
         raise HarnessError(f"op name {name!r} is not of the form aten.NAME or aten.NAME.OVERLOAD (e.g. aten.conv2d.default)")
     packet = getattr(torch.ops.aten, parts[1], None)
     if not isinstance(packet, torch._ops.OpOverloadPacket):
         raise HarnessError(f"unknown op {name!r}: torch.ops.aten has no operator {parts[1]!r}")
+    return packet, parts
+
+
+def resolve_op(name: str) -> torch._ops.OpOverload:
+    """``aten.conv2d.default`` (or ``aten::conv2d.default``; ``aten.conv2d`` means ``.default``) to an OpOverload."""
+    packet, parts = _packet(name)
     overload = parts[2] if len(parts) == 3 else "default"
     if overload not in packet.overloads():
         raise HarnessError(f"unknown overload {name!r}; {parts[1]} has: {', '.join(sorted(packet.overloads()))}")
@@ -49,10 +53,8 @@ def resolve_op_names(names: Iterable[str]) -> set[str]:
     """Validate op names; return them canonical (``aten.NAME.OVERLOAD``). A bare name means every overload."""
     out: set[str] = set()
     for name in names:
-        parts = name.replace("::", ".").split(".")
+        packet, parts = _packet(name)
         if len(parts) == 2:
-            resolve_op(name)  # validates the packet
-            packet = getattr(torch.ops.aten, parts[1])
             out.update(f"aten.{parts[1]}.{o}" for o in packet.overloads())
         else:
             out.add(op_name(resolve_op(name)))

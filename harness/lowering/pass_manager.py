@@ -32,6 +32,7 @@ def register_pass(name: str) -> Callable[[GraphPass], GraphPass]:
 
 def registered_passes() -> dict[str, GraphPass]:
     import harness.lowering.fold_batch_norm  # noqa: F401  (registers on import)
+    import harness.lowering.functionalize  # noqa: F401
     import harness.lowering.layout  # noqa: F401
     import harness.lowering.structural  # noqa: F401
 

@@ -1,6 +1,6 @@
 """Structural clean-up passes: training-only and guard nodes that survive export.
 
-These are the FX counterparts of the legacy TorchScript passes in seed 004
+These are the FX counterparts of TorchScript's legacy lowering passes
 (remove dropout, remove exceptions/guards, remove detach): an inference
 engine has no use for them, and they would otherwise be classified as layers.
 """
@@ -51,38 +51,3 @@ def remove_dropout(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
 def remove_detach(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """Autograd bookkeeping; values are unchanged."""
     return _replace_with_first_arg(gm, _IDENTITIES)
-
-
-def _out_of_place(target: object) -> object | None:
-    if not isinstance(target, torch._ops.OpOverload):
-        return None
-    name = target._schema.name.split("::")[-1]
-    if not name.endswith("_") or name.startswith("_"):
-        return None
-    packet = getattr(torch.ops.aten, name[:-1], None)
-    return getattr(packet, target._overloadname, None) if packet is not None else None
-
-
-@register_pass("functionalize_inplace")
-def functionalize_inplace(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """``relu_(x)`` becomes ``y = relu(x)`` and later uses of ``x`` read ``y``.
-
-    Cast insertion gives a mutated tensor a copy of another type, so an in-place
-    op would update the copy and not the tensor later nodes read. Export keeps
-    in-place ops in its pre-dispatch graph; this pass turns them into values.
-    """
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    for node in list(gm.graph.nodes):
-        pure = _out_of_place(node.target) if node.op == "call_function" else None
-        if pure is None:
-            continue
-        mutated = node.args[0]
-        with gm.graph.inserting_before(node):
-            new = gm.graph.create_node("call_function", pure, node.args, node.kwargs, name=f"{node.name.rstrip('_')}_value")
-        new.meta.update(node.meta)
-        node.replace_all_uses_with(new)
-        for user in list(mutated.users):
-            if user is not new and order.get(user, -1) > order[node]:
-                user.replace_input_with(mutated, new)
-        gm.graph.erase_node(node)
-    return gm

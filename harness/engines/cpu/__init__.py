@@ -95,6 +95,7 @@ class CpuBackend:
         start = time.perf_counter()
         builder = PlanBuilder(config, cache, timing)
         plan = builder.build(graph.graph_module, graph.example_inputs)
+        plan.structure = graph.outputs
         engine = CpuEngine(plan)
         log = BuildLog(
             "cpu", config.mode, builder.timings, builder.messages, time.perf_counter() - start

@@ -34,7 +34,7 @@ from harness.engines.cpu.plan import (
     Ref,
     plan_from_json,
 )
-from harness.engines.protocol import LayerInfo, dtype_from_name, dtype_name
+from harness.engines.protocol import LayerInfo, StructuredOutputs, dtype_from_name, dtype_name
 from harness.engines.saved import PLAN_FILE, engine_directory, read_plan
 from harness.errors import HarnessError
 from harness.fileio import atomic_write_bytes, atomic_write_json, canonical_json, digest
@@ -42,18 +42,19 @@ from harness.fileio import atomic_write_bytes, atomic_write_json, canonical_json
 WEIGHTS_FILE = "weights.safetensors"
 
 
-class CpuEngine:
+class CpuEngine(StructuredOutputs):
     backend = "cpu"
 
     def __init__(self, plan: Plan) -> None:
         self.plan = plan
         self.mode = plan.mode
+        self.outputs = plan.output_structure
         self._expected = [
             (name, tuple(meta.shape), dtype_from_name(meta.dtype)) for name, meta in plan.inputs
         ]
         self._run = _compile(plan)
 
-    def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def run(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if len(inputs) != len(self._expected):
             raise HarnessError(f"engine takes {len(self._expected)} input(s), got {len(inputs)}")
         for tensor, (name, shape, dtype) in zip(inputs, self._expected, strict=True):

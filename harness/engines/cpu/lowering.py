@@ -36,6 +36,7 @@ from harness.engines.cpu.plan import (
     map_leaves,
     op_name,
     op_packet,
+    random_switch_off,
     resolve_op,
 )
 from harness.errors import HarnessError
@@ -73,6 +74,8 @@ def _translate(gm: torch.fx.GraphModule, mode: str) -> Plan:
     outputs: list[Ref | WeightRef] = []
     refs: dict[str, Ref | WeightRef] = {}
 
+    refused: list[str] = []
+
     def arg(value: Any) -> Any:
         if isinstance(value, torch.fx.Node):
             return refs[value.name]
@@ -99,7 +102,12 @@ def _translate(gm: torch.fx.GraphModule, mode: str) -> Plan:
                 continue
             op = op_name(fx_node.target)
             if fx_node.target is not operator.getitem:
-                resolve_op(op, where)
+                try:
+                    fn = resolve_op(op, f"node {fx_node.name}")
+                    if not random_switch_off(fn, fx_node.args, fx_node.kwargs):
+                        raise HarnessError(f"node {fx_node.name}: {op} draws random numbers (dropout is on)")
+                except HarnessError as exc:
+                    refused.append(str(exc))
             val = fx_node.meta.get("val")
             multi = isinstance(val, (tuple, list))
             metas = tuple(
@@ -123,6 +131,10 @@ def _translate(gm: torch.fx.GraphModule, mode: str) -> Plan:
             raise HarnessError(
                 f"{where}: {fx_node.op} nodes are not supported; compile the model first"
             )
+    if refused:
+        raise HarnessError(
+            f"the CPU engine cannot run {len(refused)} node(s) of this graph: " + "; ".join(refused)
+        )
     return Plan(mode=mode, inputs=inputs, nodes=nodes, outputs=outputs, weights=weights)
 
 

@@ -3,9 +3,10 @@
 The plan is what the engine executes and what it saves (``plan.json`` next to
 ``weights.safetensors``). It must be self-contained, pickle-free and safe to
 load from an untrusted file, so ops are stored by name (``aten::conv2d.default``)
-and resolved through ``torch.ops`` only when their packet is on
-:data:`ALLOWED_OPS`; arguments are JSON with tagged objects for references,
-weights, dtypes and non-finite floats.
+and resolved through ``torch.ops.aten`` only when they are pure functions
+(:func:`unrunnable_reason`); arguments are JSON with tagged objects for
+references, weights, dtypes and non-finite floats. A loaded plan is checked
+whole on fake tensors (:func:`check_on_fake_tensors`) before any kernel runs.
 
 The plan's fingerprint is the digest of its canonical JSON (graph, dtypes,
 tactic per layer, weight names/shapes/dtypes) without the weight values, which
@@ -17,11 +18,12 @@ from __future__ import annotations
 import math
 import operator
 import re
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from harness.engines.protocol import (
     DTYPE_NAMES,
@@ -32,35 +34,27 @@ from harness.engines.protocol import (
 )
 from harness.errors import HarnessError
 from harness.fileio import canonical_json, digest
+from harness.outputs import OutputSpec
+from harness.weights import weights_digest
 
 PLAN_FORMAT = "harness-cpu-plan"
-PLAN_VERSION = 1
+PLAN_VERSION = 2
+# No tensor of a loaded plan may be larger (a crafted plan must not exhaust memory).
+MAX_TENSOR_BYTES = 1 << 36
 GETITEM = "builtin::getitem"
 # Activations a convolution or GEMM layer may apply to its own result.
 EPILOGUES = ("", "relu", "gelu", "gelu_tanh")
 
-# ATen op packets a plan may name. Everything here is functional (no in-place
-# or out= variants) and deterministic given its inputs.
-ALLOWED_OPS = frozenset(
+# What a plan may name: any ATen op that is a pure function of its inputs.
+# Refused: ops that write an argument or have an out= form (the engine's
+# values are immutable), random ops (an engine is deterministic), and ops that
+# address memory by raw strides or offsets (a crafted plan could read outside
+# a tensor with them); the fake-tensor check at load catches the rest.
+_RAW_MEMORY_OPS = frozenset(
     """
-    conv1d conv2d conv3d convolution conv_transpose1d conv_transpose2d conv_transpose3d
-    linear addmm mm bmm matmul baddbmm einsum
-    softmax _softmax log_softmax _log_softmax
-    layer_norm native_layer_norm batch_norm _native_batch_norm_legit_no_training
-    group_norm native_group_norm rms_norm scaled_dot_product_attention embedding
-    add sub mul div rsub neg abs relu relu6 gelu silu sigmoid tanh exp log log1p sqrt rsqrt
-    pow clamp clamp_min clamp_max hardtanh hardswish hardsigmoid leaky_relu elu mish erf
-    reciprocal maximum minimum where masked_fill eq ne lt le gt ge logical_not logical_and
-    logical_or bitwise_not sign floor ceil round square dropout softplus
-    mean sum amax amin max min argmax argmin var std prod cumsum linalg_vector_norm logsumexp
-    max_pool1d max_pool2d max_pool3d max_pool2d_with_indices avg_pool1d avg_pool2d avg_pool3d
-    adaptive_avg_pool1d adaptive_avg_pool2d adaptive_max_pool2d
-    view reshape _unsafe_view flatten unflatten transpose t permute unsqueeze squeeze expand
-    slice select contiguous clone alias cat stack split split_with_sizes chunk unbind narrow
-    index_select gather index repeat tile flip roll pad constant_pad_nd movedim
-    upsample_nearest2d upsample_bilinear2d pixel_shuffle
-    _to_copy to type_as arange zeros ones full zeros_like ones_like full_like scalar_tensor
-    tril triu lift_fresh_copy
+    as_strided as_strided_ as_strided_scatter as_strided_copy _reshape_alias set_ resize_
+    resize_as_ _unsafe_index_put _unsafe_masked_index _unsafe_masked_index_put_accumulate
+    from_file empty_strided new_empty_strided _efficientzerotensor
     """.split()
 )
 
@@ -147,6 +141,12 @@ class Plan:
     nodes: list[Node]
     outputs: list[Ref | WeightRef]
     weights: dict[str, torch.Tensor] = field(default_factory=dict)
+    # How the flat outputs nest in the model's return value (a flat tuple if not given).
+    structure: OutputSpec | None = None
+
+    @property
+    def output_structure(self) -> OutputSpec:
+        return self.structure if self.structure is not None else OutputSpec.flat(len(self.outputs))
 
     def layers(self) -> list[LayerInfo]:
         metas = self.value_metas()
@@ -187,6 +187,7 @@ class Plan:
             ],
             "nodes": [_node_json(n) for n in self.nodes],
             "outputs": [encode_arg(o) for o in self.outputs],
+            "output_structure": self.output_structure.to_json(),
             "layers": [{**layer.to_json(), "key": layer.key or None} for layer in self.layers()],
         }
 
@@ -203,16 +204,6 @@ class Plan:
             "fingerprint": digest(canonical_json(body)),
             "weights_digest": self.weights_digest(),
         }
-
-
-def weights_digest(weights: Mapping[str, torch.Tensor]) -> str:
-    """Digest of names, dtypes, shapes and raw bytes, independent of storage layout."""
-    parts = []
-    for name in sorted(weights):
-        tensor = weights[name].detach().contiguous()
-        header = canonical_json([name, dtype_name(tensor.dtype), list(tensor.shape)])
-        parts += [header, tensor.reshape(-1).view(torch.uint8).numpy().tobytes()]
-    return digest(b"\0".join(parts))
 
 
 def iter_leaves(obj: Any) -> Iterator[Any]:
@@ -244,23 +235,70 @@ def op_packet(op: str) -> str:
     return match.group(1) if match else op
 
 
+def unrunnable_reason(op: torch._ops.OpOverload) -> str | None:
+    """Why the engine may not run ``op`` (None when it may): see the rules above."""
+    schema = op._schema
+    packet = schema.name.split("::")[-1]
+    if not schema.name.startswith("aten::"):
+        return "only ATen ops can be stored in a plan"
+    if any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
+        return "it writes one of its arguments"
+    if any(a.name == "out" for a in schema.arguments):
+        return "it is an out= variant"
+    if torch.Tag.nondeterministic_seeded in op.tags and not _random_switch(op):
+        return "it draws random numbers"
+    if packet in _RAW_MEMORY_OPS:
+        return "it addresses memory through raw strides or offsets"
+    return None
+
+
+# Arguments that turn a random op (dropout, attention with dropout) into a
+# deterministic one, and the value that does it.
+_RANDOM_SWITCHES = {"dropout_p": 0.0, "train": False}
+
+
+def _random_switch(op: torch._ops.OpOverload) -> str | None:
+    names = [a.name for a in op._schema.arguments]
+    return next((n for n in ("dropout_p", "train") if n in names), None)
+
+
+def random_switch_off(op: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:
+    """Whether a call of ``op`` draws no random numbers (always true for ops that never do)."""
+    if not isinstance(op, torch._ops.OpOverload) or torch.Tag.nondeterministic_seeded not in op.tags:
+        return True
+    name = _random_switch(op)
+    if name is None:
+        return False
+    arguments = op._schema.arguments
+    index = next(i for i, a in enumerate(arguments) if a.name == name)
+    if name in kwargs:
+        value = kwargs[name]
+    elif index < len(args):
+        value = args[index]
+    else:
+        value = arguments[index].default_value
+    return bool(value == _RANDOM_SWITCHES[name])
+
+
 def resolve_op(op: str, where: str) -> Callable[..., Any]:
-    """The callable an op name stands for, refusing anything off the allow-list."""
+    """The ATen op a plan's op name stands for, refusing names and ops a plan may not hold."""
     if op == GETITEM:
         return operator.getitem
     match = _OP_NAME.match(op)
-    if match is None or match.group(1) not in ALLOWED_OPS:
+    if match is None:
         raise HarnessError(
-            f"{where}: op {op!r} is not supported by the CPU engine "
-            "(allowed: aten::<op>.<overload> for the ops listed in harness.engines.cpu.plan.ALLOWED_OPS)"
+            f"{where}: op {op!r} is not an ATen op name (expected aten::<op>.<overload>)"
         )
     packet = getattr(torch.ops.aten, match.group(1), None)
     overload = getattr(packet, match.group(2), None) if packet is not None else None
-    if overload is None:
+    if not isinstance(overload, torch._ops.OpOverload):
         raise HarnessError(
             f"{where}: op {op!r} does not exist in this PyTorch ({torch.__version__})"
         )
-    return overload  # type: ignore[no-any-return]
+    reason = unrunnable_reason(overload)
+    if reason is not None:
+        raise HarnessError(f"{where}: op {op!r} cannot run in the CPU engine: {reason}")
+    return overload
 
 
 def op_name(target: Any) -> str:
@@ -369,6 +407,7 @@ PLAN_SCHEMA: dict[str, Any] = {
         "weights",
         "nodes",
         "outputs",
+        "output_structure",
         "layers",
         "fingerprint",
         "weights_digest",
@@ -419,6 +458,7 @@ PLAN_SCHEMA: dict[str, Any] = {
             },
         },
         "outputs": {"type": "array", "minItems": 1},
+        "output_structure": _STR,
         "layers": {"type": "array", "items": LAYER_SCHEMA},
         "fingerprint": _STR,
         "weights_digest": _STR,
@@ -464,7 +504,71 @@ def plan_from_json(obj: dict[str, Any], weights: dict[str, torch.Tensor], where:
         nodes.append(node)
     outputs_refs = [decode_arg(o, f"{where}: outputs") for o in obj["outputs"]]
     _check_refs(outputs_refs, known, declared, f"{where}: outputs")
-    return Plan(mode=obj["mode"], inputs=inputs, nodes=nodes, outputs=outputs_refs, weights=weights)
+    structure = OutputSpec.from_json(obj["output_structure"], where)
+    if structure.count != len(outputs_refs):
+        raise HarnessError(
+            f"{where}: the output structure holds {structure.count} outputs, the plan {len(outputs_refs)}"
+        )
+    plan = Plan(obj["mode"], inputs, nodes, outputs_refs, weights, structure)
+    check_on_fake_tensors(plan, where)
+    return plan
+
+
+def check_on_fake_tensors(plan: Plan, where: str) -> None:
+    """Run the whole plan on fake tensors before any real kernel sees it.
+
+    Every op's own argument checks run (a convolution stride of 0, a stride
+    list of the wrong length, negative padding, mismatched shapes), nothing is
+    computed and no memory is allocated, and every layer's declared output
+    shape and dtype must be what its op really returns. A plan is untrusted
+    input: without this, bad arguments would reach oneDNN's weight reorder at
+    load time and kill the process.
+    """
+    for label, meta in [*plan.inputs, *((n.name, m) for n in plan.nodes for m in n.outputs if m)]:
+        size = math.prod(meta.shape) * dtype_from_name(meta.dtype).itemsize
+        if size > MAX_TENSOR_BYTES:
+            raise HarnessError(
+                f"{where}: tensor {label!r} of shape {list(meta.shape)} would take {size} bytes "
+                f"(the limit is {MAX_TENSOR_BYTES})"
+            )
+    mode = FakeTensorMode()
+    with mode:
+        env: dict[str, Any] = {
+            name: torch.empty(meta.shape, dtype=dtype_from_name(meta.dtype)) for name, meta in plan.inputs
+        }
+    fake_weights = {name: mode.from_tensor(t) for name, t in plan.weights.items()}
+
+    def value(leaf: Any) -> Any:
+        if isinstance(leaf, Ref):
+            return env[leaf.name]
+        if isinstance(leaf, WeightRef):
+            return fake_weights[leaf.name]
+        return leaf
+
+    for node in plan.nodes:
+        node_where = f"{where}: layer {node.name!r} ({node.op})"
+        fn = resolve_op(node.op, node_where)
+        if not random_switch_off(fn, node.args, node.kwargs):
+            raise HarnessError(f"{node_where}: draws random numbers (dropout is on)")
+        args, kwargs = map_leaves((node.args, node.kwargs), value)
+        try:
+            with mode:
+                result = fn(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - every op raises its own types for bad arguments
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise HarnessError(f"{node_where}: invalid arguments: {first}") from None
+        got = tuple(result) if node.multi else (result,)
+        declared = node.outputs
+        actual = tuple(TensorMeta.of(t) if isinstance(t, torch.Tensor) else None for t in got)
+        if len(actual) != len(declared) or any(d is not None and d != a for d, a in zip(declared, actual, strict=False)):
+            raise HarnessError(
+                f"{node_where}: declares outputs {_describe(declared)} but its op returns {_describe(actual)}"
+            )
+        env[node.name] = result
+
+
+def _describe(metas: tuple[TensorMeta | None, ...]) -> str:
+    return ", ".join("-" if m is None else f"{m.dtype}{list(m.shape)}" for m in metas)
 
 
 def _check_node(

@@ -62,10 +62,18 @@ from harness.engines.onnx_export import (
     initializers_digest,
     onnx_dtype_name,
 )
-from harness.engines.protocol import LAYER_SCHEMA, PRECISION_MODES, BuildConfig, BuildLog, LayerInfo
+from harness.engines.protocol import (
+    LAYER_SCHEMA,
+    PRECISION_MODES,
+    BuildConfig,
+    BuildLog,
+    LayerInfo,
+    StructuredOutputs,
+)
 from harness.engines.saved import PLAN_FILE, engine_directory, read_payload, read_plan
 from harness.errors import HarnessError
 from harness.fileio import atomic_write_bytes, atomic_write_json, canonical_json, digest
+from harness.outputs import OutputSpec
 
 if TYPE_CHECKING:
     from harness.autocast import CompiledGraph
@@ -75,7 +83,7 @@ PROVIDER = "CPUExecutionProvider"
 TACTIC = "ort-default"
 TACTIC_HASH = "0x" + hashlib.sha256(f"{PROVIDER}/{TACTIC}".encode()).hexdigest()[:16]
 PLAN_FORMAT = "harness-onnxruntime-engine"
-PLAN_VERSION = 1
+PLAN_VERSION = 2
 MODEL_FILE = "model.onnx"
 
 OPTIMIZATION_LEVELS = {
@@ -157,14 +165,26 @@ class EngineRecord:
     outputs: tuple[TensorSpec, ...]
     casts: tuple[CastRecord, ...]
     settings: SessionSettings
+    structure: OutputSpec
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "mode": self.mode,
+            "session": self.settings.to_json(),
+            "inputs": [s.to_json() for s in self.inputs],
+            "outputs": [s.to_json() for s in self.outputs],
+            "casts": [c.to_json() for c in self.casts],
+            "output_structure": self.structure.to_json(),
+        }
 
 
-class OnnxRuntimeEngine:
+class OnnxRuntimeEngine(StructuredOutputs):
     backend = BACKEND
 
     def __init__(self, model_bytes: bytes, record: EngineRecord) -> None:
         self.mode = record.mode
         self.record = record
+        self.outputs = record.structure
         self._model_bytes = model_bytes
         self._model = onnx.load_from_string(model_bytes)
         self._session, executed = _open_session(model_bytes, self._model, record.settings)
@@ -175,14 +195,14 @@ class OnnxRuntimeEngine:
                 {
                     "backend": BACKEND,
                     "provider": PROVIDER,
-                    "session": record.settings.to_json(),
+                    **record.to_json(),
                     "graph": _graph_description(self._model),
                     "layers": [layer.to_json() for layer in self._layers],
                 }
             )
         )
 
-    def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def run(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         check_inputs(inputs, self.record.inputs, "onnxruntime engine")
         feeds = {
             spec.name: tensor.detach().cpu().contiguous().numpy()
@@ -217,13 +237,9 @@ class OnnxRuntimeEngine:
             "format": PLAN_FORMAT,
             "version": PLAN_VERSION,
             "backend": BACKEND,
-            "mode": self.mode,
             "onnxruntime_version": ort.__version__,
             "provider": PROVIDER,
-            "session": self.record.settings.to_json(),
-            "inputs": [s.to_json() for s in self.record.inputs],
-            "outputs": [s.to_json() for s in self.record.outputs],
-            "casts": [c.to_json() for c in self.record.casts],
+            **self.record.to_json(),
             "model_file": MODEL_FILE,
             "model_digest": digest(self._model_bytes),
             "layers": [layer.to_json() for layer in self._layers],
@@ -257,7 +273,13 @@ class OnnxRuntimeEngine:
             outputs=tuple(TensorSpec.from_json(s) for s in obj["outputs"]),
             casts=tuple(CastRecord.from_json(c) for c in obj["casts"]),
             settings=SessionSettings.from_options(obj["session"]),
+            structure=OutputSpec.from_json(obj["output_structure"], where),
         )
+        if record.structure.count != len(record.outputs):
+            raise HarnessError(
+                f"{where}: the output structure holds {record.structure.count} outputs, the plan "
+                f"{len(record.outputs)}"
+            )
         engine = OnnxRuntimeEngine(model_bytes, record)
         if engine.fingerprint() != obj["fingerprint"]:
             raise HarnessError(
@@ -313,7 +335,9 @@ class OnnxRuntimeBackend:
                     f"{spec.name!r} is bf16, which neither numpy nor ORT's CPU kernels handle; use "
                     "backend cpu or tensorrt for this mode"
                 )
-        record = EngineRecord(config.mode, exported.inputs, exported.outputs, exported.casts, settings)
+        record = EngineRecord(
+            config.mode, exported.inputs, exported.outputs, exported.casts, settings, graph.outputs
+        )
         engine = OnnxRuntimeEngine(model_bytes, record)
         engine(*graph.example_inputs)  # a first run surfaces kernels that fail only when executed
         messages = [
@@ -478,6 +502,7 @@ PLAN_SCHEMA: dict[str, Any] = {
         "inputs",
         "outputs",
         "casts",
+        "output_structure",
         "model_file",
         "model_digest",
         "layers",
@@ -503,6 +528,7 @@ PLAN_SCHEMA: dict[str, Any] = {
         "inputs": {"type": "array", "items": TENSOR_SPEC_SCHEMA},
         "outputs": {"type": "array", "items": TENSOR_SPEC_SCHEMA},
         "casts": {"type": "array", "items": CAST_SCHEMA},
+        "output_structure": {"type": "string"},
         "model_file": {"const": MODEL_FILE},
         "model_digest": {"type": "string", "pattern": "^sha256:[0-9a-f]{64}$"},
         "layers": {"type": "array", "items": LAYER_SCHEMA},

@@ -68,6 +68,7 @@ from harness.engines.protocol import (
     BuildConfig,
     BuildLog,
     LayerInfo,
+    StructuredOutputs,
     dtype_from_name,
 )
 from harness.engines.saved import PLAN_FILE, engine_directory, read_payload, read_plan
@@ -97,6 +98,7 @@ from harness.engines.tensorrt.versions import (
 )
 from harness.errors import HarnessError
 from harness.fileio import atomic_write_bytes, atomic_write_json, canonical_json, digest
+from harness.outputs import OutputSpec
 
 if TYPE_CHECKING:
     import tensorrt
@@ -105,7 +107,7 @@ if TYPE_CHECKING:
 
 BACKEND = "tensorrt"
 PLAN_FORMAT = "harness-tensorrt-engine"
-PLAN_VERSION = 1
+PLAN_VERSION = 2
 ENGINE_FILE = "engine.plan"
 # Inspector dtype names (inspector.py normalises TensorRT's) -> the engines' short names.
 _INSPECTOR_DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "float64": "fp64"}
@@ -146,15 +148,37 @@ class EngineRecord:
     cache_entries: tuple[tuple[str, str], ...]  # (key, tactic hash) the engine was built with
     weights_digest: str
     weight_bytes: dict[str, int]
+    structure: OutputSpec
+
+    def digest(self) -> str:
+        """Digest of everything the record says; the fingerprint covers tactic decisions only."""
+        return digest(
+            canonical_json(
+                {
+                    "mode": self.mode,
+                    "builder": self.settings,
+                    "device": self.device,
+                    "inputs": [s.to_json() for s in self.inputs],
+                    "outputs": [s.to_json() for s in self.outputs],
+                    "casts": [c.to_json() for c in self.casts],
+                    "layer_keys": self.layer_keys,
+                    "cache_entries": [list(e) for e in self.cache_entries],
+                    "weights_digest": self.weights_digest,
+                    "weight_bytes": self.weight_bytes,
+                    "output_structure": self.structure.to_json(),
+                }
+            )
+        )
 
 
-class TensorRTEngine:
+class TensorRTEngine(StructuredOutputs):
     backend = BACKEND
 
     def __init__(self, plan: bytes, record: EngineRecord, trt_module: TrtModule | None = None) -> None:
         require_cuda()
         self.mode = record.mode
         self.record = record
+        self.outputs = record.structure
         self._plan = plan
         trt = load_trt(trt_module)
         self._capture = LogCapture()
@@ -190,7 +214,7 @@ class TensorRTEngine:
             if self._engine.get_tensor_mode(spec.name) != trt.TensorIOMode.INPUT:
                 raise HarnessError(f"engine tensor {spec.name!r} is not an input")
 
-    def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def run(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Run on the current CUDA stream; inputs may live anywhere, outputs are CUDA tensors."""
         check_inputs(inputs, self.record.inputs, "tensorrt engine")
         device = torch.device("cuda", torch.cuda.current_device())
@@ -246,6 +270,8 @@ class TensorRTEngine:
             "cache_entries": [{"key": k, "tactic_hash": h} for k, h in record.cache_entries],
             "weights_digest": record.weights_digest,
             "weight_bytes_by_dtype": dict(record.weight_bytes),
+            "output_structure": record.structure.to_json(),
+            "record_digest": record.digest(),
             "plan_file": ENGINE_FILE,
             "plan_digest": digest(self._plan),
             "fingerprint": self._fingerprint,
@@ -279,7 +305,12 @@ class TensorRTEngine:
             cache_entries=tuple((e["key"], e["tactic_hash"]) for e in obj["cache_entries"]),
             weights_digest=obj["weights_digest"],
             weight_bytes=dict(obj["weight_bytes_by_dtype"]),
+            structure=OutputSpec.from_json(obj["output_structure"], where),
         )
+        if record.digest() != obj["record_digest"]:
+            raise HarnessError(f"{where}: the plan's fields do not match its record digest; it was edited")
+        if record.structure.count != len(record.outputs):
+            raise HarnessError(f"{where}: the output structure does not match the plan's outputs")
         engine = TensorRTEngine(plan, record, trt_module)
         if engine.fingerprint() != obj["fingerprint"]:
             raise HarnessError(f"{where}: the fingerprint does not match the engine's layers and cache entries")
@@ -390,6 +421,7 @@ class TensorRTBackend:
             cache_entries=tuple((e.key, e.tactic_hash) for e in entries),
             weights_digest=initializers_digest(model),
             weight_bytes=initializer_bytes_by_dtype(model),
+            structure=graph.outputs,
         )
         engine = TensorRTEngine(run.plan, record, self._trt_module)
         known = {key.lower() for key in pins.query_keys()} if pins is not None else set()
@@ -483,6 +515,8 @@ PLAN_SCHEMA: dict[str, Any] = {
         "cache_entries",
         "weights_digest",
         "weight_bytes_by_dtype",
+        "output_structure",
+        "record_digest",
         "plan_file",
         "plan_digest",
         "fingerprint",
@@ -511,6 +545,8 @@ PLAN_SCHEMA: dict[str, Any] = {
         },
         "weights_digest": _DIGEST,
         "weight_bytes_by_dtype": {"type": "object", "additionalProperties": {"type": "integer"}},
+        "output_structure": {"type": "string"},
+        "record_digest": _DIGEST,
         "plan_file": {"const": ENGINE_FILE},
         "plan_digest": _DIGEST,
         "fingerprint": _DIGEST,

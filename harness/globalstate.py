@@ -1,0 +1,88 @@
+"""Leave the caller's process as it was: grad mode, autocast, RNG, threads.
+
+Export, calibration, engine builds and benchmarks all touch process-wide
+PyTorch state (a higher-order op switches grad mode, a user factory draws from
+the global generator, timing pins the thread count). A failure halfway must
+not leave that state changed, or the next call in the same process behaves
+differently from the first. Every public entry point runs inside
+:func:`preserved_global_state`, which snapshots the state and restores it on
+success and on failure alike.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import ParamSpec, TypeVar
+
+import torch
+
+AUTOCAST_DEVICES = ("cpu", "cuda")
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+@dataclass(frozen=True)
+class GlobalState:
+    """The process-wide PyTorch settings a library call could change."""
+
+    grad_enabled: bool
+    autocast: tuple[tuple[str, bool, torch.dtype], ...]
+    autocast_cache: bool
+    num_threads: int
+    cpu_rng: bytes
+
+    @classmethod
+    def capture(cls) -> GlobalState:
+        return cls(
+            grad_enabled=torch.is_grad_enabled(),
+            autocast=tuple(
+                (d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in AUTOCAST_DEVICES
+            ),
+            autocast_cache=torch.is_autocast_cache_enabled(),
+            num_threads=torch.get_num_threads(),
+            cpu_rng=bytes(torch.random.get_rng_state().numpy().tobytes()),
+        )
+
+    def restore(self) -> None:
+        torch.set_grad_enabled(self.grad_enabled)
+        for device, enabled, dtype in self.autocast:
+            torch.set_autocast_enabled(device, enabled)
+            torch.set_autocast_dtype(device, dtype)
+        torch.set_autocast_cache_enabled(self.autocast_cache)
+        if torch.get_num_threads() != self.num_threads:
+            torch.set_num_threads(self.num_threads)
+        torch.random.set_rng_state(torch.frombuffer(bytearray(self.cpu_rng), dtype=torch.uint8))
+
+    def differences(self, other: GlobalState) -> list[str]:
+        """Names of the settings that differ, for a test's failure message."""
+        return [name for name in self.__dataclass_fields__ if getattr(self, name) != getattr(other, name)]
+
+
+@contextmanager
+def preserved_global_state() -> Iterator[None]:
+    """Restore grad mode, autocast state, CPU RNG and thread count on exit, whatever happened."""
+    state = GlobalState.capture()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    try:
+        yield
+    finally:
+        state.restore()
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+
+
+def preserves_global_state(fn: Callable[P, R]) -> Callable[P, R]:
+    """Decorator form of :func:`preserved_global_state` for entry points."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        with preserved_global_state():
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+

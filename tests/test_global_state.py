@@ -1,0 +1,133 @@
+"""No entry point changes the caller's grad mode, autocast state, RNG or thread count.
+
+Each test captures the whole state, calls an entry point (on success and on
+failure, including failures halfway through export or a user factory), and
+requires every setting back as it was, the CPU RNG included.
+"""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+import torch
+from torch import nn
+
+import models
+from harness.autocast import compile, jit
+from harness.bench.runner import QUICK, BenchRunner
+from harness.build import build_engine
+from harness.engines.cpu import CpuBackend
+from harness.engines.protocol import BuildConfig
+from harness.errors import HarnessError
+from harness.globalstate import GlobalState
+
+
+@pytest.fixture()
+def unchanged():
+    """Fails the test if anything differs afterwards (the thread count starts off its default)."""
+    original = torch.get_num_threads()
+    torch.set_num_threads(3)
+    before = GlobalState.capture()
+    yield
+    after = GlobalState.capture()
+    diff = before.differences(after)
+    torch.set_num_threads(original)
+    assert not diff, f"changed: {diff}"
+
+
+def _rand(*shape: int) -> torch.Tensor:
+    """Inputs from a private generator: the test itself must not move the global RNG."""
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(0))
+
+
+def _built(cls: type[nn.Module]) -> nn.Module:
+    with torch.random.fork_rng():  # module constructors draw from the global RNG
+        return cls().eval()
+
+
+class Rotary(nn.Module):
+    @torch.no_grad()
+    def forward(self, x):
+        return x.sin() * 2
+
+
+class WithNoGradMethod(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rotary = Rotary()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.linear(x) + self.rotary(x)
+
+
+class Meddler(nn.Module):
+    """Changes global state inside forward, then fails to export (data-dependent branch)."""
+
+    def forward(self, x):
+        torch.set_grad_enabled(False)
+        torch.manual_seed(123)
+        if x.sum() > 0:
+            return x * 2
+        return x
+
+
+@pytest.mark.parametrize("mode", ["fp32", "amp", "rule", "full"])
+def test_a_no_grad_method_compiles_in_every_mode(unchanged, mode):
+    x = _rand(2, 4)
+    module = _built(WithNoGradMethod)
+    compiled = compile(module, (x,), mode=mode, low_precision_type="bf16")
+    assert not any("set_grad" in str(n.target) for n in compiled.graph_module.graph.nodes)
+    if mode == "fp32":
+        with torch.inference_mode():
+            torch.testing.assert_close(compiled(x), module(x), rtol=0, atol=0)
+
+
+def test_a_failing_compile_restores_the_state(unchanged):
+    with pytest.raises(HarnessError, match="failed to export"):
+        compile(Meddler(), (_rand(3),))
+
+
+def test_jit_and_its_specializations_restore_the_state(unchanged):
+    module = jit(_built(WithNoGradMethod), (_rand(2, 4),))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        module(_rand(2, 4))
+        assert torch.is_autocast_enabled("cpu")  # the caller's own state inside its block
+
+
+def test_other_higher_order_ops_are_refused_by_name(unchanged):
+    class Branchy(nn.Module):
+        def forward(self, x):
+            return torch.cond(x.sum() > 0, lambda t: t * 2, lambda t: t - 1, (x,))
+
+    with pytest.raises(HarnessError, match=r"higher-order ops .*cond \(higher_order\.cond\)"):
+        compile(Branchy(), (_rand(3),))
+
+
+def test_user_factory_that_meddles_is_isolated(unchanged, tmp_path):
+    path = tmp_path / "meddling.py"
+    path.write_text(
+        textwrap.dedent(
+            """
+            import torch
+            torch.set_num_threads(1)
+
+            def make():
+                torch.set_num_threads(2)
+                torch.set_grad_enabled(False)
+                torch.set_autocast_enabled("cpu", True)
+                torch.manual_seed(7)
+                return torch.nn.Linear(2, 2), (torch.randn(1, 2),)
+            """
+        )
+    )
+    assert models.load(f"{path}:make").module.weight.shape == (2, 2)
+
+
+def test_engine_builds_and_bench_cases_restore_the_state(unchanged, tmp_path):
+    spec = models.load("digits")
+    build_engine(spec, BuildConfig(mode="weak-bf16", options={"timing_runs": 1}), CpuBackend())
+    runner = BenchRunner(CpuBackend(), cache_dir=tmp_path, settings=QUICK)
+    assert runner.run_case("digits", "fp32")["status"] == "ok"
+    assert runner.run_case("digits", "no-such-mode")["status"] == "failed"
