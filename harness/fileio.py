@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
+import stat
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -57,22 +59,100 @@ def atomic_write_json(path: str | os.PathLike[str], obj: Any) -> None:
     atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=False) + "\n").encode())
 
 
+# Bounds of what any JSON file of the harness may hold; beyond them a file is
+# refused before it can exhaust memory or the stack.
+MAX_JSON_BYTES = 256 << 20
+MAX_JSON_DEPTH = 64
+MAX_INT_DIGITS = 20  # 2**64 has 20 digits: nothing the harness writes is larger
+
+
+def read_regular_file(path: str | os.PathLike[str], what: str, limit: int = MAX_JSON_BYTES) -> bytes:
+    """The bytes of ``path``, refusing what is not a regular file (a FIFO would block forever)."""
+    p = Path(path)
+    try:
+        info = p.stat()
+    except FileNotFoundError:
+        raise HarnessError(f"{what} {p}: no such file") from None
+    except OSError as exc:
+        raise HarnessError(f"{what} {p}: cannot read ({exc.strerror or exc})") from None
+    if stat.S_ISDIR(info.st_mode):
+        raise HarnessError(f"{what} {p}: is a directory, not a file")
+    if not stat.S_ISREG(info.st_mode):
+        raise HarnessError(f"{what} {p}: not a regular file (a pipe, socket or device)")
+    if info.st_size > limit:
+        raise HarnessError(f"{what} {p}: {info.st_size} bytes is more than the {limit} this harness reads")
+    try:
+        with p.open("rb") as fh:
+            return fh.read(limit + 1)
+    except OSError as exc:
+        raise HarnessError(f"{what} {p}: cannot read ({exc.strerror or exc})") from None
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number JSON allows; the harness never writes it")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"number {text[:30]} is out of the floating-point range")
+    return value
+
+
+def _bounded_int(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_INT_DIGITS:
+        raise ValueError(f"integer literal of {len(text)} digits is larger than any the harness writes")
+    return int(text)
+
+
+def parse_json(text: str | bytes, where: str) -> Any:
+    """Parse JSON as the harness writes it: finite numbers, bounded integers and nesting.
+
+    NaN, Infinity and out-of-range floats are refused (the writer refuses
+    them too, so a file that holds one was not written by the harness), and
+    every failure becomes one HarnessError naming ``where``.
+    """
+    if isinstance(text, bytes):
+        try:
+            text = text.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise HarnessError(
+                f"{where}: not valid JSON (not UTF-8 text: byte {exc.start} cannot be decoded); "
+                "the file may be corrupt and was left untouched"
+            ) from None
+    try:
+        obj = json.loads(text, parse_constant=_no_constant, parse_float=_finite_float, parse_int=_bounded_int)
+    except json.JSONDecodeError as exc:
+        raise HarnessError(
+            f"{where}: not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg}); "
+            "the file may be truncated or corrupt and was left untouched"
+        ) from None
+    except RecursionError:
+        raise HarnessError(f"{where}: nested deeper than any file the harness writes") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise HarnessError(f"{where}: {exc}") from None
+    if _depth(obj) > MAX_JSON_DEPTH:
+        raise HarnessError(f"{where}: nested deeper than {MAX_JSON_DEPTH} levels")
+    return obj
+
+
+def _depth(obj: Any) -> int:
+    deepest, stack = 0, [(obj, 1)]
+    while stack:
+        item, level = stack.pop()
+        if isinstance(item, dict):
+            deepest = max(deepest, level)
+            stack.extend((v, level + 1) for v in item.values())
+        elif isinstance(item, list):
+            deepest = max(deepest, level)
+            stack.extend((v, level + 1) for v in item)
+    return deepest
+
+
 def read_json(path: str | os.PathLike[str], schema: dict[str, Any] | None = None, what: str = "file") -> Any:
     """Load JSON from ``path`` and validate it; any failure names the file and the problem."""
     p = Path(path)
-    try:
-        text = p.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise HarnessError(f"{what} {p}: no such file") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise HarnessError(f"{what} {p}: cannot read ({exc})") from None
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise HarnessError(
-            f"{what} {p}: not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg}); "
-            "the file may be truncated or corrupt and was left untouched"
-        ) from None
+    obj = parse_json(read_regular_file(p, what), f"{what} {p}")
     if schema is not None:
         validate(obj, schema, f"{what} {p}")
     return obj
@@ -81,8 +161,32 @@ def read_json(path: str | os.PathLike[str], schema: dict[str, Any] | None = None
 def validate(obj: Any, schema: dict[str, Any], where: str) -> None:
     """Validate against a JSON schema, naming the first offending field."""
     validator = jsonschema.Draft202012Validator(schema)
-    errors = sorted(validator.iter_errors(obj), key=lambda e: list(e.absolute_path))
-    if errors:
-        err = errors[0]
+    # best_match looks inside anyOf/if-then branches for the error that explains the
+    # failure, instead of "X is not valid under any of the given schemas" with X in full.
+    err = jsonschema.exceptions.best_match(validator.iter_errors(obj))
+    if err is not None:
         field = "/".join(str(p) for p in err.absolute_path) or "(top level)"
-        raise HarnessError(f"{where}: invalid at {field}: {err.message}")
+        message = err.message if len(err.message) <= 300 else err.message[:297] + "..."
+        raise HarnessError(f"{where}: invalid at {field}: {message}")
+
+
+def check_writable(path: str | os.PathLike[str], what: str) -> Path:
+    """Refuse, before any work, an output path that cannot be written as a file.
+
+    A directory in its place, a file where one of its parent directories
+    should be, a pipe or device, or a nearest existing directory the user
+    cannot write to: each is named, instead of a traceback after a long run.
+    """
+    p = Path(path)
+    if p.is_dir():
+        raise HarnessError(f"{what} {p}: is a directory; give a file path")
+    if p.exists() and not p.is_file():
+        raise HarnessError(f"{what} {p}: exists and is not a regular file")
+    parent = p.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise HarnessError(f"{what} {p}: {parent} is a file, so nothing can be written below it")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise HarnessError(f"{what} {p}: directory {parent} is not writable")
+    return p

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from harness.bench import runner as runner_mod
-from harness.bench.results import load_results
+from harness.bench.results import content_digest, load_results
 from harness.bench.runner import cache_file
 from harness.cache.operations import pin
 from harness.cache.timing_cache import TimingCache
@@ -117,30 +118,74 @@ def test_ctrl_c_keeps_finished_cases_and_exits_130(capsys, tmp_path, monkeypatch
     assert code == 2 and "nothing to resume" in err
 
 
-def test_gate_flags_a_pinned_slower_tactic_and_passes_an_unchanged_rerun(capsys, tmp_path):
-    """The injected slowdown is real: the slowest recorded candidate of the heaviest layer is pinned.
+def rescaled(doc: dict, factor: float, seed: int = 0) -> dict:
+    """The run with every case's latency samples shuffled and scaled: a synthetic rerun.
 
-    In weak-bf16 the CPU builder times fp32 and bf16 GEMMs per layer; on this
-    model's small GEMMs the bf16 candidates are orders of magnitude slower,
-    so pinning one makes every inference genuinely slower (no sleeping, no
-    edited samples). The thresholds are generous so an unchanged rerun on a
-    noisy shared machine does not trip the gate.
+    The summary is recomputed by the harness's own code, so the file is what
+    a real run with those samples would have written.
     """
+    from harness.bench.latency import LatencyResult
+    from harness.bench.stats import Summary, slow_phase
+
+    out = json.loads(json.dumps(doc))
+    rng = np.random.default_rng(seed)
+    for case in out["cases"]:
+        lat = case["latency"]
+        samples = [max(1, int(s * factor)) for s in rng.permutation(lat["samples_ns"])]
+        summary = Summary.from_samples(samples)
+        again = LatencyResult(summary, len(samples), lat["duration_s"], lat["warmup_iterations"], lat["warmup_s"],
+                              lat["timer"], lat["batch_size"], lat["spread_threshold"], slow_phase(samples), False, None)
+        case["latency"] = {**again.to_dict(), "overhead": lat["overhead"]}
+    return out
+
+
+def test_gate_from_the_command_line_on_real_runs_with_synthetic_timings(capsys, tmp_path):
+    """Baseline and runs are real bench output; only the timings of the later runs are synthetic,
+    so no verdict depends on how loaded the machine is."""
+    from harness.bench.results import write_results
+
     root = tmp_path / "root"
-    case = ("--models", "digits", "--modes", "weak-bf16")
     first = root / MACHINE / "run-20250101T000000Z.json"
-    assert bench(capsys, tmp_path, first, *case)[0] == 0
-    code, out, _ = run(capsys, "baseline", "promote", first, "--root", root)
+    assert bench(capsys, tmp_path, first, "--models", "digits", "--modes", "fp32,bf16", "--quick")[0] == 0
+    # a --quick run is no baseline unless forced
+    code, _, err = run(capsys, "baseline", "promote", first, "--root", root)
+    assert code == 2 and "--quick run" in err and "--force" in err
+    code, out, _ = run(capsys, "baseline", "promote", first, "--root", root, "--force")
     assert code == 0 and (root / MACHINE / "baseline.json").is_file()
+    base = load_results(first)
 
     same = root / MACHINE / "run-20250101T000001Z.json"
-    assert bench(capsys, tmp_path, same, *case)[0] == 0
-    assert load_results(same)["cases"][0]["pinned"] is True
-    # defaults: this machine's baseline and its newest run
-    code, out, _ = run(capsys, "gate", "--root", root, "--latency-threshold", "50%")
-    assert code == 0, out
-    assert "gate PASS" in out and str(same) in out
+    write_results(same, rescaled(base, 1.0))
+    code, out, _ = run(capsys, "gate", "--root", root)  # defaults: this machine's baseline, newest run
+    assert code == 0 and "gate PASS: 0 of 2 cases fail" in out and str(same) in out
 
+    slowed = root / MACHINE / "run-20250101T000002Z.json"
+    write_results(slowed, rescaled(base, 3.0))
+    report = tmp_path / "gate.md"
+    code, out, _ = run(capsys, "gate", "--root", root, "--summary-md", report)
+    assert code == 1 and "gate FAIL: 2 of 2 cases fail (2 regression)" in out
+    row = next(line for line in out.splitlines() if line.startswith("digits/bf16/cpu"))
+    assert "regression" in row and "slower: median x3" in row
+    assert "regression" in report.read_text()
+    code, out, _ = run(capsys, "gate", "--root", root, "--json")
+    verdicts = json.loads(out)
+    assert code == 1 and verdicts["exit_code"] == 1 and verdicts["counts"] == {"regression": 2}
+    assert [c["verdict"] for c in verdicts["cases"]] == ["regression", "regression"]
+    # a subset run fails on the missing case, unless that is what the user asked for
+    subset = rescaled(base, 1.0)
+    subset["cases"] = subset["cases"][:1]
+    write_results(slowed, subset)
+    code, out, _ = run(capsys, "gate", "--root", root)
+    assert code == 1 and "1 missing" in out
+    code, out, _ = run(capsys, "gate", "--root", root, "--allow-missing")
+    assert code == 0 and "1 missing" in out
+
+
+def test_a_pinned_slower_tactic_is_what_the_engine_runs(capsys, tmp_path):
+    """Pinning the slowest recorded candidate makes the rebuilt engine run it (no timing judged)."""
+    case = ("--models", "digits", "--modes", "weak-bf16")
+    first = tmp_path / "a.json"
+    assert bench(capsys, tmp_path, first, *case)[0] == 0
     path = cache_file(tmp_path / "caches", "digits", "weak-bf16")
     cache = TimingCache.load(path)
     heaviest = max(cache.entries(), key=lambda e: e.time_ms)
@@ -148,20 +193,15 @@ def test_gate_flags_a_pinned_slower_tactic_and_passes_an_unchanged_rerun(capsys,
     assert slowest.tactic != heaviest.tactic
     pin(cache, heaviest.layer, slowest.tactic)
     cache.save(path)
-
-    slowed = root / MACHINE / "run-20250101T000002Z.json"
-    assert bench(capsys, tmp_path, slowed, *case)[0] == 0
-    layers = {la["name"]: la["tactic"] for la in load_results(slowed)["cases"][0]["layers"]}
-    assert layers[heaviest.layer] == slowest.tactic
-    report = tmp_path / "gate.md"
-    code, out, _ = run(
-        capsys, "gate", "--root", root, "--latency-threshold", "50%", "--summary-md", report,
-    )  # fmt: skip
-    assert code == 1
-    assert "gate FAIL" in out
-    row = next(line for line in out.splitlines() if line.startswith("digits/weak-bf16/cpu"))
-    assert "regression" in row and "slower: median" in row
-    assert "regression" in report.read_text()
+    second = tmp_path / "b.json"
+    assert bench(capsys, tmp_path, second, *case)[0] == 0
+    (case_b,) = load_results(second)["cases"]
+    layers = {la["name"]: la["tactic"] for la in case_b["layers"]}
+    assert layers[heaviest.layer] == slowest.tactic and case_b["pinned"] is True
+    # the cache was edited on purpose: another engine is not a determinism failure
+    code, out, _ = run(capsys, "gate", "--baseline", first, "--current", second, "--json")
+    (verdict,) = json.loads(out)["cases"]
+    assert not [f for f in verdict["findings"] if f["kind"] == "determinism"]
 
 
 def test_compare_reports_same_fingerprints_for_a_rerun(capsys, tmp_path):
@@ -185,7 +225,10 @@ def test_compare_reports_same_fingerprints_for_a_rerun(capsys, tmp_path):
         (("bench", "--models", "digits,digits"), "appears twice"),
         (("gate", "--latency-threshold", "fast"), "--latency-threshold 'fast'"),
         (("gate", "--alpha", "1.5"), "--alpha 1.5"),
-        (("bench", "--cov-threshold", "abc"), "--cov-threshold 'abc'"),
+        (("bench", "--spread-threshold", "abc"), "--spread-threshold 'abc'"),
+        (("bench", "--spread-threshold", "25"), "read as the fraction 25, i.e. 2500%; write 25% for 25 percent"),
+        (("bench", "--threads", "0"), "--threads 0: must be at least 1"),
+        (("gate", "--cosine-drop", "-1"), "--cosine-drop -1.0: must be a finite number >= 0"),
     ],
 )
 def test_bad_input_exits_2_with_a_message(capsys, tmp_path, argv, message):
@@ -215,6 +258,7 @@ def test_corrupt_results_file_is_rejected_and_left_alone(capsys, tmp_path, comma
     bad = tmp_path / "bad.json"
     doc = json.loads(good.read_text())
     doc["cases"][0]["latency"]["samples_ns"][0] = -5
+    doc["digest"] = content_digest(doc)  # forged: the contents are still checked
     bad.write_text(json.dumps(doc))
     original = bad.read_bytes()
     argv = {
@@ -224,7 +268,7 @@ def test_corrupt_results_file_is_rejected_and_left_alone(capsys, tmp_path, comma
         "promote": ("baseline", "promote", bad, "--root", tmp_path / "root"),
     }[command]
     code, _, err = run(capsys, *argv)
-    assert code == 2 and str(bad) in err and "non-negative integers" in err
+    assert code == 2 and str(bad) in err and "latency samples must be positive integers" in err
     assert bad.read_bytes() == original
     assert not (tmp_path / "merged.json").exists() and not (tmp_path / "root").exists()
 
@@ -237,11 +281,120 @@ def test_gate_default_current_is_the_newest_whole_run_not_a_shard(tmp_path):
     assert newest_run(tmp_path) == tmp_path / "run-20250102T000000Z.json"
 
 
-def test_cov_threshold_decides_the_unstable_flag(capsys, tmp_path):
+def test_spread_threshold_decides_the_unstable_flag(capsys, tmp_path):
     strict, loose = tmp_path / "strict.json", tmp_path / "loose.json"
     common = ("--models", "digits", "--modes", "fp32")
-    assert bench(capsys, tmp_path, strict, *common, "--cov-threshold", "0%")[0] == 0
-    assert bench(capsys, tmp_path, loose, *common, "--cov-threshold", "999%")[0] == 0
+    assert bench(capsys, tmp_path, strict, *common, "--spread-threshold", "0%")[0] == 0
+    assert bench(capsys, tmp_path, loose, *common, "--spread-threshold", "999%")[0] == 0
     (tight,), (wide,) = load_results(strict)["cases"], load_results(loose)["cases"]
     assert tight["latency"]["unstable"] is True and wide["latency"]["unstable"] is False
-    assert load_results(loose)["settings"]["measure"]["cov_threshold"] == pytest.approx(9.99)
+    assert load_results(loose)["settings"]["measure"]["spread_threshold"] == pytest.approx(9.99)
+
+
+# --- refused before any work: no results file is written ---------------------------------
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (("--backend", "tensorrt"), "tensorrt"),
+        (("--backend", "onnxruntime", "--modes", "weak-fp16"), "cannot build weak-fp16"),
+        (("--backend", "onnxruntime", "--modes", "bf16"), "cannot build bf16"),
+        (("--modes", "explicit", "--explicit", "{bad_regex}"), "not a valid regular expression"),
+        (("--cache-dir", "{a_file}"), "is a file, not a directory"),
+        (("--cache-dir", "{corrupt_caches}"), "digits-fp32.json"),
+        (("--summary-md", "{a_dir}"), "--summary-md"),
+    ],
+)
+def test_what_would_fail_is_refused_before_anything_is_written(capsys, tmp_path, extra, message):
+    (tmp_path / "bad.json").write_text('{"(": "fp16"}')
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "corrupt").mkdir()
+    (tmp_path / "corrupt" / "digits-fp32.json").write_text('{"truncated": ')
+    (tmp_path / "dir").mkdir()
+    values = {"bad_regex": tmp_path / "bad.json", "a_file": tmp_path / "file",
+              "corrupt_caches": tmp_path / "corrupt", "a_dir": tmp_path / "dir"}  # fmt: skip
+    argv = [str(a).format(**values) for a in extra]
+    output = tmp_path / "out" / "run.json"
+    code, _, err = run(capsys, "bench", "--no-progress", "--models", "digits", "--modes", "fp32", "-o", output, *argv)
+    assert code == 2 and err.startswith("error: ") and message in err and err.count("\n") == 1
+    assert not output.exists() and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("where", "message"),
+    [("{file}/run.json", "is a file, so nothing can be written below it"), ("{ro}/run.json", "is not writable")],
+)
+def test_unwritable_outputs_are_refused_before_the_run(capsys, tmp_path, where, message):
+    import os
+
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "ro").mkdir()
+    os.chmod(tmp_path / "ro", 0o500)
+    try:
+        target = where.format(file=tmp_path / "file", ro=tmp_path / "ro")
+        if os.access(tmp_path / "ro", os.W_OK) and "ro" in where:
+            target = where.format(ro="/proc/1")  # running as root: a directory nobody can write
+        code, _, err = bench(capsys, tmp_path, target, "--models", "digits", "--modes", "fp32")
+        assert code == 2 and "-o" in err and message in err
+    finally:
+        os.chmod(tmp_path / "ro", 0o700)
+
+
+def test_o_directory_writes_a_new_run_file_into_it(capsys, tmp_path):
+    out_dir = tmp_path / "runs"
+    out_dir.mkdir()
+    code, out, _ = bench(capsys, tmp_path, out_dir, "--models", "digits", "--modes", "fp32")
+    assert code == 0
+    (written,) = out_dir.glob("run-*.json")
+    assert f"results: {written}" in out and load_results(written)["complete"]
+
+
+def test_threads_and_load_are_recorded_per_case_and_in_the_cache(capsys, tmp_path):
+    code, _, _ = bench(capsys, tmp_path, tmp_path / "r.json", "--models", "digits", "--modes", "fp32", "--threads", "2")
+    assert code == 0
+    doc = load_results(tmp_path / "r.json")
+    (case,) = doc["cases"]
+    assert doc["settings"]["threads"] == 2 and case["threads"] == 2
+    assert len(case["load_average"]["start"]) == 3 and case["load_average"]["cpus"] >= 1
+    cache = TimingCache.load(cache_file(tmp_path / "caches", "digits", "fp32"))
+    assert cache.provenance.builder_options["num_threads"] == 2
+    # the same caches under another thread count are refused up front, naming the setting
+    code, _, err = bench(capsys, tmp_path, tmp_path / "r2.json", "--models", "digits", "--modes", "fp32", "--threads", "1")
+    assert code == 2 and "num_threads" in err and not (tmp_path / "r2.json").exists()
+
+
+def test_report_prints_any_stored_run(capsys, tmp_path):
+    assert bench(capsys, tmp_path, tmp_path / "r.json", "--models", "digits", "--modes", "fp32")[0] == 0
+    code, out, _ = run(capsys, "report", tmp_path / "r.json", "--summary-md", tmp_path / "r.md")
+    assert code == 0 and "machine test-machine" in out and "digits" in out
+    assert (tmp_path / "r-digits.png").is_file() and "| digits " in (tmp_path / "r.md").read_text()
+    code, _, err = run(capsys, "report", tmp_path / "nothing.json")
+    assert code == 2 and "nothing.json: no such file" in err
+
+
+def test_promote_refuses_a_root_that_is_a_file(capsys, tmp_path):
+    assert bench(capsys, tmp_path, tmp_path / "r.json", "--models", "digits", "--modes", "fp32")[0] == 0
+    (tmp_path / "root").write_text("x")
+    code, _, err = run(capsys, "baseline", "promote", tmp_path / "r.json", "--root", tmp_path / "root", "--force")
+    assert code == 2 and "--root" in err and "is a file" in err
+
+
+def test_a_machine_id_with_a_newline_is_refused(capsys, tmp_path):
+    assert bench(capsys, tmp_path, tmp_path / "r.json", "--models", "digits", "--modes", "fp32")[0] == 0
+    doc = json.loads((tmp_path / "r.json").read_text())
+    doc["machine"]["id"] = "x\n"
+    doc["digest"] = content_digest(doc)
+    (tmp_path / "r.json").write_text(json.dumps(doc))
+    code, _, err = run(capsys, "baseline", "promote", tmp_path / "r.json", "--root", tmp_path / "root", "--force")
+    assert code == 2 and "machine id 'x\\n' is not a valid directory name" in err
+    assert not (tmp_path / "root").exists()
+
+
+def test_compare_as_json(capsys, tmp_path):
+    case = ("--models", "digits", "--modes", "fp32")
+    assert bench(capsys, tmp_path, tmp_path / "a.json", *case)[0] == 0
+    assert bench(capsys, tmp_path, tmp_path / "b.json", *case)[0] == 0
+    code, out, _ = run(capsys, "compare", tmp_path / "a.json", tmp_path / "b.json", "--json")
+    (c,) = json.loads(out)["cases"]
+    assert code == 0 and c["key"] == "digits/fp32/cpu" and c["weights_equal"] is True

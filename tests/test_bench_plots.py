@@ -6,8 +6,9 @@ from pathlib import Path
 from typing import Any
 
 import matplotlib.image
+import pytest
 
-from harness.bench.plots import _plot_model, _Point, pareto_front, plot_results
+from harness.bench.plots import _plot_model, _Point, _points, pareto_front, plot_results
 
 
 def test_pareto_front_hand_cases() -> None:
@@ -31,18 +32,20 @@ def _case(
     backend: str = "cpu",
     status: str = "ok",
 ) -> dict[str, Any]:
-    if status != "ok":
+    if status == "failed":
         return {"model": model, "mode": mode, "backend": backend, "status": status, "error": "boom"}
     ns = median_ms * 1e6
     return {
         "model": model,
         "mode": mode,
         "backend": backend,
-        "status": "ok",
+        "status": status,
         "latency": {"summary": {"median": ns, "p95": ns * 1.2}},
         "accuracy": {
             "cosine": cosine,
             "max_abs_error": None if cosine is None else (1 - cosine) * 10,
+            "nan_count": 12 if status == "non-finite" else 0,
+            "inf_count": 0,
         },
     }
 
@@ -64,8 +67,10 @@ def test_plot_results_writes_decodable_pngs(tmp_path: Path) -> None:
     results = tmp_path / "runs" / "run-20250101T000000Z.json"
     paths = plot_results(doc, results)
     # one plot per model with something to plot; model names made file-safe
+    # "broken" only failed: nothing has a latency, so no plot; "nocos" is marked, not dropped
     assert paths == [
         results.parent / "run-20250101T000000Z-mlp.png",
+        results.parent / "run-20250101T000000Z-nocos.png",
         results.parent / "run-20250101T000000Z-resnet_tiny.png",
     ]
     for p in paths:
@@ -83,7 +88,7 @@ def test_close_modes_get_readable_labels_and_wide_spans_a_log_axis() -> None:
         _Point("bf16", 12.7, 15.1, 2.2e-6),
         _Point("autocast-bf16", 14.3, 15.9, 2.2e-6),
     ]
-    fig = _plot_model("digits", points, "1-cosine", "")
+    fig = _plot_model("digits", points, [], "1-cosine", "")
     ax = fig.axes[0]
     assert ax.get_xscale() == "log" and ax.get_yscale() == "log"
     renderer = fig.canvas.get_renderer()
@@ -96,6 +101,25 @@ def test_close_modes_get_readable_labels_and_wide_spans_a_log_axis() -> None:
     legend = [t.get_text() for t in ax.get_legend().get_texts()]
     assert legend == ["Pareto front", "Pareto-optimal mode", "mode (median, p95)"]
     narrow = _plot_model(
-        "m", [_Point("fp32", 2.0, 2.5, 0.0), _Point("bf16", 1.0, 1.1, 1e-3)], "1-cosine", ""
+        "m", [_Point("fp32", 2.0, 2.5, 0.0), _Point("bf16", 1.0, 1.1, 1e-3)], [], "1-cosine", ""
     )
     assert narrow.axes[0].get_xscale() == "linear"
+
+
+def test_non_finite_and_failed_modes_are_marked_not_dropped() -> None:
+    cases = [
+        _case("m", "fp32", 2.0, 1.0),
+        _case("m", "fp16", 1.0, None, status="non-finite"),  # all NaN: no error to place
+        _case("m", "bf16", 0.0, None, status="failed"),
+    ]
+    points, absent = _points(cases, "1-cosine")
+    assert [p.label for p in points] == ["fp32"]
+    fig = _plot_model("m", points, absent, "1-cosine", "")
+    ax = fig.axes[0]
+    texts = {t.get_text() for t in ax.texts} | {t.get_text() for t in fig.texts}
+    assert "fp16: NON-FINITE (NaN 12, Inf 0)" in texts
+    assert "not plotted: bf16: failed" in texts
+    assert "no error to plot (non-finite outputs)" in [t.get_text() for t in ax.get_legend().get_texts()]
+    # the cross sits a decade above every real error (fp32 exact: drawn at the floor 1e-12)
+    cross = next(c for c in ax.collections if c.get_label() == "no error to plot (non-finite outputs)")
+    assert cross.get_offsets()[0][1] == pytest.approx(1e-11)

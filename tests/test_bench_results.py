@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 from dataclasses import replace
@@ -28,6 +29,7 @@ from harness.bench.results import (
     CaseResult,
     ResultsWriter,
     baseline_path,
+    content_digest,
     load_results,
     merge_results,
     new_run_path,
@@ -124,7 +126,7 @@ def test_writer_refuses_duplicates_existing_files_and_invalid_cases(tmp_path: Pa
         w.add(CaseResult.failed("m", "fp32", "cpu", "boom"))
     with pytest.raises(HarnessError, match="already exists"):
         new_writer(path)
-    with pytest.raises(HarnessError, match="invalid at status"):
+    with pytest.raises(HarnessError, match="invalid at"):
         w.add({"model": "m", "mode": "bf16", "backend": "cpu", "status": "maybe"})
     with pytest.raises(HarnessError, match="error"):  # a failed case must say why
         w.add({"model": "m", "mode": "bf16", "backend": "cpu", "status": "failed"})
@@ -169,12 +171,12 @@ def test_load_rejects_corrupt_truncated_and_wrong_version(tmp_path: Path) -> Non
     with pytest.raises(HarnessError, match=r"garbage\.json: not valid JSON"):
         load_results(broken("garbage.json", "\x00\x01 not json"))
     doc = json.loads(text)
-    doc["schema_version"] = 2
+    doc["schema_version"] = 1
     with pytest.raises(
         HarnessError,
-        match=r"v2\.json: schema_version 2 is not supported; this harness reads version 1",
+        match=r"v1\.json: schema_version 1 is not supported; this harness reads version 2",
     ):
-        load_results(broken("v2.json", json.dumps(doc)))
+        load_results(broken("v1.json", json.dumps(doc)))
     with pytest.raises(HarnessError, match=r"list\.json: not a results document"):
         load_results(broken("list.json", "[1, 2]"))
     doc = json.loads(text)
@@ -183,25 +185,87 @@ def test_load_rejects_corrupt_truncated_and_wrong_version(tmp_path: Path) -> Non
         load_results(broken("nosamples.json", json.dumps(doc)))
     doc = json.loads(text)
     doc["cases"][0]["latency"]["samples_ns"].append(5)
-    with pytest.raises(
-        HarnessError,
-        match=r"count\.json: case mlp/fp32/cpu has \d+ latency samples but \d+ iterations",
-    ):
-        load_results(broken("count.json", json.dumps(doc)))
+    with pytest.raises(HarnessError, match=r"tampered\.json: contents do not match the recorded digest"):
+        load_results(broken("tampered.json", json.dumps(doc)))
+    # Tampered with the digest fixed up: every check of the contents still holds.
+    with pytest.raises(HarnessError, match=r"count\.json: case 0 \(mlp/fp32/cpu\): \d+ latency samples but \d+ iterations"):
+        load_results(broken("count.json", json.dumps(resealed(doc))))
     doc = json.loads(text)
     doc["cases"][0]["latency"]["samples_ns"][0] = 1.5
-    with pytest.raises(
-        HarnessError, match=r"float\.json: case mlp/fp32/cpu has latency samples that are not"
-    ):
-        load_results(broken("float.json", json.dumps(doc)))
+    with pytest.raises(HarnessError, match=r"float\.json: case 0 \(mlp/fp32/cpu\): latency samples must be positive"):
+        load_results(broken("float.json", json.dumps(resealed(doc))))
     doc = json.loads(text)
     doc["cases"].append(doc["cases"][0])
     with pytest.raises(HarnessError, match="appears twice"):
-        load_results(broken("dup.json", json.dumps(doc)))
+        load_results(broken("dup.json", json.dumps(resealed(doc))))
     with pytest.raises(HarnessError, match="no such file"):
         load_results(tmp_path / "absent.json")
     # the failed loads left every file as it was
     assert truncated.read_text() == text[: len(text) // 2]
+
+
+def resealed(doc: dict[str, Any]) -> dict[str, Any]:
+    """A tampered document with its digest recomputed, as a forger would."""
+    return {**doc, "digest": content_digest(doc)}
+
+
+def _mutated(text: str, change: Any) -> dict[str, Any]:
+    doc = json.loads(text)
+    change(doc["cases"][0])
+    return resealed(doc)
+
+
+@pytest.mark.parametrize(
+    ("name", "change", "match"),
+    [
+        # 10x slower samples under the old summary: the gate tests samples, a reader sees the summary
+        ("slower", lambda c: c["latency"].update(samples_ns=[s * 10 for s in c["latency"]["samples_ns"]]),
+         "the latency summary disagrees with its raw samples"),
+        ("zero", lambda c: c["latency"]["summary"].update(median=0), "invalid at cases/0/latency/summary/median"),
+        ("negative", lambda c: c["latency"]["samples_ns"].__setitem__(0, -5), "latency samples must be positive"),
+        ("zero-sample", lambda c: c["latency"]["samples_ns"].__setitem__(0, 0), "latency samples must be positive"),
+        ("no-threshold", lambda c: c["latency"].pop("spread_threshold"), "'spread_threshold' is a required property"),
+        ("flag", lambda c: c["latency"].update(unstable=not c["latency"]["unstable"]), "unstable flag disagrees"),
+        ("status", lambda c: c["accuracy"].update(nan_count=3), "status 'ok' but the outputs hold 3 NaN"),
+        ("unknown-field", lambda c: c.update(extra=1), "Additional properties are not allowed"),
+    ],
+)
+def test_results_whose_numbers_do_not_add_up_are_refused(tmp_path: Path, name: str, change: Any, match: str) -> None:
+    good = tmp_path / "good.json"
+    _finished_run(good)
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(_mutated(good.read_text(), change)))
+    before = path.read_bytes()
+    with pytest.raises(HarnessError, match=match):
+        load_results(path)
+    assert path.read_bytes() == before
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        ('{"schema_version": NaN}', "NaN is not a number JSON allows"),
+        ('{"schema_version": Infinity}', "Infinity is not a number JSON allows"),
+        ('{"schema_version": 1e999}', "out of the floating-point range"),
+        ('{"schema_version": ' + "9" * 5000 + "}", "digits is larger than any the harness writes"),
+        ("[" * 100_000 + "]" * 100_000, "nested deeper"),
+        ('{"a": ' * 70 + "1" + "}" * 70, "nested deeper than 64 levels"),
+    ],
+)
+def test_json_edge_cases_are_one_clear_error(tmp_path: Path, text: str, match: str) -> None:
+    path = tmp_path / "edge.json"
+    path.write_text(text)
+    with pytest.raises(HarnessError, match=match):
+        load_results(path)
+
+
+def test_non_regular_files_are_refused_without_blocking(tmp_path: Path) -> None:
+    fifo = tmp_path / "pipe.json"
+    os.mkfifo(fifo)
+    with pytest.raises(HarnessError, match="not a regular file"):
+        load_results(fifo)
+    with pytest.raises(HarnessError, match="is a directory"):
+        load_results(tmp_path)
 
 
 def _shard(path: Path, cases: list[CaseResult], *, finish: bool = True, **kw: Any) -> Path:
@@ -295,7 +359,8 @@ def test_results_table() -> None:
     rows = {line.split()[1]: line for line in text.splitlines()[4:]}
     assert "x1.00" in rows["fp32"] and "1.000000" in rows["fp32"]  # cosine of an exact fp32 run
     assert "x4.00" in rows["bf16"] and "16 B" in rows["bf16"]
-    assert rows["fp16"].rstrip().endswith("failed: build failed")
+    # the whole failure reason, wrapped in the cell (never cut)
+    assert "failed: build failed traceback follows" in rows["fp16"]
     # a mode 400x slower than fp32 keeps its digits
     slow = [round(fp32.latency.summary.median * 400)] * 3
     bf16.latency = replace(bf16.latency, summary=Summary.from_samples(slow), iterations=3)

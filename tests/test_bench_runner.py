@@ -113,7 +113,10 @@ def test_ok_case_measures_against_eager_fp32_and_pins_on_rerun(tmp_path):
     # the peak covers the whole case, the timing loop the sampler watched included
     memory = first["memory"]
     assert memory["peak_rss_method"] == "vmhwm" and memory["engine_bytes"] > 0
-    assert memory["peak_rss_bytes"] >= first["telemetry"]["cpu"]["rss_bytes"]["max"]
+    # Linux batches each thread's RSS counter updates (up to 64 page faults) before they reach
+    # the counters VmHWM and psutil read, so the two may disagree by that much.
+    slack = 64 * 4096
+    assert memory["peak_rss_bytes"] >= first["telemetry"]["cpu"]["rss_bytes"]["max"] - slack
     assert first["latency"]["overhead"]["count"] == 10_000
     assert eager.shape == (spec.example_inputs[0].shape[0], 10)
 

@@ -154,10 +154,16 @@ def test_wrong_inputs_are_refused(built):
         engine(x, x)
 
 
-def test_bf16_graph_is_refused_naming_op_and_dtype():
-    compiled = compile_for_mode(models.load("lenet"), "autocast-bf16", None)
+def test_bf16_modes_are_refused_up_front_and_bf16_layers_name_op_and_dtype(tmp_path):
+    backend = OnnxRuntimeBackend()
+    assert not [m for m in backend.supported_modes() if "bf16" in m]
+    with pytest.raises(HarnessError, match="cannot build autocast-bf16: ONNX Runtime has almost no bf16"):
+        backend.check_mode("autocast-bf16")
+    explicit = tmp_path / "explicit.json"
+    explicit.write_text('{"^conv2d$": "bf16"}')
+    compiled = compile_for_mode(models.load("lenet"), "explicit", str(explicit))
     with pytest.raises(HarnessError, match=r"no kernel for Conv .*\(bf16, bf16, bf16\).*'conv2d'"):
-        OnnxRuntimeBackend().build(compiled, BuildConfig("autocast-bf16"), None)
+        backend.build(compiled, BuildConfig("explicit", explicit_path=str(explicit)), None)
 
 
 def test_weak_modes_are_refused_with_the_reason():

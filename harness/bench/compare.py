@@ -32,6 +32,7 @@ class CaseComparison:
     key: CaseKey
     status_a: str
     status_b: str
+    weights_equal: bool | None = None
     fingerprints_equal: bool | None = None
     outputs_equal: bool | None = None
     tactic_diffs: list[TacticDiff] | None = None
@@ -90,6 +91,7 @@ def tactic_diffs(
 
 def compare_case(a: Mapping[str, Any], b: Mapping[str, Any]) -> CaseComparison:
     out = CaseComparison(key=case_key(a), status_a=a["status"], status_b=b["status"])
+    out.weights_equal = _equal(a.get("model_weights_digest"), b.get("model_weights_digest"))
     out.fingerprints_equal = _equal(a.get("engine_fingerprint"), b.get("engine_fingerprint"))
     out.outputs_equal = _equal(a.get("output_digest"), b.get("output_digest"))
     out.tactic_diffs = tactic_diffs(a.get("layers"), b.get("layers"))

@@ -5,19 +5,23 @@ medians current/baseline above ``1 + latency_threshold``) and *real* (a
 one-sided Mann-Whitney U test on the raw samples says current is slower with
 ``p < alpha``). The threshold keeps statistically real but irrelevant shifts
 (0.3% on 5000 samples) from failing CI; the test keeps a noisy median from
-doing so. Mann-Whitney rather than the bootstrap decides because it uses the
-whole distribution, needs no resampling and is exact to reproduce; the
-bootstrap interval of the ratio is still computed and reported so a reader
-sees how uncertain the ratio is. Improvements mirror regressions: ratio below
-``1 / (1 + latency_threshold)`` and significant in the other direction.
+doing so. The bootstrap interval of the ratio is reported beside it so a
+reader sees how uncertain the ratio is. Improvements mirror regressions.
 
-Accuracy regressions are absolute (tolerances in :class:`AccuracyTolerances`):
-more error than the baseline by more than a fixed amount, or any new NaN/Inf.
-Determinism regressions are exact: with a pinned timing cache (the case says
-``pinned``, the run's settings say ``"pinned": true``, or both runs used a
-cache with the same digest) the engine
-fingerprint must not change, and with an identical engine fingerprint the
-output digest must not change.
+Accuracy regressions are absolute (tolerances in :class:`AccuracyTolerances`,
+each a flag of ``harness gate``): more error than the baseline by more than a
+fixed amount, or outputs that became non-finite. Determinism regressions are
+exact: built from the same timing cache (same digest) the engine fingerprint
+must not change, and with an identical engine fingerprint the output digest
+must not change.
+
+The gate cannot pass on nothing: a baseline case the run lacks fails it
+(unless ``allow_missing``), runs that share no case are refused outright,
+an incomplete run fails, and a case whose model weights differ from the
+baseline's fails (the two runs measured different models).
+
+Every case gets one verdict; the gate fails when any verdict fails, and the
+counts it prints are counts of cases.
 """
 
 from __future__ import annotations
@@ -30,8 +34,27 @@ from harness.bench.results import CaseKey, case_key, format_key
 from harness.bench.stats import bootstrap_ratio_ci, mann_whitney_u
 from harness.errors import HarnessError
 
-Severity = Literal["regression", "improvement", "info"]
-Kind = Literal["latency", "accuracy", "determinism", "failure", "unstable", "missing"]
+Severity = Literal["fail", "improvement", "info"]
+Kind = Literal[
+    "latency", "accuracy", "non-finite", "determinism", "weights", "failure", "unstable", "missing", "new"
+]
+# A case's verdict: the first failing label in this order, else the first
+# informative one in the second order, else "ok".
+VERDICT_ORDER: tuple[str, ...] = (
+    "failed", "non-finite", "weights-changed", "missing", "regression", "unstable",
+)  # fmt: skip
+INFO_ORDER: tuple[str, ...] = ("non-finite", "missing", "improvement", "new", "unstable")
+_VERDICT_OF_KIND = {
+    "failure": "failed",
+    "non-finite": "non-finite",
+    "weights": "weights-changed",
+    "missing": "missing",
+    "latency": "regression",
+    "accuracy": "regression",
+    "determinism": "regression",
+    "unstable": "unstable",
+    "new": "new",
+}
 
 
 @dataclass(frozen=True)
@@ -60,8 +83,8 @@ class LatencyDelta:
     ratio: float
     p_slower: float
     p_faster: float
-    ci_low: float | None
-    ci_high: float | None
+    ci_low: float
+    ci_high: float
 
 
 @dataclass
@@ -71,22 +94,23 @@ class CaseVerdict:
     latency: LatencyDelta | None = None
 
     @property
+    def fails(self) -> bool:
+        return any(f.severity == "fail" for f in self.findings)
+
+    @property
     def verdict(self) -> str:
-        """The most severe finding: regression > improvement > unstable/missing/failed > ok."""
-        severities = {f.severity for f in self.findings}
-        if "regression" in severities:
-            return "regression"
-        if "improvement" in severities:
-            return "improvement"
-        for kind in ("missing", "unstable", "failure"):
-            if any(f.kind == kind for f in self.findings):
-                return kind
-        return "ok"
+        """What fails the case, else what a reader should know; a faster case is never a regression."""
+        failing = {_VERDICT_OF_KIND[f.kind] for f in self.findings if f.severity == "fail"}
+        if failing:
+            return next(v for v in VERDICT_ORDER if v in failing)
+        info = {"improvement" if f.severity == "improvement" else _VERDICT_OF_KIND[f.kind] for f in self.findings}
+        return next((v for v in INFO_ORDER if v in info), "ok")
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "case": format_key(self.key),
             "verdict": self.verdict,
+            "fails": self.fails,
             "latency": asdict(self.latency) if self.latency is not None else None,
             "findings": [asdict(f) for f in self.findings],
         }
@@ -96,208 +120,186 @@ class CaseVerdict:
 class GateReport:
     cases: list[CaseVerdict]
     notes: list[str]
+    problems: list[str]  # run-level reasons to fail (an incomplete run)
     settings: dict[str, Any]
 
     @property
-    def regressions(self) -> list[tuple[CaseKey, Finding]]:
-        return [(c.key, f) for c in self.cases for f in c.findings if f.severity == "regression"]
-
-    @property
-    def improvements(self) -> list[tuple[CaseKey, Finding]]:
-        return [(c.key, f) for c in self.cases for f in c.findings if f.severity == "improvement"]
+    def failing(self) -> list[CaseVerdict]:
+        return [c for c in self.cases if c.fails]
 
     @property
     def exit_code(self) -> int:
-        return 1 if self.regressions else 0
+        return 1 if self.failing or self.problems else 0
+
+    def counts(self) -> dict[str, int]:
+        """Cases per verdict (each case counted once)."""
+        out: dict[str, int] = {}
+        for c in self.cases:
+            out[c.verdict] = out.get(c.verdict, 0) + 1
+        return out
+
+    def summary(self) -> str:
+        verdict = "FAIL" if self.exit_code else "PASS"
+        counts = ", ".join(f"{n} {v}" for v, n in sorted(self.counts().items(), key=lambda kv: kv[0]))
+        text = f"gate {verdict}: {len(self.failing)} of {len(self.cases)} cases fail ({counts})"
+        return text + "".join(f"; {p}" for p in self.problems)
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "exit_code": self.exit_code,
+            "summary": self.summary(),
+            "counts": self.counts(),
+            "problems": self.problems,
             "settings": self.settings,
             "notes": self.notes,
             "cases": [c.to_dict() for c in self.cases],
         }
 
 
-def _latency(
-    base: Mapping[str, Any],
-    cur: Mapping[str, Any],
-    threshold: float,
-    alpha: float,
-    resamples: int,
-    verdict: CaseVerdict,
-) -> None:
-    if base["timer"] != cur["timer"]:
+@dataclass(frozen=True)
+class GateSettings:
+    latency_threshold: float = 0.05
+    alpha: float = 0.01
+    tolerances: AccuracyTolerances = AccuracyTolerances()
+    fail_on_unstable: bool = False
+    allow_missing: bool = False
+    bootstrap_resamples: int = 1000
+
+    def __post_init__(self) -> None:
+        if self.latency_threshold < 0 or not 0 < self.alpha < 1:
+            raise HarnessError("latency threshold must be >= 0 and alpha strictly between 0 and 1")
+        if any(v < 0 for v in asdict(self.tolerances).values()):
+            raise HarnessError("accuracy tolerances must not be negative")
+
+
+def _latency(base: Mapping[str, Any], cur: Mapping[str, Any], s: GateSettings, verdict: CaseVerdict) -> None:
+    if base["latency"]["timer"] != cur["latency"]["timer"]:
+        verdict.findings.append(Finding("latency", "info", "timers differ; latency not compared"))
+        return
+    if base.get("threads") != cur.get("threads"):
         verdict.findings.append(
-            Finding(
-                "latency",
-                "info",
-                f"timers differ ({base['timer']} vs {cur['timer']}); latency not compared",
-            )
+            Finding("latency", "info", f"threads differ ({base.get('threads')} vs {cur.get('threads')}); latency not compared")
         )
         return
-    b, c = base["samples_ns"], cur["samples_ns"]
-    ratio = cur["summary"]["median"] / base["summary"]["median"]
-    p_slower = mann_whitney_u(c, b, "greater").pvalue
-    p_faster = mann_whitney_u(c, b, "less").pvalue
-    ci = (
-        bootstrap_ratio_ci(c, b, n_resamples=resamples, confidence=1 - alpha) if resamples else None
-    )
+    b, c = base["latency"]["samples_ns"], cur["latency"]["samples_ns"]
+    ratio = cur["latency"]["summary"]["median"] / base["latency"]["summary"]["median"]
+    p_slower = mann_whitney_u(c, b, "greater")
+    p_faster = mann_whitney_u(c, b, "less")
+    ci = bootstrap_ratio_ci(c, b, n_resamples=max(s.bootstrap_resamples, 1), confidence=1 - s.alpha)
     verdict.latency = LatencyDelta(
-        baseline_median_ns=base["summary"]["median"],
-        current_median_ns=cur["summary"]["median"],
-        ratio=ratio,
-        p_slower=p_slower,
-        p_faster=p_faster,
-        ci_low=ci.low if ci else None,
-        ci_high=ci.high if ci else None,
-    )
-    detail = f"median x{ratio:.3f} (threshold {threshold:.1%})"
-    if ratio > 1 + threshold and p_slower < alpha:
-        verdict.findings.append(
-            Finding("latency", "regression", f"slower: {detail}, p={p_slower:.2g}")
-        )
-    elif ratio < 1 / (1 + threshold) and p_faster < alpha:
-        verdict.findings.append(
-            Finding("latency", "improvement", f"faster: {detail}, p={p_faster:.2g}")
-        )
-    for side, lat in (("baseline", base), ("current", cur)):
+        base["latency"]["summary"]["median"], cur["latency"]["summary"]["median"], ratio, p_slower, p_faster,
+        ci.low, ci.high,
+    )  # fmt: skip
+    detail = f"median x{ratio:.3f} (threshold {s.latency_threshold:.1%})"
+    if ratio > 1 + s.latency_threshold and p_slower < s.alpha:
+        verdict.findings.append(Finding("latency", "fail", f"slower: {detail}, p={p_slower:.2g}"))
+    elif ratio < 1 / (1 + s.latency_threshold) and p_faster < s.alpha:
+        verdict.findings.append(Finding("latency", "improvement", f"faster: {detail}, p={p_faster:.2g}"))
+    for side, case in (("baseline", base), ("current", cur)):
+        lat = case["latency"]
         if lat["unstable"]:
-            cov = lat["summary"]["cov"]
-            verdict.findings.append(
-                Finding(
-                    "unstable",
-                    "info",
-                    f"{side} run unstable: CoV {cov:.1%} > {lat['cov_threshold']:.1%}",
-                )
-            )
+            why = f"spread (IQR/median) {lat['summary']['spread']:.1%} > {lat['spread_threshold']:.1%}"
+            if lat["slow_phase"] is not None:
+                why = "a slow phase remained after re-measuring"
+            severity: Severity = "fail" if s.fail_on_unstable and side == "current" else "info"
+            verdict.findings.append(Finding("unstable", severity, f"{side} run unstable: {why}"))
 
 
-def _accuracy(
-    base: Mapping[str, Any], cur: Mapping[str, Any], tol: AccuracyTolerances, verdict: CaseVerdict
-) -> None:
-    def worse(
-        what: str, b: float | None, c: float | None, limit: float, higher_is_worse: bool
-    ) -> None:
+def _accuracy(base: Mapping[str, Any], cur: Mapping[str, Any], tol: AccuracyTolerances, verdict: CaseVerdict) -> None:
+    ba, ca = base["accuracy"], cur["accuracy"]
+    if cur["status"] == "non-finite":
+        counts = f"{ca['nan_count']} NaN, {ca['inf_count']} Inf"
+        if base["status"] != "non-finite":
+            verdict.findings.append(Finding("non-finite", "fail", f"outputs became non-finite ({counts})"))
+        elif ca["nan_count"] + ca["inf_count"] > ba["nan_count"] + ba["inf_count"]:
+            verdict.findings.append(Finding("non-finite", "fail", f"more non-finite outputs ({counts})"))
+        else:
+            verdict.findings.append(Finding("non-finite", "info", f"non-finite in both runs ({counts})"))
+
+    def worse(what: str, b: float | None, c: float | None, limit: float, higher_is_worse: bool) -> None:
         if b is None or c is None:
             return
         change = (c - b) if higher_is_worse else (b - c)
         if change > limit:
-            verdict.findings.append(
-                Finding(
-                    "accuracy", "regression", f"{what} {b:.6g} -> {c:.6g} (tolerance {limit:g})"
-                )
-            )
+            verdict.findings.append(Finding("accuracy", "fail", f"{what} {b:.6g} -> {c:.6g} (tolerance {limit:g})"))
 
-    ba, ca = base.get("accuracy"), cur.get("accuracy")
-    if ba is not None and ca is not None:
-        worse(
-            "max abs error",
-            ba["max_abs_error"],
-            ca["max_abs_error"],
-            tol.max_abs_error_increase,
-            True,
-        )
-        worse("cosine", ba["cosine"], ca["cosine"], tol.cosine_drop, False)
-        worse(
-            "top-1 agreement",
-            ba.get("top1_agreement"),
-            ca.get("top1_agreement"),
-            tol.top1_drop,
-            False,
-        )
-        for count in ("nan_count", "inf_count"):
-            if ca[count] > ba[count]:
-                verdict.findings.append(
-                    Finding("accuracy", "regression", f"{count} {ba[count]} -> {ca[count]}")
-                )
+    worse("max abs error", ba["max_abs_error"], ca["max_abs_error"], tol.max_abs_error_increase, True)
+    worse("cosine", ba["cosine"], ca["cosine"], tol.cosine_drop, False)
+    worse("top-1 agreement", ba.get("top1_agreement"), ca.get("top1_agreement"), tol.top1_drop, False)
     bt, ct = base.get("task_accuracy"), cur.get("task_accuracy")
     if bt is not None and ct is not None and bt["name"] == ct["name"]:
         worse(f"task {bt['name']}", bt["value"], ct["value"], tol.task_accuracy_drop, False)
 
 
-def _determinism(
-    base: Mapping[str, Any], cur: Mapping[str, Any], run_pinned: bool, verdict: CaseVerdict
-) -> None:
+def _determinism(base: Mapping[str, Any], cur: Mapping[str, Any], verdict: CaseVerdict) -> None:
+    """Same timing cache (same digest) must give the same engine; same engine, the same bits.
+
+    A cache the user edited on purpose (``harness cache pin``) has another
+    digest, so the engine it builds may differ: that is the point of pinning.
+    """
     bf, cf = base.get("engine_fingerprint"), cur.get("engine_fingerprint")
     bc, cc = base.get("timing_cache_digest"), cur.get("timing_cache_digest")
-    pinned = run_pinned or bool(cur.get("pinned")) or (bc is not None and bc == cc)
-    if pinned and bf is not None and cf is not None and bf != cf:
+    if bc is not None and bc == cc and bf is not None and cf is not None and bf != cf:
         verdict.findings.append(
-            Finding(
-                "determinism",
-                "regression",
-                f"engine fingerprint changed ({bf} -> {cf}) although the timing cache is pinned",
-            )
+            Finding("determinism", "fail", f"engine fingerprint changed ({bf} -> {cf}) although both runs "
+                    "built from the same timing cache")
         )
     bo, co = base.get("output_digest"), cur.get("output_digest")
     if bf is not None and bf == cf and bo is not None and co is not None and bo != co:
-        verdict.findings.append(
-            Finding("determinism", "regression", "same engine fingerprint but the outputs changed")
-        )
+        verdict.findings.append(Finding("determinism", "fail", "same engine fingerprint but the outputs changed"))
 
 
-def _check_case(
-    base: Mapping[str, Any],
-    cur: Mapping[str, Any],
-    *,
-    threshold: float,
-    alpha: float,
-    tol: AccuracyTolerances,
-    resamples: int,
-    fail_on_unstable: bool,
-    run_pinned: bool,
-) -> CaseVerdict:
+def _check_case(base: Mapping[str, Any], cur: Mapping[str, Any], s: GateSettings) -> CaseVerdict:
     verdict = CaseVerdict(case_key(cur))
     if cur["status"] == "failed":
-        severity: Severity = "regression" if base["status"] == "ok" else "info"
+        severity: Severity = "fail" if base["status"] != "failed" else "info"
         verdict.findings.append(Finding("failure", severity, f"failed: {cur['error']}"))
         return verdict
     if base["status"] == "failed":
-        verdict.findings.append(
-            Finding("failure", "info", f"baseline failed ({base['error']}); now ok")
-        )
+        verdict.findings.append(Finding("new", "info", f"the baseline failed ({base['error']}); this run has it"))
         return verdict
-    if base.get("latency") is not None and cur.get("latency") is not None:
-        _latency(base["latency"], cur["latency"], threshold, alpha, resamples, verdict)
-    _accuracy(base, cur, tol, verdict)
-    _determinism(base, cur, run_pinned, verdict)
-    if fail_on_unstable:
-        verdict.findings = [
-            Finding(f.kind, "regression", f.message) if f.kind == "unstable" else f
-            for f in verdict.findings
-        ]
+    bw, cw = base.get("model_weights_digest"), cur.get("model_weights_digest")
+    if bw is not None and cw is not None and bw != cw:
+        verdict.findings.append(
+            Finding("weights", "fail", "the model's weights differ from the baseline's: the runs measured "
+                    "different models (promote a baseline of the new model)")
+        )
+    _latency(base, cur, s, verdict)
+    _accuracy(base, cur, s.tolerances, verdict)
+    _determinism(base, cur, verdict)
     return verdict
 
 
 def gate(
-    baseline_doc: Mapping[str, Any],
-    current_doc: Mapping[str, Any],
-    *,
-    latency_threshold: float = 0.05,
-    alpha: float = 0.01,
-    accuracy_tolerances: AccuracyTolerances | None = None,
-    fail_on_unstable: bool = False,
-    bootstrap_resamples: int = 1000,
+    baseline_doc: Mapping[str, Any], current_doc: Mapping[str, Any], settings: GateSettings | None = None
 ) -> GateReport:
     """Compare a run with its baseline, case by case (documents as loaded by ``load_results``).
 
     Runs from different machine classes are refused: their latencies are
-    not comparable (use :func:`harness.bench.compare.compare` instead).
+    not comparable (use :func:`harness.bench.compare.compare` instead); so
+    are runs that share no case at all.
     """
-    if latency_threshold < 0 or not 0 < alpha < 1:
-        raise HarnessError("latency threshold must be >= 0 and alpha strictly between 0 and 1")
+    s = settings or GateSettings()
     base_id, cur_id = baseline_doc["machine"]["id"], current_doc["machine"]["id"]
     if base_id != cur_id:
         raise HarnessError(
             f"baseline is from machine {base_id!r} but the run is from {cur_id!r}; "
             "gate a run against the baseline of its own machine"
         )
-    tol = accuracy_tolerances or AccuracyTolerances()
+    base_cases = {case_key(c): c for c in baseline_doc["cases"]}
+    cur_cases = {case_key(c): c for c in current_doc["cases"]}
+    if not base_cases.keys() & cur_cases.keys():
+        raise HarnessError(
+            f"the run and the baseline share no case (run: {len(cur_cases)} cases, baseline: "
+            f"{len(base_cases)}); nothing can be compared. Bench the baseline's models and modes "
+            "(same names, same backend), or promote a new baseline"
+        )
     notes: list[str] = []
-    for name, doc in (("baseline", baseline_doc), ("current run", current_doc)):
-        if not doc["complete"]:
-            notes.append(f"{name} is incomplete (interrupted run)")
+    problems: list[str] = []
+    if not current_doc["complete"]:
+        problems.append("the current run is incomplete (interrupted); finish it with --resume")
+    if not baseline_doc["complete"]:
+        notes.append("the baseline is incomplete (interrupted run)")
     changed = sorted(
         k
         for k in set(baseline_doc["settings"]) | set(current_doc["settings"])
@@ -305,41 +307,15 @@ def gate(
     )
     if changed:
         notes.append("settings differ: " + ", ".join(changed))
-
-    base_cases = {case_key(c): c for c in baseline_doc["cases"]}
-    cur_cases = {case_key(c): c for c in current_doc["cases"]}
-    verdicts: list[CaseVerdict] = []
-    for key, cur in cur_cases.items():
-        if key not in base_cases:
-            verdicts.append(
-                CaseVerdict(key, [Finding("missing", "info", "not in the baseline (new case)")])
-            )
-            continue
-        verdicts.append(
-            _check_case(
-                base_cases[key],
-                cur,
-                threshold=latency_threshold,
-                alpha=alpha,
-                tol=tol,
-                resamples=bootstrap_resamples,
-                fail_on_unstable=fail_on_unstable,
-                run_pinned=current_doc["settings"].get("pinned") is True,
-            )
-        )
-    for key in base_cases.keys() - cur_cases.keys():
-        verdicts.append(
-            CaseVerdict(key, [Finding("missing", "info", "in the baseline but not in this run")])
-        )
+    verdicts = [
+        _check_case(base_cases[key], cur, s) if key in base_cases
+        else CaseVerdict(key, [Finding("new", "info", "not in the baseline (new case)")])
+        for key, cur in cur_cases.items()
+    ]  # fmt: skip
+    missing_severity: Severity = "info" if s.allow_missing else "fail"
+    verdicts += [
+        CaseVerdict(key, [Finding("missing", missing_severity, "in the baseline but not in this run")])
+        for key in base_cases.keys() - cur_cases.keys()
+    ]
     verdicts.sort(key=lambda v: v.key)
-    return GateReport(
-        cases=verdicts,
-        notes=notes,
-        settings={
-            "latency_threshold": latency_threshold,
-            "alpha": alpha,
-            "accuracy_tolerances": asdict(tol),
-            "fail_on_unstable": fail_on_unstable,
-            "bootstrap_resamples": bootstrap_resamples,
-        },
-    )
+    return GateReport(cases=verdicts, notes=notes, problems=problems, settings={**asdict(s)})

@@ -7,10 +7,16 @@ the latencies it measures. The garbage collector is paused during the loop,
 as ``timeit`` does, so a collection triggered by someone else's garbage does
 not land in a sample. Reported samples are *not* corrected for the overhead;
 the overhead is stored next to them so a reader can judge.
+
+A run is *unstable* when its spread (IQR/median) exceeds a threshold or it
+holds a slow phase (a sustained stretch of slow calls: the machine was busy
+for a while). A run with a slow phase is measured once more, and the second
+run is kept if it has none.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import time
 from collections.abc import Callable, Iterator
@@ -18,14 +24,14 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from harness.bench.stats import Summary
+from harness.bench.stats import SlowPhase, Summary, slow_phase
 from harness.errors import HarnessError
 
 Timer = Literal["cpu", "cuda"]
 
-# trtexec warns when the coefficient of variation exceeds 2.5% on GPU; a CPU
-# shared with other processes is noisier, so it gets twice the tolerance.
-DEFAULT_COV_THRESHOLD: dict[str, float] = {"cpu": 0.05, "cuda": 0.025}
+# Largest IQR/median of a stable run. trtexec warns at 2.5% spread on GPU; a
+# CPU shared with other processes is noisier, so it gets twice the tolerance.
+DEFAULT_SPREAD_THRESHOLD: dict[str, float] = {"cpu": 0.05, "cuda": 0.025}
 
 
 @dataclass(frozen=True)
@@ -39,13 +45,18 @@ class LatencyResult:
     warmup_s: float
     timer: Timer
     batch_size: int
-    cov_threshold: float
-    unstable: bool
+    spread_threshold: float
+    slow_phase: SlowPhase | None
+    remeasured: bool  # the first run had a slow phase, so the loop ran again
     overhead: Summary | None
 
     @property
     def samples_ns(self) -> tuple[float, ...]:
         return self.summary.samples
+
+    @property
+    def unstable(self) -> bool:
+        return self.summary.spread > self.spread_threshold or self.slow_phase is not None
 
     def to_dict(self) -> dict[str, Any]:
         """The ``latency`` field of a results case (see :mod:`harness.bench.results`)."""
@@ -59,8 +70,10 @@ class LatencyResult:
             "summary": self.summary.stats_dict(),
             "samples_ns": [int(s) for s in self.summary.samples],
             "throughput_per_s": self.summary.throughput(self.batch_size),
-            "cov_threshold": self.cov_threshold,
+            "spread_threshold": self.spread_threshold,
             "unstable": self.unstable,
+            "slow_phase": dataclasses.asdict(self.slow_phase) if self.slow_phase is not None else None,
+            "remeasured": self.remeasured,
             "overhead": self.overhead.stats_dict() if self.overhead is not None else None,
         }
 
@@ -182,7 +195,7 @@ def measure_latency(
     sync: Callable[[], object] | None = None,
     timer: Timer = "cpu",
     batch_size: int = 1,
-    cov_threshold: float | None = None,
+    spread_threshold: float | None = None,
     overhead: Summary | None = None,
 ) -> LatencyResult:
     """Warm up for ``warmup_s`` (at least one call), then time ``fn``.
@@ -203,7 +216,7 @@ def measure_latency(
     if batch_size < 1:
         raise HarnessError(f"batch_size must be at least 1, got {batch_size}")
     loop = _loop_for(timer)
-    threshold = DEFAULT_COV_THRESHOLD[timer] if cov_threshold is None else cov_threshold
+    threshold = DEFAULT_SPREAD_THRESHOLD[timer] if spread_threshold is None else spread_threshold
 
     with _gc_paused():
         warm_begin = time.perf_counter_ns()
@@ -218,17 +231,24 @@ def measure_latency(
             if warm_end >= warm_deadline:
                 break
         samples, elapsed_ns = loop(fn, sync, min_iters, int(min_duration_s * 1e9), max_iters)
+        phase = slow_phase(samples)
+        remeasured = phase is not None
+        if remeasured:  # the machine was busy for a while: once more, and keep a clean run
+            again, again_ns = loop(fn, sync, min_iters, int(min_duration_s * 1e9), max_iters)
+            again_phase = slow_phase(again)
+            if again_phase is None or again_phase.fraction < phase.fraction:  # type: ignore[union-attr]
+                samples, elapsed_ns, phase = again, again_ns, again_phase
 
-    summary = Summary.from_samples(samples, unit="ns")
     return LatencyResult(
-        summary=summary,
+        summary=Summary.from_samples(samples, unit="ns"),
         iterations=len(samples),
         duration_s=elapsed_ns / 1e9,
         warmup_iterations=warm_iters,
         warmup_s=(warm_end - warm_begin) / 1e9,
         timer=timer,
         batch_size=batch_size,
-        cov_threshold=threshold,
-        unstable=summary.cov > threshold,
+        spread_threshold=threshold,
+        slow_phase=phase,
+        remeasured=remeasured,
         overhead=overhead if overhead is not None else measure_overhead(timer=timer),
     )

@@ -147,7 +147,7 @@ def slug(text: str) -> str:
 
 
 def check_machine_id(machine_id: str) -> str:
-    if not _ID_PATTERN.match(machine_id):
+    if not isinstance(machine_id, str) or not _ID_PATTERN.fullmatch(machine_id):
         raise HarnessError(
             f"machine id {machine_id!r} is not a valid directory name; "
             "use letters, digits, '.', '_' and '-' (at most 100, not starting with '.' or '-')"

@@ -3,7 +3,10 @@
 The question a precision mode answers is a trade-off: how much error buys
 how much speed. Each mode is one point (median latency, whisker to p95;
 error on a log scale) and the modes no other mode beats on both axes form
-the Pareto front, the only ones worth deploying.
+the Pareto front, the only ones worth deploying. A mode whose outputs hold
+NaN or Inf has no meaningful error: it is drawn as a red cross above the
+others, named with its NaN/Inf counts and never on the front, and failed
+modes are listed under the plot, so no mode disappears without a word.
 
 Figures are drawn on an explicit Agg canvas instead of through pyplot, so
 plotting neither needs a display nor switches the backend of a program
@@ -55,6 +58,14 @@ class _Point:
     error: float
 
 
+@dataclass(frozen=True)
+class _Absent:
+    """A mode with no error to place: non-finite (latency known) or failed."""
+
+    label: str
+    median_ms: float | None
+
+
 def _error(accuracy: Mapping[str, Any], metric: ErrorMetric) -> float | None:
     if metric == "1-cosine":
         cos = accuracy.get("cosine")
@@ -63,19 +74,27 @@ def _error(accuracy: Mapping[str, Any], metric: ErrorMetric) -> float | None:
     return None if value is None else float(value)
 
 
-def _points(cases: list[Mapping[str, Any]], metric: ErrorMetric) -> list[_Point]:
+def _points(cases: list[Mapping[str, Any]], metric: ErrorMetric) -> tuple[list[_Point], list[_Absent]]:
+    """Plottable modes, and the modes without an error to plot (non-finite or failed)."""
     multi_backend = len({c["backend"] for c in cases}) > 1
-    out = []
+    out, absent = [], []
     for c in cases:
-        lat, acc = c.get("latency"), c.get("accuracy")
-        if c["status"] != "ok" or lat is None or acc is None:
-            continue
-        err = _error(acc, metric)
-        if err is None:
-            continue
         label = f"{c['mode']} ({c['backend']})" if multi_backend else c["mode"]
-        out.append(_Point(label, lat["summary"]["median"] / 1e6, lat["summary"]["p95"] / 1e6, err))
-    return out
+        if c["status"] == "failed":
+            absent.append(_Absent(f"{label}: failed", None))
+            continue
+        lat, acc = c["latency"], c["accuracy"]
+        median = lat["summary"]["median"] / 1e6
+        err = _error(acc, metric)
+        if c["status"] == "non-finite":
+            counts = f"NaN {acc['nan_count']}, Inf {acc['inf_count']}"
+            absent.append(_Absent(f"{label}: NON-FINITE ({counts})", median))
+            continue
+        if err is None:
+            absent.append(_Absent(f"{label}: no error (nothing compared)", median))
+            continue
+        out.append(_Point(label, median, lat["summary"]["p95"] / 1e6, err))
+    return out, absent
 
 
 LOG_LATENCY_SPAN = 10.0
@@ -90,7 +109,9 @@ def _log_latency(medians: Sequence[float]) -> bool:
     return min(medians) > 0 and max(medians) / min(medians) > LOG_LATENCY_SPAN
 
 
-def _plot_model(model: str, points: list[_Point], metric: ErrorMetric, title_suffix: str) -> Figure:
+def _plot_model(
+    model: str, points: list[_Point], absent: list[_Absent], metric: ErrorMetric, title_suffix: str
+) -> Figure:
     fig = Figure(figsize=(7, 5), dpi=100)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
@@ -100,6 +121,15 @@ def _plot_model(model: str, points: list[_Point], metric: ErrorMetric, title_suf
     floor = min(positive) / 10 if positive else 1e-12
     xs = [p.median_ms for p in points]
     ys = [p.error if p.error > 0 else floor for p in points]
+    placed = [(a.label, a.median_ms) for a in absent if a.median_ms is not None]
+    if placed:  # above every real error: there is no error to place them by
+        top = max(ys, default=1.0) * 10
+        ax.scatter([x for _, x in placed], [top] * len(placed), marker="X", s=90,
+                   color="tab:red", label="no error to plot (non-finite outputs)", zorder=3)
+        _label_points(ax, [(x, top) for _, x in placed], [label for label, _ in placed])
+    failed = [a.label for a in absent if a.median_ms is None]
+    if failed:
+        fig.text(0.01, 0.01, "not plotted: " + "; ".join(failed), fontsize=7, color="tab:red")
     whiskers = [[0.0] * len(points), [max(0.0, p.p95_ms - p.median_ms) for p in points]]
     ax.errorbar(
         xs,
@@ -129,7 +159,7 @@ def _plot_model(model: str, points: list[_Point], metric: ErrorMetric, title_suf
         label="Pareto-optimal mode",
     )
     ax.set_yscale("log")
-    if _log_latency(xs):
+    if xs and _log_latency(xs):
         ax.set_xscale("log")
     ax.set_xlabel(
         "latency, median with p95 whisker (ms"
@@ -184,8 +214,8 @@ def plot_results(
 ) -> list[Path]:
     """One PNG per model next to the results file: ``<stem>-<model>.png``.
 
-    Models without any successful case that has both latency and accuracy
-    get no plot. Returns the written paths.
+    Models without any case that has a latency get no plot. Returns the
+    written paths.
     """
     results = Path(results_path)
     by_model: dict[str, list[Mapping[str, Any]]] = {}
@@ -193,10 +223,10 @@ def plot_results(
         by_model.setdefault(case["model"], []).append(case)
     written = []
     for model, cases in sorted(by_model.items()):
-        points = _points(cases, error_metric)
-        if not points:
+        points, absent = _points(cases, error_metric)
+        if not points and not any(a.median_ms is not None for a in absent):
             continue
-        fig = _plot_model(model, points, error_metric, f" on {doc['machine']['id']}")
+        fig = _plot_model(model, points, absent, error_metric, f" on {doc['machine']['id']}")
         path = results.parent / f"{results.stem}-{_file_part(model)}.png"
         buf = io.BytesIO()
         fig.savefig(buf, format="png")

@@ -2,7 +2,7 @@
 
 One JSON document per run::
 
-    {"schema_version": 1, "created": "2025-01-01T00:00:00Z", "complete": false,
+    {"schema_version": 2, "created": "2025-01-01T00:00:00Z", "complete": false,
      "machine": {...machine_info()...}, "git": {"commit": ..., "dirty": ...},
      "settings": {...runner settings...}, "cases": [case, ...]}
 
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import math
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -32,113 +33,114 @@ from harness.bench.accuracy import AccuracyResult, TaskAccuracy
 from harness.bench.latency import LatencyResult
 from harness.bench.machine import check_machine_id, git_info, machine_info
 from harness.bench.memory import MemoryReport
+from harness.bench.stats import SUMMARY_FIELDS, Summary
 from harness.errors import HarnessError
-from harness.fileio import atomic_write_bytes, read_json, validate
+from harness.fileio import atomic_write_bytes, canonical_json, digest, read_json, validate
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 _NUM = {"type": "number"}
+_NONNEG = {"type": "number", "minimum": 0}
+_POS = {"type": "number", "exclusiveMinimum": 0}
+_COUNT = {"type": "integer", "minimum": 0}
 _OPT_NUM = {"type": ["number", "null"]}
-_OPT_INT = {"type": ["integer", "null"]}
+_OPT_INT = {"type": ["integer", "null"], "minimum": 0}
 _OPT_STR = {"type": ["string", "null"]}
+_DIGEST = {"type": "string", "pattern": "^sha256:[0-9a-f]{64}$"}
+_OPT_DIGEST = {"anyOf": [_DIGEST, {"type": "null"}]}
 
-_SUMMARY: dict[str, Any] = {
-    "type": "object",
-    "required": [
-        "unit",
-        "count",
-        "min",
-        "max",
-        "mean",
-        "median",
-        "p90",
-        "p95",
-        "p99",
-        "std",
-        "cov",
-    ],
-    "properties": {
+
+def _object(properties: dict[str, Any], optional: tuple[str, ...] = ()) -> dict[str, Any]:
+    """A closed object: every listed property present (but ``optional``), nothing else."""
+    return {
+        "type": "object",
+        "required": [k for k in properties if k not in optional],
+        "additionalProperties": False,
+        "properties": properties,
+    }
+
+
+_SUMMARY = _object(
+    {
         "unit": {"enum": ["ns", "us", "ms", "s"]},
         "count": {"type": "integer", "minimum": 1},
-        **{k: _NUM for k in ("min", "max", "mean", "median", "p90", "p95", "p99", "std", "cov")},
-    },
-}
+        **{k: _POS for k in ("min", "max", "mean", "median", "q1", "q3", "p90", "p95", "p99")},
+        **{k: _NONNEG for k in ("std", "cov", "spread", "mad", "outliers")},
+    }
+)
 
-_LATENCY: dict[str, Any] = {
-    "type": "object",
-    "required": ["timer", "iterations", "duration_s", "summary", "samples_ns", "unstable"],
-    "properties": {
+_LATENCY = _object(
+    {
         "timer": {"enum": ["cpu", "cuda"]},
         "batch_size": {"type": "integer", "minimum": 1},
         "iterations": {"type": "integer", "minimum": 1},
-        "duration_s": _NUM,
-        "warmup_iterations": {"type": "integer", "minimum": 0},
-        "warmup_s": _NUM,
+        "duration_s": _NONNEG,
+        "warmup_iterations": _COUNT,
+        "warmup_s": _NONNEG,
         "summary": _SUMMARY,
-        # items (non-negative integers) are checked in code: jsonschema needs
+        # items (positive integers) are checked in code: jsonschema needs
         # seconds for the hundreds of thousands of samples of a full run
         "samples_ns": {"type": "array", "minItems": 1},
-        "throughput_per_s": _OPT_NUM,
-        "cov_threshold": _NUM,
+        "throughput_per_s": _POS,
+        "spread_threshold": _NONNEG,
         "unstable": {"type": "boolean"},
+        "slow_phase": {
+            "anyOf": [
+                _object({"start": _COUNT, "end": _COUNT, "fraction": _NONNEG, "ratio": _POS}),
+                {"type": "null"},
+            ]
+        },
+        "remeasured": {"type": "boolean"},
         "overhead": {"anyOf": [_SUMMARY, {"type": "null"}]},
-    },
-}
+    }
+)
 
-_MEMORY: dict[str, Any] = {
-    "type": "object",
-    "properties": {
+_MEMORY = _object(
+    {
         "peak_rss_bytes": _OPT_INT,
         "rss_before_bytes": _OPT_INT,
         "peak_rss_method": {"enum": ["vmhwm", "ru_maxrss", None]},
-        "weight_bytes": {
-            "type": ["object", "null"],
-            "additionalProperties": {"type": "integer", "minimum": 0},
-        },
-        "weight_bytes_total": {"type": ["integer", "null"], "minimum": 0},
+        "weight_bytes": {"type": ["object", "null"], "additionalProperties": _COUNT},
+        "weight_bytes_total": _OPT_INT,
         "engine_bytes": _OPT_INT,
         "engine_device_bytes": _OPT_INT,
         "gpu": {"type": ["object", "null"], "additionalProperties": {"type": "integer"}},
+    }
+)
+
+_OUTPUT = {
+    "type": "object",
+    "required": ["path", "shape", "dtype", "count", "compared", "nan_count", "inf_count"],
+    "properties": {
+        "path": {"type": "string"},
+        "shape": {"type": "array", "items": _COUNT},
+        "nan_count": _COUNT,
+        "inf_count": _COUNT,
     },
 }
 
-_ACCURACY: dict[str, Any] = {
-    "type": "object",
-    "required": ["max_abs_error", "cosine", "nan_count", "inf_count"],
-    "properties": {
+_ACCURACY = _object(
+    {
         **{
             k: _OPT_NUM
-            for k in (
-                "max_abs_error",
-                "mean_abs_error",
-                "max_rel_error",
-                "cosine",
-                "snr_db",
-                "top1_agreement",
-            )
+            for k in ("max_abs_error", "mean_abs_error", "max_rel_error", "cosine", "snr_db", "top1_agreement")
         },
-        "nan_count": {"type": "integer", "minimum": 0},
-        "inf_count": {"type": "integer", "minimum": 0},
+        "nan_count": _COUNT,
+        "inf_count": _COUNT,
         "identical": {"type": "boolean"},
-        "outputs": {"type": "array", "items": {"type": "object"}},
-    },
-}
+        "outputs": {"type": "array", "items": _OUTPUT},
+    }
+)
 
-_TASK_ACCURACY: dict[str, Any] = {
-    "type": "object",
-    "required": ["name", "value", "samples"],
-    "properties": {
-        "name": {"type": "string"},
-        "value": _NUM,
-        "samples": {"type": "integer", "minimum": 1},
-    },
-}
+_TASK_ACCURACY = _object(
+    {"name": {"type": "string"}, "value": _NUM, "samples": {"type": "integer", "minimum": 1}}
+)
 
-_TELEMETRY: dict[str, Any] = {
+_TELEMETRY = {
     "type": "object",
     "required": ["samples", "cpu", "gpu", "throttled"],
     "properties": {
-        "samples": {"type": "integer", "minimum": 0},
+        "samples": _COUNT,
         "cpu": {"type": "object"},
         "gpu": {"type": ["object", "string"]},
         "throttled": {"type": "boolean"},
@@ -146,14 +148,19 @@ _TELEMETRY: dict[str, Any] = {
     },
 }
 
+_LOAD = {"type": "array", "items": _NONNEG, "minItems": 3, "maxItems": 3}
+
+STATUSES = ("ok", "non-finite", "failed")
+
 _CASE: dict[str, Any] = {
     "type": "object",
     "required": ["model", "mode", "backend", "status"],
+    "additionalProperties": False,
     "properties": {
         "model": {"type": "string", "minLength": 1},
         "mode": {"type": "string", "minLength": 1},
         "backend": {"type": "string", "minLength": 1},
-        "status": {"enum": ["ok", "failed"]},
+        "status": {"enum": list(STATUSES)},
         "error": _OPT_STR,
         "latency": {"anyOf": [_LATENCY, {"type": "null"}]},
         "memory": {"anyOf": [_MEMORY, {"type": "null"}]},
@@ -162,8 +169,23 @@ _CASE: dict[str, Any] = {
         "telemetry": {"anyOf": [_TELEMETRY, {"type": "null"}]},
         "engine_fingerprint": _OPT_STR,
         "timing_cache_digest": _OPT_STR,
+        "model_weights_digest": _OPT_DIGEST,
         "pinned": {"type": "boolean"},
         "output_digest": _OPT_STR,
+        "threads": {"type": ["integer", "null"], "minimum": 1},
+        "load_average": {
+            "anyOf": [_object({"start": _LOAD, "end": _LOAD, "cpus": {"type": "integer", "minimum": 1}}), {"type": "null"}]
+        },
+        "build": _object(
+            {
+                "seconds": _NONNEG,
+                "backend_seconds": _NONNEG,
+                "cache_file": _OPT_STR,
+                "cache_hits": _COUNT,
+                "cache_misses": _COUNT,
+                "cache_entries_added": _COUNT,
+            }
+        ),
         "layers": {
             "type": ["array", "null"],
             "items": {
@@ -175,13 +197,15 @@ _CASE: dict[str, Any] = {
     },
     "if": {"properties": {"status": {"const": "failed"}}},
     "then": {"required": ["error"], "properties": {"error": {"type": "string", "minLength": 1}}},
+    "else": {"required": ["latency", "accuracy"], "properties": {"latency": _LATENCY, "accuracy": _ACCURACY}},
 }
 
 RESULTS_SCHEMA: dict[str, Any] = {
     "$schema": "https://json-schema.org/draft/2020-12/schema",
     "title": "harness benchmark results",
     "type": "object",
-    "required": ["schema_version", "created", "complete", "machine", "git", "settings", "cases"],
+    "required": ["schema_version", "created", "complete", "machine", "git", "settings", "cases", "digest"],
+    "additionalProperties": False,
     "properties": {
         "schema_version": {"const": SCHEMA_VERSION},
         "created": {"type": "string", "minLength": 1},
@@ -194,6 +218,7 @@ RESULTS_SCHEMA: dict[str, Any] = {
         },
         "settings": {"type": "object"},
         "cases": {"type": "array", "items": _CASE},
+        "digest": _DIGEST,
     },
 }
 
@@ -216,7 +241,7 @@ class CaseResult:
     model: str
     mode: str
     backend: str
-    status: Literal["ok", "failed"] = "ok"
+    status: Literal["ok", "non-finite", "failed"] = "ok"
     error: str | None = None
     latency: LatencyResult | None = None
     memory: MemoryReport | None = None
@@ -227,7 +252,15 @@ class CaseResult:
     timing_cache_digest: str | None = None
     pinned: bool = False
     output_digest: str | None = None
+    model_weights_digest: str | None = None
+    threads: int | None = None
+    load_average: dict[str, Any] | None = None
     layers: list[dict[str, str]] | None = None
+
+    def __post_init__(self) -> None:
+        acc = self.accuracy
+        if self.status == "ok" and acc is not None and any(m.nan_count or m.inf_count for m in acc.outputs):
+            self.status = "non-finite"  # outputs hold NaN/Inf: never shown as fine
 
     @classmethod
     def failed(cls, model: str, mode: str, backend: str, error: str) -> CaseResult:
@@ -251,30 +284,70 @@ class CaseResult:
             "timing_cache_digest": self.timing_cache_digest,
             "pinned": self.pinned,
             "output_digest": self.output_digest,
+            "model_weights_digest": self.model_weights_digest,
+            "threads": self.threads,
+            "load_average": self.load_average,
             "layers": self.layers,
         }
 
 
+def _close(a: float, b: float) -> bool:
+    return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-9)
+
+
+def _check_latency(lat: Mapping[str, Any], where: str) -> None:
+    """The stored summary, throughput and stability flag must be what the raw samples say.
+
+    A file whose summary disagrees with its samples is refused: the gate
+    tests the samples, a reader looks at the summary, and both must tell the
+    same story (a 10x slower set of samples under the old median must not pass).
+    """
+    samples = lat["samples_ns"]
+    if not all(type(s) is int and s > 0 for s in samples):
+        raise HarnessError(f"{where}: latency samples must be positive integers (nanoseconds)")
+    if len(samples) != lat["iterations"]:
+        raise HarnessError(f"{where}: {len(samples)} latency samples but {lat['iterations']} iterations")
+    stored, actual = lat["summary"], Summary.from_samples(samples, unit="ns")
+    wrong = [k for k in SUMMARY_FIELDS if not _close(stored[k], getattr(actual, k))]
+    if stored["unit"] != "ns" or wrong:
+        raise HarnessError(
+            f"{where}: the latency summary disagrees with its raw samples ({', '.join(wrong) or 'unit'}); "
+            "the file was edited or corrupted"
+        )
+    throughput = actual.throughput(lat["batch_size"])
+    if throughput is None or not _close(lat["throughput_per_s"], throughput):
+        raise HarnessError(f"{where}: throughput_per_s disagrees with the samples")
+    phase = lat["slow_phase"]
+    if phase is not None and not phase["start"] < phase["end"] <= len(samples):
+        raise HarnessError(f"{where}: slow_phase lies outside the samples")
+    if lat["unstable"] != (actual.spread > lat["spread_threshold"] or phase is not None):
+        raise HarnessError(f"{where}: the unstable flag disagrees with the spread and slow phase")
+
+
 def _check_cases(doc: Mapping[str, Any], where: str) -> None:
-    """What the schema cannot say (or not fast): unique case keys, integer samples, one per iteration."""
+    """What the schema cannot say: unique case keys, summaries recomputed, statuses that fit."""
     seen: set[CaseKey] = set()
     for i, case in enumerate(doc["cases"]):
         key = case_key(case)
+        case_where = f"{where}: case {i} ({format_key(key)})"
         if key in seen:
-            raise HarnessError(f"{where}: case {i} ({format_key(key)}) appears twice")
+            raise HarnessError(f"{case_where} appears twice")
         seen.add(key)
-        lat = case.get("latency")
-        if lat is None:
+        if case["status"] == "failed":
             continue
-        if not all(type(s) is int and s >= 0 for s in lat["samples_ns"]):
+        _check_latency(case["latency"], case_where)
+        acc = case["accuracy"]
+        nonfinite = acc["nan_count"] + acc["inf_count"] > 0
+        if nonfinite != (case["status"] == "non-finite"):
             raise HarnessError(
-                f"{where}: case {format_key(key)} has latency samples that are not non-negative integers (ns)"
+                f"{case_where}: status {case['status']!r} but the outputs hold "
+                f"{acc['nan_count']} NaN and {acc['inf_count']} Inf"
             )
-        if len(lat["samples_ns"]) != lat["iterations"]:
-            raise HarnessError(
-                f"{where}: case {format_key(key)} has {len(lat['samples_ns'])} latency samples "
-                f"but {lat['iterations']} iterations"
-            )
+
+
+def content_digest(doc: Mapping[str, Any]) -> str:
+    """Digest of everything in a results document but the digest itself."""
+    return digest(canonical_json({k: v for k, v in doc.items() if k != "digest"}))
 
 
 def check_results(doc: Any, where: str) -> None:
@@ -284,9 +357,12 @@ def check_results(doc: Any, where: str) -> None:
     if doc["schema_version"] != SCHEMA_VERSION:
         raise HarnessError(
             f"{where}: schema_version {doc['schema_version']!r} is not supported; "
-            f"this harness reads version {SCHEMA_VERSION}"
+            f"this harness reads version {SCHEMA_VERSION} (rerun the benchmark)"
         )
     validate(doc, RESULTS_SCHEMA, where)
+    if doc["digest"] != content_digest(doc):
+        raise HarnessError(f"{where}: contents do not match the recorded digest; the file was edited or corrupted")
+    check_machine_id(doc["machine"]["id"])
     _check_cases(doc, where)
 
 
@@ -297,16 +373,22 @@ def load_results(path: str | os.PathLike[str]) -> dict[str, Any]:
     return dict(doc)
 
 
+def sealed(doc: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """``doc`` with its content digest, validated."""
+    out = {k: v for k, v in doc.items() if k != "digest"}
+    out["digest"] = content_digest(out)
+    check_results(out, where)
+    return out
+
+
 def write_results(path: str | os.PathLike[str], doc: Mapping[str, Any]) -> None:
-    """Validate, then replace ``path`` atomically.
+    """Seal (digest), validate, then replace ``path`` atomically.
 
     Compact JSON: a run holds thousands of raw samples per case, and the
     tables are the human view.
     """
-    check_results(doc, f"results for {path}")
-    atomic_write_bytes(
-        path, json.dumps(doc, allow_nan=False, separators=(",", ":")).encode() + b"\n"
-    )
+    body = sealed(doc, f"results for {path}")
+    atomic_write_bytes(path, json.dumps(body, allow_nan=False, separators=(",", ":")).encode() + b"\n")
 
 
 def utc_now() -> str:
@@ -475,8 +557,7 @@ def merge_results(paths: Iterable[str | os.PathLike[str]]) -> dict[str, Any]:
         },
         "cases": cases,
     }
-    check_results(merged, "merged results")
-    return merged
+    return sealed(merged, "merged results")
 
 
 def results_dir(root: str | os.PathLike[str], machine_id: str) -> Path:
@@ -493,17 +574,25 @@ def baseline_path(root: str | os.PathLike[str], machine_id: str) -> Path:
     return results_dir(root, machine_id) / "baseline.json"
 
 
-def promote_baseline(run_path: str | os.PathLike[str], root: str | os.PathLike[str]) -> Path:
+def promote_baseline(
+    run_path: str | os.PathLike[str], root: str | os.PathLike[str], *, force: bool = False
+) -> Path:
     """Make a finished run the baseline of its machine; returns the baseline path.
 
     The run is validated first, so a corrupt or partial file never replaces
-    a good baseline.
+    a good baseline. A ``--quick`` run is refused unless ``force``: its tiny
+    timing windows give samples too few and too noisy to gate later runs on.
     """
     doc = load_results(run_path)
     if not doc["complete"]:
         raise HarnessError(
             f"results file {run_path} is incomplete (the run was interrupted); "
             "finish or rerun it before promoting it to a baseline"
+        )
+    if doc["settings"].get("quick") and not force:
+        raise HarnessError(
+            f"results file {run_path} is a --quick run: its timing windows are too short for its "
+            "samples to gate later runs against; run the benchmark without --quick, or pass --force"
         )
     dest = baseline_path(root, doc["machine"]["id"])
     write_results(dest, doc)

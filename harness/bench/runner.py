@@ -21,7 +21,7 @@ import os
 import re
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,11 +40,18 @@ from harness.engines.protocol import Backend, BuildConfig, Engine
 from harness.errors import HarnessError
 from harness.globalstate import preserves_global_state
 from harness.outputs import tensor_paths
+from harness.weights import module_weights_digest
 
 DEFAULT_MODELS = ("resnet", "transformer", "digits")
 # Backends whose engines run on a CUDA device: timed with CUDA events, GPU memory recorded.
 GPU_BACKENDS = frozenset({"tensorrt"})
 EXPLICIT_MODE = "explicit"
+
+
+# One thread by default: on a busy 2-core machine PyTorch's default thread
+# count turned 0.05 ms calls into 30 ms ones for seconds at a time (its worker
+# threads wait for cores other processes hold); one thread had no slow calls.
+DEFAULT_THREADS = 1
 
 
 @dataclass(frozen=True)
@@ -64,9 +71,12 @@ class MeasureSettings:
     # test) so a run file with raw samples stays around a megabyte.
     max_iters: int | None = 20000
     telemetry_interval_s: float = 0.25
-    # CoV above which a case is flagged unstable; None: the timer's default
-    # (5% on CPU, 2.5% on GPU as trtexec warns).
-    cov_threshold: float | None = None
+    # IQR/median above which a case is flagged unstable; None: the timer's
+    # default (5% on CPU, 2.5% on GPU as trtexec warns).
+    spread_threshold: float | None = None
+    # Intra-op threads of every candidate (engines, the eager reference),
+    # pinned for the whole case and restored afterwards.
+    threads: int = DEFAULT_THREADS
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -190,14 +200,19 @@ class BenchRunner:
         """One case as a results entry; any failure becomes a ``failed`` entry naming its stage.
 
         Peak RSS covers the whole case (build, accuracy runs and the timing
-        loop), the "peak host RSS during the run" a reader expects.
+        loop), the "peak host RSS during the run" a reader expects. Every
+        candidate runs with ``settings.threads`` intra-op threads.
         """
+        torch.set_num_threads(self.settings.threads)
+        load_start = list(os.getloadavg())
         stage = ["load model"]
         try:
             (case, build), peaks = measure_memory(
                 lambda: self._measure_case(model, mode, stage), gpu_index=self._gpu_index()
             )
             engine_memory = case.memory or MemoryReport()
+            case.threads = self.settings.threads
+            case.load_average = {"start": load_start, "end": list(os.getloadavg()), "cpus": os.cpu_count() or 1}
             case.memory = dataclasses.replace(
                 peaks,
                 weight_bytes=engine_memory.weight_bytes,
@@ -226,7 +241,9 @@ class BenchRunner:
         ref = self.reference(model)
         stage[0] = "build"
         config = BuildConfig(
-            mode=mode, explicit_path=self.explicit_path if mode == EXPLICIT_MODE else None
+            mode=mode,
+            explicit_path=self.explicit_path if mode == EXPLICIT_MODE else None,
+            threads=self.settings.threads,
         )
         cache_path = cache_file(self.cache_dir, model, mode)
         self.cache_dir.mkdir(parents=True, exist_ok=True)
@@ -261,6 +278,7 @@ class BenchRunner:
             timing_cache_digest=_cache_digest(built),
             pinned=built.cache_misses == 0,
             output_digest=output_digest(outputs),
+            model_weights_digest=module_weights_digest(spec.module),
             layers=[layer.to_json() for layer in engine.layers()],
         ), _build_record(built, build_s)
 
@@ -299,7 +317,7 @@ class BenchRunner:
                 timer=timer,
                 batch_size=_batch_size(inputs),
                 overhead=self.overhead(timer),
-                cov_threshold=s.cov_threshold,
+                spread_threshold=s.spread_threshold,
             )
         return latency, sampler.summary()
 
@@ -313,8 +331,10 @@ class BenchRunner:
     ) -> dict[str, Any]:
         """Run every case into ``writer`` and finish it; an interrupt leaves it incomplete.
 
-        Cases the writer already holds (a resumed run) are skipped. ``on_case``
-        sees each newly recorded case (the CLI reports failures with it).
+        Cases the writer already holds (a resumed run) are skipped. What a
+        reader must know about a case (it failed, its outputs are not finite,
+        the machine was busy) is printed above the progress bar as it happens;
+        ``on_case`` sees each newly recorded case.
         """
         from tqdm import tqdm
 
@@ -325,11 +345,37 @@ class BenchRunner:
                 bar.set_postfix_str(f"{model} {mode}")
                 entry = self.run_case(model, mode)
                 writer.add(entry)
+                for line in case_messages(entry):
+                    tqdm.write(line, file=sys.stderr)
                 if on_case is not None:
                     on_case(entry)
         finally:
             bar.close()
         return writer.finish()
+
+
+def case_messages(case: Mapping[str, Any]) -> list[str]:
+    """One line for each thing about a finished case that makes its numbers doubtful or absent."""
+    name = f"{case['model']}/{case['mode']}"
+    if case["status"] == "failed":
+        return [f"case {name} failed: {case['error']}"]
+    lines = []
+    acc = case["accuracy"]
+    if case["status"] == "non-finite":
+        lines.append(f"case {name}: outputs not finite ({acc['nan_count']} NaN, {acc['inf_count']} Inf)")
+    load = case.get("load_average")
+    if load is not None and max(load["start"][0], load["end"][0]) > load["cpus"]:
+        lines.append(
+            f"case {name}: the machine was busier than its {load['cpus']} cores (load average "
+            f"{load['start'][0]:.1f} -> {load['end'][0]:.1f}); its latency may be inflated"
+        )
+    phase = case["latency"]["slow_phase"]
+    if phase is not None:
+        lines.append(
+            f"case {name}: a slow phase remained after re-measuring (samples {phase['start']}-{phase['end']} "
+            f"at x{phase['ratio']:.2f}); marked unstable"
+        )
+    return lines
 
 
 def _batch_size(inputs: tuple[torch.Tensor, ...]) -> int:

@@ -7,6 +7,7 @@ task accuracy for a model without labelled data).
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Mapping
 from typing import Any
 
@@ -52,11 +53,22 @@ def _speedup(reference_ns: float | None, median_ns: float | None) -> str:
 
 
 def _status(case: Mapping[str, Any], width: int = 60) -> str:
+    """``ok``, ``non-finite (NaN n, Inf m)``, or the whole failure reason wrapped to ``width``."""
     if case["status"] == "ok":
         return "ok"
-    first_line = (case.get("error") or "").splitlines()[0] if case.get("error") else ""
-    text = f"failed: {first_line}"
-    return text if len(text) <= width else text[: width - 3] + "..."
+    if case["status"] == "non-finite":
+        acc = case["accuracy"]
+        return f"non-finite (NaN {acc['nan_count']}, Inf {acc['inf_count']})"
+    return textwrap.fill(f"failed: {case.get('error') or ''}", width)
+
+
+def _spread(lat: Mapping[str, Any] | None) -> str:
+    if not lat:
+        return ""
+    text = f"{lat['summary']['spread']:.1%} ({lat['summary']['outliers']:.0%} out)"
+    if lat["slow_phase"] is not None:
+        return text + " slow phase"
+    return text + (" unstable" if lat["unstable"] else "")
 
 
 def results_rows(doc: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]:
@@ -64,10 +76,10 @@ def results_rows(doc: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]:
     reference_median = {
         (c["model"], c["backend"]): c["latency"]["summary"]["median"]
         for c in doc["cases"]
-        if c["mode"] == REFERENCE_MODE and c["status"] == "ok" and c.get("latency")
+        if c["mode"] == REFERENCE_MODE and c["status"] != "failed"
     }
     header = [
-        "model", "mode", "backend", "median", "p95", "speed-up", "CoV",
+        "model", "mode", "backend", "median", "p95", "speed-up", "IQR/median",
         "max abs err", "cosine", "top-1", "task acc", "weights", "engine", "peak RSS", "status",
     ]  # fmt: skip
     rows = []
@@ -80,9 +92,6 @@ def results_rows(doc: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]:
         )
         median = lat["summary"]["median"] if lat else None
         ref = reference_median.get((c["model"], c["backend"]))
-        cov = ""
-        if lat:
-            cov = f"{lat['summary']['cov']:.1%}" + (" unstable" if lat["unstable"] else "")
         rows.append(
             [
                 c["model"],
@@ -91,7 +100,7 @@ def results_rows(doc: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]:
                 format_ns(median),
                 format_ns(lat["summary"]["p95"] if lat else None),
                 _speedup(ref, median),
-                cov,
+                _spread(lat),
                 _num(acc["max_abs_error"] if acc else None, ".2e"),
                 _num(acc["cosine"] if acc else None, ".6f"),
                 _num(acc.get("top1_agreement") if acc else None, ".2%"),
@@ -118,36 +127,26 @@ def results_table(doc: Mapping[str, Any], fmt: str = "simple") -> str:
 
 
 def gate_table(report: GateReport, fmt: str = "simple") -> str:
-    """One row per case, with the latency statistics behind the verdict."""
+    """One row per case, with the latency statistics behind the verdict, then the counts."""
     # p of the one-sided test in the direction the median moved
-    header = ["case", "verdict", "ratio", "p", "ratio CI", "findings"]
+    header = ["case", "verdict", "fails", "ratio", "p", "ratio CI", "findings"]
     rows = []
     for v in report.cases:
         lat = v.latency
-        ci = (
-            f"[{lat.ci_low:.3f}, {lat.ci_high:.3f}]"
-            if lat and lat.ci_low is not None and lat.ci_high is not None
-            else ""
-        )
         rows.append(
             [
                 format_key(v.key),
                 v.verdict,
+                "FAIL" if v.fails else "",
                 f"x{lat.ratio:.3f}" if lat else "",
                 f"{lat.p_slower if lat.ratio >= 1 else lat.p_faster:.2g}" if lat else "",
-                ci,
-                "; ".join(f.message for f in v.findings),
+                f"[{lat.ci_low:.3f}, {lat.ci_high:.3f}]" if lat else "",
+                textwrap.fill("; ".join(f.message for f in v.findings), 80),
             ]
         )
-    verdict = "FAIL" if report.exit_code else "PASS"
-    summary = f"gate {verdict}: {len(report.regressions)} regressions, {len(report.improvements)} improvements"
     notes = "".join(f"\nnote: {n}" for n in report.notes)
-    return (
-        tabulate(rows, headers=header, tablefmt=fmt, disable_numparse=True)
-        + "\n\n"
-        + summary
-        + notes
-    )
+    table = tabulate(rows, headers=header, tablefmt=fmt, disable_numparse=True)
+    return f"{table}\n\n{report.summary()}{notes}"
 
 
 def _flag(value: bool | None) -> str:
@@ -158,6 +157,7 @@ def compare_table(comparison: Comparison, fmt: str = "simple") -> str:
     """Per-case equality and deltas, then every layer whose tactic changed."""
     header = [
         "case",
+        "weights",
         "engine",
         "outputs",
         "tactics",
@@ -173,6 +173,7 @@ def compare_table(comparison: Comparison, fmt: str = "simple") -> str:
         rows.append(
             [
                 format_key(c.key),
+                _flag(c.weights_equal),
                 _flag(c.fingerprints_equal),
                 _flag(c.outputs_equal),
                 "" if diffs is None else (f"{len(diffs)} differ" if diffs else "same"),
@@ -198,4 +199,10 @@ def compare_table(comparison: Comparison, fmt: str = "simple") -> str:
     for side, keys in (("a", comparison.only_in_a), ("b", comparison.only_in_b)):
         if keys:
             out += f"\n\nonly in {side}: " + ", ".join(format_key(k) for k in keys)
+    other_models = [format_key(c.key) for c in comparison.cases if c.weights_equal is False]
+    if other_models:
+        out += (
+            "\n\nmodel weights differ in: " + ", ".join(other_models)
+            + " (the two runs measured different models there; their deltas compare different models)"
+        )
     return out

@@ -35,6 +35,7 @@ from harness.engines.cpu import CpuBackend
 from harness.engines.protocol import BuildConfig
 from harness.errors import HarnessError
 from harness.outputs import flat_tensors
+from models.thirdparty import THIRD_PARTY
 
 ROUNDS = 3
 
@@ -194,7 +195,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="python -m harness.benchmarks.engine_bench", description=__doc__
     )
     parser.add_argument(
-        "--models", default=",".join(models.available()), help="comma-separated zoo names"
+        "--models",
+        default=",".join(m for m in models.available() if m not in THIRD_PARTY),
+        help="comma-separated zoo names (the hf-* models: python -m harness.benchmarks.conformance_bench)",
     )
     parser.add_argument("--seconds", type=float, default=3.0, help="measuring time per ratio")
     parser.add_argument(

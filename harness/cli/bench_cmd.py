@@ -1,14 +1,16 @@
-"""``harness bench``, ``merge``, ``baseline promote``, ``compare`` and ``gate``.
+"""``harness bench``, ``merge``, ``baseline promote``, ``compare``, ``gate`` and ``report``.
 
-Exit codes: 0 success (gate: no regression), 1 a case failed (bench) or a
-regression (gate), 2 bad input (flags, files, models, modes), 130
-interrupted (the finished cases are kept in a file marked incomplete).
+Exit codes: 0 success (gate: every case passes), 1 a case failed (bench) or
+the gate failed, 2 bad input (flags, files, models, modes; refused before
+any work), 130 interrupted (the finished cases are kept in a file marked
+incomplete).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import re
 import sys
 from pathlib import Path
@@ -20,6 +22,8 @@ DEFAULT_ROOT = "results"
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    from harness.bench.gate import AccuracyTolerances, GateSettings
+    from harness.bench.runner import DEFAULT_MODELS, DEFAULT_THREADS
     from harness.engines.registry import BACKEND_NAMES
 
     p = sub.add_parser(
@@ -27,8 +31,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         help="benchmark models x precision modes on one backend",
         description="Build, check accuracy of, and time every (model, mode) case; write one results JSON.",
     )
-    p.add_argument("--models", default=None, help="comma-separated zoo names or path/to/file.py:factory "
-                   "(default: resnet,transformer,digits)")
+    p.add_argument("--models", default=",".join(DEFAULT_MODELS),
+                   help="comma-separated zoo names or path/to/file.py:factory")
     p.add_argument("--modes", default=None, help="comma-separated precision modes "
                    "(default: every mode the backend supports; 'explicit' only with --explicit)")
     p.add_argument("--backend", choices=BACKEND_NAMES, default="auto",
@@ -37,11 +41,16 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--cache-dir", default=None, metavar="DIR",
                    help="timing caches, one per (model, mode) (default: caches/ next to the results file)")
     p.add_argument("--shard", default=None, metavar="I/N", help="run every N-th case of the matrix, starting at the I-th")
-    p.add_argument("--cov-threshold", default=None, metavar="PCT",
-                   help="flag a case unstable above this coefficient of variation (default: 5%% on CPU, 2.5%% on GPU)")
+    p.add_argument("--threads", type=int, default=DEFAULT_THREADS,
+                   help="intra-op threads of every candidate, pinned for each case (1 gives stable "
+                   "numbers on a shared machine; more measures multi-core speed)")
+    p.add_argument("--spread-threshold", default=None, metavar="PCT",
+                   help="flag a case unstable above this IQR/median spread, e.g. 5%% or 0.05 "
+                   "(default: 5%% on CPU, 2.5%% on GPU)")
     p.add_argument("--quick", action="store_true", help="tiny warm-up and timing windows: checks the pipeline, not the numbers")
-    p.add_argument("-o", "--output", default=None, metavar="FILE",
-                   help=f"results file (default: {DEFAULT_ROOT}/<machine>/run-<timestamp>.json)")
+    p.add_argument("-o", "--output", default=None, metavar="PATH",
+                   help=f"results file, or a directory to write run-<timestamp>.json into "
+                   f"(default: {DEFAULT_ROOT}/<machine>/run-<timestamp>.json)")
     p.add_argument("--resume", action="store_true",
                    help="continue the interrupted run in -o FILE (same flags), skipping its finished cases")
     p.add_argument("--summary-md", default=None, metavar="FILE", help="also write the table as Markdown (CI job summary)")
@@ -54,28 +63,48 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     m.add_argument("-o", "--output", required=True, metavar="FILE")
     m.set_defaults(func=run_merge)
 
+    r = sub.add_parser("report", help="print the table and write the plots of a stored, merged or old run")
+    r.add_argument("run", metavar="RUN.json")
+    r.add_argument("--summary-md", default=None, metavar="FILE", help="also write the table as Markdown")
+    r.add_argument("--no-plots", action="store_true", help="skip the latency-vs-error PNGs")
+    r.set_defaults(func=run_report)
+
     b = sub.add_parser("baseline", help="manage per-machine baselines")
     bsub = b.add_subparsers(dest="baseline_command", required=True, metavar="ACTION")
     promote = bsub.add_parser("promote", help="make a finished run the baseline of its machine")
     promote.add_argument("run", metavar="RUN")
-    promote.add_argument("--root", default=DEFAULT_ROOT, help=f"results root (default: {DEFAULT_ROOT})")
+    promote.add_argument("--root", default=DEFAULT_ROOT, help="results root")
+    promote.add_argument("--force", action="store_true", help="accept a --quick run as the baseline")
     promote.set_defaults(func=run_promote)
 
     c = sub.add_parser("compare", help="per-case fingerprints, tactics, output digests, latency and accuracy of two runs")
     c.add_argument("a", metavar="A.json")
     c.add_argument("b", metavar="B.json")
     c.add_argument("--markdown", action="store_true", help="print the table as Markdown")
+    c.add_argument("--json", action="store_true", help="print the comparison as JSON")
     c.set_defaults(func=run_compare)
 
+    defaults, tol = GateSettings(), AccuracyTolerances()
     g = sub.add_parser("gate", help="fail on latency, accuracy or determinism regressions against a baseline")
     g.add_argument("--baseline", default=None, metavar="B", help="default: <root>/<machine>/baseline.json")
     g.add_argument("--current", default=None, metavar="C", help="default: the newest run-*.json in <root>/<machine>/")
-    g.add_argument("--root", default=DEFAULT_ROOT, help=f"results root for the defaults (default: {DEFAULT_ROOT})")
-    g.add_argument("--latency-threshold", default="5%", metavar="PCT",
+    g.add_argument("--root", default=DEFAULT_ROOT, help="results root for the defaults")
+    g.add_argument("--latency-threshold", default=f"{defaults.latency_threshold:.0%}", metavar="PCT",
                    help="smallest slowdown of the median that counts (5%% or 0.05)")
-    g.add_argument("--alpha", type=float, default=0.01, help="significance level of the Mann-Whitney U test")
-    g.add_argument("--fail-on-unstable", action="store_true", help="a case with a CoV above its threshold fails")
+    g.add_argument("--alpha", type=float, default=defaults.alpha, help="significance level of the Mann-Whitney U test")
+    g.add_argument("--max-abs-error-increase", type=float, default=tol.max_abs_error_increase, metavar="X",
+                   help="largest accepted growth of the max absolute error")
+    g.add_argument("--cosine-drop", type=float, default=tol.cosine_drop, metavar="X",
+                   help="largest accepted drop of the cosine similarity")
+    g.add_argument("--top1-drop", type=float, default=tol.top1_drop, metavar="X",
+                   help="largest accepted drop of top-1 agreement (a fraction)")
+    g.add_argument("--task-accuracy-drop", type=float, default=tol.task_accuracy_drop, metavar="X",
+                   help="largest accepted drop of the task accuracy (a fraction)")
+    g.add_argument("--fail-on-unstable", action="store_true", help="an unstable current case fails the gate")
+    g.add_argument("--allow-missing", action="store_true",
+                   help="a baseline case this run lacks does not fail the gate (a subset run)")
     g.add_argument("--summary-md", default=None, metavar="FILE", help="also write the gate table as Markdown")
+    g.add_argument("--json", action="store_true", help="print the verdicts as JSON")
     g.set_defaults(func=run_gate)
 
 
@@ -91,24 +120,16 @@ def _split(text: str, flag: str) -> list[str]:
     return items
 
 
-def _check_models(names: list[str]) -> None:
-    """Load every model up front: an unknown name is bad input, not a failed case."""
-    import models
-
-    for name in names:
-        models.load(name)
-
-
 def _modes(text: str | None, backend: Any, explicit: str | None) -> list[str]:
+    """The modes to run, each one the backend can build (refused here, not as failed cases)."""
     from harness.bench.runner import EXPLICIT_MODE, default_modes
-    from harness.engines.modes import check_mode_name
 
     if text is None:
         modes = list(default_modes(backend))
         return modes + [EXPLICIT_MODE] if explicit is not None else modes
     modes = _split(text, "--modes")
     for mode in modes:
-        check_mode_name(mode)
+        backend.check_mode(mode)
     if (EXPLICIT_MODE in modes) != (explicit is not None):
         raise HarnessError(
             "mode 'explicit' needs --explicit FILE"
@@ -119,15 +140,9 @@ def _modes(text: str | None, backend: Any, explicit: str | None) -> list[str]:
 
 
 def _backend(name: str) -> Any:
-    from harness.engines.registry import get_backend, resolve_name
+    from harness.engines.registry import get_backend
 
-    try:
-        return get_backend(name)
-    except ImportError as exc:
-        raise HarnessError(
-            f"backend {resolve_name(name)!r} cannot be loaded on this machine ({exc}); "
-            "use --backend cpu or install it"
-        ) from None
+    return get_backend(name)
 
 
 def _write_text(path: str, text: str) -> None:
@@ -146,7 +161,7 @@ def _overhead_line(doc: dict[str, Any]) -> str:
         if c.get("latency") is not None and c["latency"].get("overhead") is not None
     ]
     if not overheads:
-        return "measurement overhead per iteration: not measured (no successful case)"
+        return "measurement overhead per iteration: not measured (no case was timed)"
     worst = max(overheads, key=lambda o: o["median"])
     return (
         "measurement overhead per iteration (timing loop around an empty call, "
@@ -155,38 +170,75 @@ def _overhead_line(doc: dict[str, Any]) -> str:
     )
 
 
-def run_bench(args: argparse.Namespace) -> int:
-    from harness.bench.machine import machine_info
-    from harness.bench.results import ResultsWriter, new_run_path
-    from harness.bench.runner import (
-        DEFAULT_MODELS,
-        QUICK,
-        BenchRunner,
-        MeasureSettings,
-        build_matrix,
-        parse_shard,
-    )
-    from harness.bench.tables import results_table
+def _output_path(args: argparse.Namespace, machine_id: str, shard: tuple[int, int] | None) -> Path:
+    """Where the run goes: ``-o FILE``, a new run file in ``-o DIR``, or the default place."""
+    from harness.bench.results import new_run_path
+    from harness.fileio import check_writable
 
+    if args.output is not None and not Path(args.output).is_dir():
+        return check_writable(args.output, "-o")
+    if args.resume:
+        raise HarnessError(
+            f"--resume needs -o FILE, the results file of the interrupted run (got {args.output or 'no -o'})"
+        )
+    if args.output is not None:  # a directory: a new run file in it
+        output = Path(args.output) / new_run_path(DEFAULT_ROOT, machine_id).name
+    else:
+        output = new_run_path(DEFAULT_ROOT, machine_id)
+    if shard is not None:
+        output = output.with_name(f"{output.stem}-shard{shard[0]}of{shard[1]}.json")
+    return check_writable(output, "-o")
+
+
+def _check_caches(
+    cache_dir: Path, matrix: list[tuple[str, str]], backend: Any, explicit: str | None, threads: int
+) -> None:
+    """Every cache the run would read must load and fit this backend, before any case runs."""
+    from harness.bench.runner import EXPLICIT_MODE, cache_file
+    from harness.build import load_cache
+    from harness.engines.protocol import BuildConfig
+
+    if cache_dir.exists() and not cache_dir.is_dir():
+        raise HarnessError(f"--cache-dir {cache_dir}: is a file, not a directory")
+    for model, mode in matrix:
+        path = cache_file(cache_dir, model, mode)
+        if path.exists():
+            config = BuildConfig(mode=mode, explicit_path=explicit if mode == EXPLICIT_MODE else None, threads=threads)
+            load_cache(path, backend, config)
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    import models
+    from harness.bench.machine import machine_info
+    from harness.bench.results import ResultsWriter
+    from harness.bench.runner import QUICK, BenchRunner, MeasureSettings, build_matrix, parse_shard
+    from harness.engines.modes import load_explicit
+    from harness.fileio import check_writable
+
+    # Everything that can be refused is refused here, before a file is written.
     shard = parse_shard(args.shard) if args.shard is not None else None
-    if args.explicit is not None and not Path(args.explicit).is_file():
-        raise HarnessError(f"--explicit {args.explicit}: no such file")
-    model_names = _split(args.models, "--models") if args.models is not None else list(DEFAULT_MODELS)
+    if args.threads < 1:
+        raise HarnessError(f"--threads {args.threads}: must be at least 1")
+    if args.explicit is not None:
+        load_explicit(args.explicit)
+    model_names = _split(args.models, "--models")
     backend = _backend(args.backend)
     modes = _modes(args.modes, backend, args.explicit)
-    _check_models(model_names)
-    measure = QUICK if args.quick else MeasureSettings()
-    if args.cov_threshold is not None:
-        measure = dataclasses.replace(measure, cov_threshold=parse_threshold(args.cov_threshold, "--cov-threshold"))
-
+    for name in model_names:
+        models.load(name)
+    measure = dataclasses.replace(QUICK if args.quick else MeasureSettings(), threads=args.threads)
+    if args.spread_threshold is not None:
+        measure = dataclasses.replace(
+            measure, spread_threshold=parse_threshold(args.spread_threshold, "--spread-threshold")
+        )
+    if args.summary_md is not None:
+        check_writable(args.summary_md, "--summary-md")
     machine = machine_info()
-    if args.output is not None:
-        output = Path(args.output)
-    else:
-        output = new_run_path(DEFAULT_ROOT, machine["id"])
-        if shard is not None:
-            output = output.with_name(f"{output.stem}-shard{shard[0]}of{shard[1]}.json")
+    output = _output_path(args, machine["id"], shard)
     cache_dir = Path(args.cache_dir) if args.cache_dir is not None else output.parent / "caches"
+    matrix = build_matrix(model_names, modes, shard)
+    _check_caches(cache_dir, matrix, backend, args.explicit, measure.threads)
+
     # Shards of one run must carry equal settings (merge checks them), so the
     # shard is in the file name and the measured overhead in each case, not here.
     settings = {
@@ -195,38 +247,26 @@ def run_bench(args: argparse.Namespace) -> int:
         "modes": modes,
         "explicit": args.explicit,
         "quick": bool(args.quick),
+        "threads": measure.threads,
         "measure": measure.to_dict(),
     }
-    matrix = build_matrix(model_names, modes, shard)
     if args.resume:
-        if args.output is None:
-            raise HarnessError("--resume needs -o FILE, the results file of the interrupted run")
         writer = ResultsWriter.resume(output, settings=settings, machine=machine)
     else:
         writer = ResultsWriter.create(output, settings=settings, machine=machine)
-    runner = BenchRunner(
-        backend,
-        cache_dir=cache_dir,
-        settings=measure,
-        explicit_path=args.explicit,
-    )
-
-    def on_case(case: dict[str, Any]) -> None:
-        if case["status"] == "failed":
-            print(f"case {case['model']}/{case['mode']} failed: {case['error']}", file=sys.stderr)
-
+    runner = BenchRunner(backend, cache_dir=cache_dir, settings=measure, explicit_path=args.explicit)
     try:
-        doc = runner.run(matrix, writer, progress=not args.no_progress, on_case=on_case)
+        doc = runner.run(matrix, writer, progress=not args.no_progress)
     except KeyboardInterrupt:
         doc = writer.doc
-        _report(doc, output, args, results_table)
+        _report(doc, output, args.no_plots, args.summary_md)
         print(
             f"interrupted: {len(doc['cases'])} of {len(matrix)} cases kept in {output} "
             f"(marked incomplete; finish it by repeating the command with --resume -o {output})",
             file=sys.stderr,
         )
         return 130
-    _report(doc, output, args, results_table)
+    _report(doc, output, args.no_plots, args.summary_md)
     failed = [f"{c['model']}/{c['mode']}" for c in doc["cases"] if c["status"] == "failed"]
     if failed:
         print(f"{len(failed)} of {len(matrix)} cases failed: {', '.join(failed)}", file=sys.stderr)
@@ -234,19 +274,31 @@ def run_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _report(doc: dict[str, Any], output: Path, args: argparse.Namespace, table: Any) -> None:
-    print(table(doc))
+def _report(doc: dict[str, Any], output: Path, no_plots: bool, summary_md: str | None) -> None:
+    from harness.bench.tables import results_table
+
+    print(results_table(doc))
     print()
     print(_overhead_line(doc))
-    if not args.no_plots and doc["cases"]:
+    if not no_plots and doc["cases"]:
         from harness.bench.plots import plot_results
 
         for path in plot_results(doc, output):
             print(f"plot: {path}")
     print(f"results: {output}")
+    if summary_md is not None:
+        _write_text(summary_md, f"{results_table(doc, 'github')}\n\n{_overhead_line(doc)}\n")
+        print(f"markdown summary: {summary_md}")
+
+
+def run_report(args: argparse.Namespace) -> int:
+    from harness.bench.results import load_results
+    from harness.fileio import check_writable
+
     if args.summary_md is not None:
-        _write_text(args.summary_md, f"{table(doc, 'github')}\n\n{_overhead_line(doc)}\n")
-        print(f"markdown summary: {args.summary_md}")
+        check_writable(args.summary_md, "--summary-md")
+    _report(load_results(args.run), Path(args.run), args.no_plots, args.summary_md)
+    return 0
 
 
 # --- merge, baseline, compare ----------------------------------------------------------
@@ -254,8 +306,9 @@ def _report(doc: dict[str, Any], output: Path, args: argparse.Namespace, table: 
 
 def run_merge(args: argparse.Namespace) -> int:
     from harness.bench.results import merge_results, write_results
+    from harness.fileio import check_writable
 
-    output = Path(args.output)
+    output = check_writable(args.output, "-o")
     if output.resolve() in {Path(p).resolve() for p in args.shards}:
         raise HarnessError(f"-o {output}: the merged file must not replace one of its shards")
     doc = merge_results(args.shards)
@@ -268,7 +321,9 @@ def run_merge(args: argparse.Namespace) -> int:
 def run_promote(args: argparse.Namespace) -> int:
     from harness.bench.results import promote_baseline
 
-    dest = promote_baseline(args.run, args.root)
+    if Path(args.root).exists() and not Path(args.root).is_dir():
+        raise HarnessError(f"--root {args.root}: is a file, not a directory")
+    dest = promote_baseline(args.run, args.root, force=args.force)
     print(f"baseline for its machine: {dest} (from {args.run})")
     return 0
 
@@ -279,7 +334,10 @@ def run_compare(args: argparse.Namespace) -> int:
     from harness.bench.tables import compare_table
 
     comparison = compare(load_results(args.a), load_results(args.b))
-    print(compare_table(comparison, "github" if args.markdown else "simple"))
+    if args.json:
+        print(json.dumps(comparison.to_dict(), indent=2))
+    else:
+        print(compare_table(comparison, "github" if args.markdown else "simple"))
     return 0
 
 
@@ -287,7 +345,7 @@ def run_compare(args: argparse.Namespace) -> int:
 
 
 def parse_threshold(text: str, flag: str = "--latency-threshold") -> float:
-    """``"5%"`` or ``"0.05"`` -> 0.05."""
+    """``"5%"`` or ``"0.05"`` -> 0.05; a bare number of 1 or more is refused as ambiguous."""
     raw = text.strip()
     try:
         value = float(raw[:-1]) / 100 if raw.endswith("%") else float(raw)
@@ -295,6 +353,11 @@ def parse_threshold(text: str, flag: str = "--latency-threshold") -> float:
         raise HarnessError(
             f"{flag} {text!r}: expected a percentage such as 5% or a fraction such as 0.05"
         ) from None
+    if not raw.endswith("%") and value >= 1:
+        raise HarnessError(
+            f"{flag} {text!r}: read as the fraction {value:g}, i.e. {value:.0%}; "
+            f"write {raw}% for {raw} percent, or a fraction below 1 such as {value / 100:g}"
+        )
     if not 0 <= value < 10:
         raise HarnessError(f"{flag} {text!r}: must be between 0% and 1000%")
     return value
@@ -327,38 +390,52 @@ def _gate_inputs(args: argparse.Namespace) -> tuple[Path, Path]:
     from harness.bench.machine import machine_info
     from harness.bench.results import baseline_path, results_dir
 
+    if Path(args.root).exists() and not Path(args.root).is_dir():
+        raise HarnessError(f"--root {args.root}: is a file, not a directory")
     machine = machine_info()["id"]
     baseline = Path(args.baseline) if args.baseline is not None else baseline_path(args.root, machine)
     if args.baseline is None and not baseline.is_file():
         raise HarnessError(
-            f"no baseline for machine {machine!r} at {baseline}; promote a run with "
-            "`harness baseline promote RUN` or pass --baseline FILE"
+            f"no baseline for machine {machine!r} at {baseline}. A first run has nothing to gate "
+            "against: run `harness bench`, then `harness baseline promote RUN` and commit the "
+            "baseline (see the README, 'Gating pull requests'); or pass --baseline FILE"
         )
     current = Path(args.current) if args.current is not None else newest_run(results_dir(args.root, machine))
     return baseline, current
 
 
 def run_gate(args: argparse.Namespace) -> int:
-    from harness.bench.gate import gate
+    from harness.bench.gate import AccuracyTolerances, GateSettings, gate
     from harness.bench.results import load_results
     from harness.bench.tables import gate_table
+    from harness.fileio import check_writable
 
-    threshold = parse_threshold(args.latency_threshold)
+    for flag in ("max_abs_error_increase", "cosine_drop", "top1_drop", "task_accuracy_drop"):
+        value = getattr(args, flag)
+        if not 0 <= value < float("inf"):
+            raise HarnessError(f"--{flag.replace('_', '-')} {value}: must be a finite number >= 0")
     if not 0 < args.alpha < 1:
         raise HarnessError(f"--alpha {args.alpha}: must be strictly between 0 and 1")
+    settings = GateSettings(
+        latency_threshold=parse_threshold(args.latency_threshold),
+        alpha=args.alpha,
+        tolerances=AccuracyTolerances(
+            args.max_abs_error_increase, args.cosine_drop, args.top1_drop, args.task_accuracy_drop
+        ),
+        fail_on_unstable=args.fail_on_unstable,
+        allow_missing=args.allow_missing,
+    )
+    if args.summary_md is not None:
+        check_writable(args.summary_md, "--summary-md")
     baseline, current = _gate_inputs(args)
     if baseline.resolve() == current.resolve():
         raise HarnessError(f"baseline and current run are the same file ({current})")
-    report = gate(
-        load_results(baseline),
-        load_results(current),
-        latency_threshold=threshold,
-        alpha=args.alpha,
-        fail_on_unstable=args.fail_on_unstable,
-    )
-    print(f"gate: {current} against baseline {baseline}")
-    print(gate_table(report))
+    report = gate(load_results(baseline), load_results(current), settings)
+    if args.json:
+        print(json.dumps({"baseline": str(baseline), "current": str(current), **report.to_dict()}, indent=2))
+    else:
+        print(f"gate: {current} against baseline {baseline}")
+        print(gate_table(report))
     if args.summary_md is not None:
         _write_text(args.summary_md, f"### Regression gate\n\n{gate_table(report, 'github')}\n")
     return report.exit_code
-

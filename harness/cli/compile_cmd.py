@@ -12,7 +12,8 @@ from harness.errors import HarnessError
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("compile", help="run the autocast compiler and print the precision report")
     p.add_argument("--model", required=True, help="zoo name or path/to/file.py:factory")
-    p.add_argument("--mode", choices=("rule", "amp", "full", "fp32"), default="rule")
+    p.add_argument("--mode", choices=("rule", "amp", "full", "fp32"), default="rule",
+                   help="rule: rule-based classifier; amp: PyTorch AMP policy; full: all low; fp32: nothing lowered")
     p.add_argument("--low", default="fp16", help="low precision type: fp16 or bf16")
     p.add_argument("--exclude", action="append", default=[], metavar="REGEX", help="keep nodes matching REGEX in fp32")
     p.add_argument("--exclude-op", action="append", default=[], metavar="OP", help="keep ops such as aten.conv2d in fp32")
@@ -20,7 +21,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--include-op", action="append", default=[], metavar="OP", help="force ops low")
     p.add_argument("--data-max", type=float, default=512.0, help="activation absmax above which a node stays fp32 (<=0: off)")
     p.add_argument("--init-max", type=float, default=65504.0, help="weight absmax above which a node stays fp32 (<=0: off)")
-    p.add_argument("--max-reduction-depth", type=int, default=None, metavar="N")
+    p.add_argument("--max-reduction-depth", type=int, default=None, metavar="N",
+                   help="keep in fp32 every reduction that sums more than N values (conv, matmul K, sum, softmax ...)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=run)
 

@@ -89,6 +89,12 @@ class BuildConfig:
     # Backend options that change kernels (timing iterations, tf32, optimization
     # level); recorded in the cache provenance so a cache is reused only under them.
     options: Mapping[str, Any] = field(default_factory=dict)
+    # Intra-op threads of host engines (timing and running); None: torch's current count.
+    # Tactic timings depend on it, so it is part of the cache provenance.
+    threads: int | None = None
+
+    def thread_count(self) -> int:
+        return self.threads if self.threads is not None else torch.get_num_threads()
 
 
 @dataclass(frozen=True)
@@ -237,6 +243,10 @@ class StructuredOutputs:
 
 class Backend(Protocol):
     name: str
+
+    def check_available(self) -> None:
+        """Raise HarnessError saying what is missing when this backend cannot build here."""
+        ...
 
     def supported_modes(self) -> tuple[str, ...]: ...
 

@@ -41,6 +41,7 @@ def get_backend(name: str) -> Backend:
     except ImportError as exc:
         raise HarnessError(f"backend {resolved!r} is not available here: {exc}") from exc
     backend: Backend = getattr(module, class_name)()
+    backend.check_available()
     return backend
 
 

@@ -20,6 +20,7 @@ from harness.bench.runner import QUICK, BenchRunner
 from harness.build import build_engine
 from harness.engines.cpu import CpuBackend
 from harness.engines.protocol import PRECISION_MODES, BuildConfig
+from harness.globalstate import preserved_global_state
 from harness.outputs import tensor_paths
 from models.thirdparty import THIRD_PARTY
 from tests.conformance.recreations import RECREATIONS
@@ -111,9 +112,13 @@ def test_bench_accuracy_is_the_direct_comparison(subject, tmp_path):
     assert entry["status"] == "ok", entry.get("error")
     # The same engine again, from the cache the bench wrote: the same tactics, the same bits.
     cache = next((tmp_path / "caches").iterdir())
-    engine = build_engine(spec, BuildConfig(mode="autocast-bf16"), backend, cache).engine
+    engine = build_engine(spec, BuildConfig(mode="autocast-bf16", threads=QUICK.threads), backend, cache).engine
     out = engine(*spec.example_inputs)
     assert output_digest(out) == entry["output_digest"]
+    # The bench's reference ran on the bench's thread count: eager fp32 bits depend on it.
+    with preserved_global_state(), torch.inference_mode():
+        torch.set_num_threads(entry["threads"])
+        eager = spec.module(*spec.example_inputs)
     direct = compare_outputs(out, eager).to_dict()
     recorded = entry["accuracy"]
     for key in ("max_abs_error", "mean_abs_error", "max_rel_error", "cosine", "nan_count"):

@@ -52,6 +52,9 @@ _RELEVANT_FLAGS = (
 class CpuBackend:
     name = "cpu"
 
+    def check_available(self) -> None:
+        """Always available: the engine runs on PyTorch's CPU kernels."""
+
     def supported_modes(self) -> tuple[str, ...]:
         return PRECISION_MODES
 
@@ -79,7 +82,7 @@ class CpuBackend:
                 "mode": config.mode,
                 "timing_runs": timing.timing_runs,
                 "warmup_runs": timing.warmup_runs,
-                "num_threads": torch.get_num_threads(),
+                "num_threads": config.thread_count(),
             },
         )
 

@@ -121,7 +121,7 @@ class SessionSettings:
     intra_op_num_threads: int
 
     @classmethod
-    def from_options(cls, options: Mapping[str, Any]) -> SessionSettings:
+    def from_options(cls, options: Mapping[str, Any], default_threads: int | None = None) -> SessionSettings:
         unknown = sorted(set(options) - set(BUILDER_OPTIONS))
         if unknown:
             raise HarnessError(
@@ -132,7 +132,7 @@ class SessionSettings:
             raise HarnessError(
                 f"onnxruntime option graph_optimization_level={level!r}; valid: {', '.join(OPTIMIZATION_LEVELS)}"
             )
-        threads = options.get("intra_op_num_threads", torch.get_num_threads())
+        threads = options.get("intra_op_num_threads", default_threads or torch.get_num_threads())
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
             raise HarnessError(f"onnxruntime option intra_op_num_threads={threads!r}; expected an integer >= 1")
         return cls(level, threads)
@@ -293,11 +293,19 @@ class OnnxRuntimeEngine(StructuredOutputs):
 class OnnxRuntimeBackend:
     name = BACKEND
 
+    def check_available(self) -> None:
+        """Nothing beyond the import of onnxruntime, which loading this module did."""
+
     def supported_modes(self) -> tuple[str, ...]:
-        return tuple(mode for mode in PRECISION_MODES if not is_weak(mode))
+        return tuple(mode for mode in PRECISION_MODES if not is_weak(mode) and "bf16" not in mode)
 
     def check_mode(self, mode: str) -> None:
         check_mode_name(mode)
+        if "bf16" in mode:
+            raise HarnessError(
+                f"backend onnxruntime cannot build {mode}: ONNX Runtime has almost no bf16 kernels on "
+                "CPU. Use the fp16 or fp32 modes here, or backend cpu/tensorrt for bf16"
+            )
         if is_weak(mode):
             raise HarnessError(
                 f"backend onnxruntime cannot build {mode}: weak typing lets a builder pick each "
@@ -306,7 +314,7 @@ class OnnxRuntimeBackend:
             )
 
     def provenance(self, config: BuildConfig) -> Provenance:
-        settings = SessionSettings.from_options(config.options)
+        settings = SessionSettings.from_options(config.options, config.threads)
         cpu = cpu_info()
         return Provenance(
             backend=BACKEND,
@@ -321,7 +329,7 @@ class OnnxRuntimeBackend:
         self, graph: CompiledGraph, config: BuildConfig, cache: TimingCache | None
     ) -> tuple[OnnxRuntimeEngine, BuildLog]:
         self.check_mode(config.mode)
-        settings = SessionSettings.from_options(config.options)
+        settings = SessionSettings.from_options(config.options, config.threads)
         if cache is not None and not config.disable_cache:
             check_compatible(cache, self.provenance(config), config.ignore_cache_mismatch, "timing cache")
         start = time.perf_counter()

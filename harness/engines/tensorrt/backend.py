@@ -338,6 +338,11 @@ class TensorRTBackend:
         # network id -> serialized ITimingCache of its last build: the keys pins can update.
         self._key_sources: dict[str, bytes] = {}
 
+    def check_available(self) -> None:
+        """TensorRT's bindings with their native libraries, and a CUDA GPU."""
+        self._trt()
+        require_cuda()
+
     def _trt(self) -> tuple[TrtModule, TrtVersion]:
         trt = load_trt(self._trt_module)
         return trt, installed_version(trt)
