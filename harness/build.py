@@ -21,8 +21,9 @@ import torch
 from harness.cache.timing_cache import TimingCache, check_compatible
 from harness.engines.modes import compile_for_mode
 from harness.engines.protocol import Backend, BuildConfig, BuildLog, Engine
+from harness.engines.saved import write_engine_dir
 from harness.errors import HarnessError
-from harness.fileio import atomic_write_json
+from harness.fileio import check_writable, json_bytes, locked
 from harness.globalstate import preserves_global_state
 
 if TYPE_CHECKING:
@@ -74,35 +75,51 @@ def build_engine(
     backend: Backend,
     cache_path: str | os.PathLike[str] | None = None,
 ) -> BuildResult:
-    """Compile and build once, reading and (if it grew) atomically rewriting ``cache_path``.
+    """Compile and build once, then add the new timings to ``cache_path``.
 
     The cache is read before the (slow) compile, so a bad cache fails fast.
+    New entries are merged into the file as it is *then*, under its lock, so
+    two builds sharing one cache file both keep what they timed. A cache
+    accepted with ``ignore_cache_mismatch`` is used read-only: timings made
+    here never go into a file whose provenance names another configuration.
     """
     backend.check_mode(config.mode)
     path = Path(cache_path) if cache_path is not None else None
+    if path is not None:
+        check_writable(path, "timing cache")
+    provenance = backend.provenance(config)
     if config.disable_cache:
         cache = None
     elif path is not None and path.exists():
         cache = load_cache(path, backend, config)
     else:
-        cache = TimingCache(backend.provenance(config))
+        cache = TimingCache(provenance)
     compiled = compile_graph(spec, config, backend)
-    before = None if cache is None else cache.digest()
-    size = 0 if cache is None else len(cache)
+    known = {} if cache is None else {e.key: e for e in cache.entries()}
     engine, log = backend.build(compiled, config, cache)
+    new = [] if cache is None else [e for e in cache.entries() if known.get(e.key) != e]
+    foreign = cache is not None and bool(cache.provenance.mismatches(provenance))
+    if foreign and new:
+        log.messages.append(
+            f"timing cache {path}: recorded for another configuration, used read-only; "
+            f"{len(new)} new timing(s) were not written to it"
+        )
     added = 0
-    if cache is not None and path is not None and cache.digest() != before:
-        cache.save(path)
-        added = len(cache) - size
+    if new and path is not None and not foreign:
+        with locked(path):
+            current = load_cache(path, backend, config) if path.exists() else TimingCache(provenance)
+            for entry in new:
+                if current.query(entry.key) is None:  # another build may have timed it meanwhile
+                    current.update(entry)
+                    added += 1
+            if added:
+                current.save(path)
     return BuildResult(engine, log, path, added)
 
 
 def save_build(result: BuildResult, output: str | os.PathLike[str]) -> Path:
-    """Write the engine directory and its ``build_log.json``."""
-    out = Path(output)
-    result.engine.save(out)
-    atomic_write_json(out / BUILD_LOG_FILE, result.log.to_json())
-    return out
+    """Write the engine directory with its ``build_log.json``, replaced as a whole."""
+    return write_engine_dir(output, {**result.engine.files(), BUILD_LOG_FILE: json_bytes(result.log.to_json())})
 
 
 @dataclass

@@ -5,16 +5,24 @@ lands in a temporary file in the same directory, is fsynced, and replaces the
 target in one ``os.replace``. An interrupted run therefore leaves either the
 old file or the new one, never half of one, and a corrupt input that failed to
 load is never overwritten by accident because readers raise before writers run.
+
+Files that several processes read, change and write back (timing caches,
+baselines) are changed under :func:`locked`, an exclusive ``flock`` (as
+trtexec and Polygraphy lock timing caches): two processes editing one cache
+at once both keep their changes.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import math
 import os
 import stat
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -23,19 +31,23 @@ import jsonschema
 from harness.errors import HarnessError
 
 
-def _umask() -> int:
+def current_umask() -> int:
+    """The process umask (reading it means setting it: set back at once)."""
     mask = os.umask(0)
     os.umask(mask)
     return mask
 
 
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
-    """Replace ``path`` with ``data`` atomically (same-directory temp file + rename)."""
-    target = Path(path)
+    """Replace ``path`` with ``data`` atomically (same-directory temp file + rename).
+
+    A symlink is followed: its target is replaced and the link stays a link.
+    """
+    target = Path(os.path.realpath(path)) if Path(path).is_symlink() else Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     try:
-        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; results and caches are shared files
+        os.fchmod(fd, 0o666 & ~current_umask())  # mkstemp makes 0600; results and caches are shared files
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
             fh.flush()
@@ -55,8 +67,13 @@ def digest(data: bytes) -> str:
     return "sha256:" + hashlib.sha256(data).hexdigest()
 
 
+def json_bytes(obj: Any) -> bytes:
+    """How the harness writes a JSON document: indented, finite numbers only."""
+    return (json.dumps(obj, indent=2, sort_keys=False, allow_nan=False) + "\n").encode()
+
+
 def atomic_write_json(path: str | os.PathLike[str], obj: Any) -> None:
-    atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=False) + "\n").encode())
+    atomic_write_bytes(path, json_bytes(obj))
 
 
 # Bounds of what any JSON file of the harness may hold; beyond them a file is
@@ -190,3 +207,26 @@ def check_writable(path: str | os.PathLike[str], what: str) -> Path:
     if not os.access(parent, os.W_OK | os.X_OK):
         raise HarnessError(f"{what} {p}: directory {parent} is not writable")
     return p
+
+
+@contextmanager
+def locked(path: str | os.PathLike[str]) -> Iterator[None]:
+    """Hold an exclusive lock for a read-modify-write of ``path`` (blocks until free).
+
+    The lock is taken on the directory holding ``path``: the file itself is
+    replaced by rename on every write, so a lock on its inode would protect
+    nothing, and a lock file beside it would be litter. Critical sections are
+    short (read, change, write one file), so sharing the directory's lock costs
+    nothing noticeable.
+    """
+    directory = Path(os.path.realpath(path)).parent
+    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError as exc:
+        raise HarnessError(f"cannot lock {path}: {exc.strerror or exc} ({directory})") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock

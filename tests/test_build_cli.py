@@ -304,3 +304,16 @@ def test_inspect_finds_the_backend_and_verify_refuses_another_backends_cache(mod
     assert "saved by backend onnxruntime: use --backend onnxruntime" in capsys.readouterr().err
     assert main(["cache", "verify", str(built[1]), "--engine", str(engine_dir)]) == 2
     assert "built by backend onnxruntime, but" in capsys.readouterr().err
+
+
+def test_verify_of_a_missing_engine_never_checks_the_parent_directory(capsys, tmp_path):
+    """Once, ``--engine DIR/does-not-exist`` verified DIR's engine and said it agreed."""
+    engine, cache = tmp_path / "engine", tmp_path / "c.json"
+    assert main(["build", "--model", "digits", "--mode", "fp32", "--cache", str(cache),
+                 "-o", str(engine), "--option", "timing_runs=1"]) == 0  # fmt: skip
+    capsys.readouterr()
+    assert main(["cache", "verify", str(cache), "--engine", str(engine / "does-not-exist")]) == 2
+    out, err = capsys.readouterr()
+    assert "agrees" not in out and f"{engine / 'does-not-exist'}: no such engine directory" in err
+    assert main(["inspect", str(tmp_path / "nonexistent")]) == 2
+    assert f"engine {tmp_path / 'nonexistent'}: no such engine directory" in capsys.readouterr().err

@@ -213,4 +213,4 @@ def test_merge_mismatch_refused_then_ignored(capsys, tmp_path, cache_file):
 
 def test_verify_bad_engine_path_exits_2(capsys, tmp_path, cache_file):
     code, _, err = run(capsys, "verify", cache_file, "--engine", tmp_path / "nope")
-    assert code == 2 and "no such file" in err
+    assert code == 2 and f"engine {tmp_path / 'nope'}: no such engine directory" in err

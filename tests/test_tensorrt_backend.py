@@ -183,7 +183,7 @@ def test_builder_options_are_applied_and_recorded():
     [
         ({"workspace": 1}, "unknown tensorrt builder option"),
         ({"builder_optimization_level": 7}, "expected 0..5"),
-        ({"avg_timing_iterations": 0}, "expected an integer >= 1"),
+        ({"avg_timing_iterations": 0}, "expected an integer from 1 to 1000"),
         ({"tf32": "yes"}, "expected true or false"),
     ],
 )

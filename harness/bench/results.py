@@ -362,7 +362,10 @@ def check_results(doc: Any, where: str) -> None:
     validate(doc, RESULTS_SCHEMA, where)
     if doc["digest"] != content_digest(doc):
         raise HarnessError(f"{where}: contents do not match the recorded digest; the file was edited or corrupted")
-    check_machine_id(doc["machine"]["id"])
+    try:
+        check_machine_id(doc["machine"]["id"])
+    except HarnessError as exc:
+        raise HarnessError(f"{where}: {exc}") from None
     _check_cases(doc, where)
 
 

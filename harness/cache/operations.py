@@ -151,27 +151,50 @@ def _looks_like_hash(text: str) -> bool:
     return bool(_HEX.match(text))
 
 
-def pin_from(cache: TimingCache, other: TimingCache, ignore_mismatch: bool = False) -> list[str]:
+def pin_from(
+    cache: TimingCache, other: TimingCache, ignore_mismatch: bool = False, source: str = "the other cache"
+) -> list[str]:
     """Copy ``other``'s selections into ``cache`` for every key both have; returns those layers.
 
     Our candidates are kept. A cache from another configuration is refused
-    unless ``ignore_mismatch``: its hashes name kernels that may not exist here.
+    unless ``ignore_mismatch``: its hashes name kernels that may not exist
+    here; accepted, the mismatch is written into ``cache``'s provenance.
     """
-    check_compatible(other, cache.provenance, ignore_mismatch, "cannot copy tactic selections")
+    check_compatible(other, cache.provenance, ignore_mismatch, f"cannot copy tactic selections from {source}")
+    record_mismatch(cache, other, source)
     layers: list[str] = []
     for entry in cache.entries():
-        source = other.query(entry.key)
-        if source is not None:
-            cache.update(_select(entry, source.tactic, source.tactic_hash, source.time_ms))
+        chosen = other.query(entry.key)
+        if chosen is not None:
+            cache.update(_select(entry, chosen.tactic, chosen.tactic_hash, chosen.time_ms))
             layers.append(entry.layer)
     return layers
 
 
-def merge(a: TimingCache, b: TimingCache, ignore_mismatch: bool = False) -> TimingCache:
+def merge(a: TimingCache, b: TimingCache, ignore_mismatch: bool = False, source: str = "B") -> TimingCache:
     """A new cache with all of ``a`` plus ``b``'s keys that ``a`` lacks (``a`` wins conflicts)."""
     merged = TimingCache(a.provenance, a.entries())
-    merged.combine(b, ignore_mismatch)
+    check_compatible(b, a.provenance, ignore_mismatch, f"cannot merge {source}")
+    merged.combine(b, ignore_mismatch=True)
+    record_mismatch(merged, b, source)
     return merged
+
+
+def record_mismatch(cache: TimingCache, other: TimingCache, source: str) -> None:
+    """Say in ``cache``'s provenance that it took entries from another configuration.
+
+    The compared provenance stays this cache's, so the record goes into the
+    informative device details, where ``harness cache show`` prints it: a
+    cache never claims a configuration some of its entries were not timed on.
+    """
+    differences = other.provenance.mismatches(cache.provenance)
+    if differences:
+        notes = list(cache.provenance.device_details.get("entries_from_other_configurations", []))
+        notes.append(f"{source}: {'; '.join(differences)}")
+        cache.provenance = replace(
+            cache.provenance,
+            device_details={**cache.provenance.device_details, "entries_from_other_configurations": notes},
+        )
 
 
 def verify(cache: TimingCache, engine_layers: Iterable[tuple[str, str, str]]) -> list[str]:

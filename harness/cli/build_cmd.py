@@ -15,8 +15,9 @@ from typing import Any
 
 from harness.engines.protocol import PRECISION_MODES, BuildConfig
 from harness.engines.registry import BACKEND_NAMES, get_backend
-from harness.engines.saved import plan_backend
+from harness.engines.saved import engine_directory, plan_backend
 from harness.errors import HarnessError
+from harness.fileio import check_writable
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -113,6 +114,9 @@ def run_build(args: argparse.Namespace) -> int:
     config = _config(args)
     if config.disable_cache and args.cache:
         raise HarnessError("--disable-cache and --cache contradict each other; give one")
+    engine_directory(args.output)  # refused now, not after the build
+    if args.cache is not None:
+        check_writable(args.cache, "--cache")
     backend = get_backend(args.backend)
     spec = models.load(args.model)
     result = build_engine(spec, config, backend, args.cache)

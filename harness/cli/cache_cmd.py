@@ -19,6 +19,7 @@ from tabulate import tabulate
 from harness.cache.operations import diff, load_engine_layers, merge, pin, pin_from, verify
 from harness.cache.timing_cache import TimingCache
 from harness.errors import HarnessError
+from harness.fileio import check_writable, locked
 
 
 def register(subparsers: Any) -> None:
@@ -155,22 +156,24 @@ def _parse_layer_spec(spec: str) -> tuple[str, str]:
 
 
 def _pin(args: argparse.Namespace) -> int:
-    cache = TimingCache.load(args.file)
-    if args.source is not None:
-        other = TimingCache.load(args.source)
-        layers = pin_from(cache, other, args.ignore_mismatch)
-        if not layers:
-            raise HarnessError(f"{args.source} shares no key with {args.file}; nothing to pin")
-        summary = layers
-    else:
-        specs = [_parse_layer_spec(s) for s in args.layer]
-        try:
-            pinned = [pin(cache, n, t) for n, t in specs]
-        except HarnessError as exc:
-            raise HarnessError(f"timing cache {args.file}: {exc}") from None
-        summary = [f"{e.layer}: {e.tactic} ({e.tactic_hash})" for e in pinned]
-    out = args.output or args.file
-    cache.save(out)
+    out = check_writable(args.output or args.file, "-o" if args.output else "timing cache")
+    specs = [_parse_layer_spec(s) for s in args.layer] if args.source is None else []
+    # Read, change and write back under the file's lock: two pins at once both stay.
+    with locked(out):
+        cache = TimingCache.load(args.file)
+        if args.source is not None:
+            other = TimingCache.load(args.source)
+            layers = pin_from(cache, other, args.ignore_mismatch, f"timing cache {args.source}")
+            if not layers:
+                raise HarnessError(f"{args.source} shares no key with {args.file}; nothing to pin")
+            summary = layers
+        else:
+            try:
+                pinned = [pin(cache, n, t) for n, t in specs]
+            except HarnessError as exc:
+                raise HarnessError(f"timing cache {args.file}: {exc}") from None
+            summary = [f"{e.layer}: {e.tactic} ({e.tactic_hash})" for e in pinned]
+        cache.save(out)
     print(f"pinned {len(summary)} entr{'y' if len(summary) == 1 else 'ies'} -> {out}")
     for line in summary:
         print(f"  {line}")
@@ -178,11 +181,12 @@ def _pin(args: argparse.Namespace) -> int:
 
 
 def _merge(args: argparse.Namespace) -> int:
+    output = check_writable(args.output, "-o")
     a = TimingCache.load(args.a)
     b = TimingCache.load(args.b)
-    merged = merge(a, b, args.ignore_mismatch)
+    merged = merge(a, b, args.ignore_mismatch, f"timing cache {args.b} (merged into {args.a})")
     conflicts = sum(r.status == "changed" for r in diff(a, b))
-    merged.save(args.output)
+    merged.save(output)
     print(
         f"merged {len(a)} entries from {args.a} and {len(merged) - len(a)} from {args.b} "
         f"-> {args.output} ({conflicts} conflicting keys kept from {args.a})"

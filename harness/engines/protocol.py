@@ -197,15 +197,19 @@ class Engine(Protocol):
     outputs: OutputSpec
 
     def __call__(self, *inputs: torch.Tensor) -> Any:
-        """The model's outputs in the structure the eager model returns (see :class:`StructuredOutputs`)."""
+        """The model's outputs in the structure the eager model returns (see :class:`EngineBase`)."""
         ...
 
     def run(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The flat outputs, in ``outputs`` order."""
         ...
 
+    def files(self) -> dict[str, bytes]:
+        """The engine's directory: file name -> contents (plan.json and its payload)."""
+        ...
+
     def save(self, path: str | os.PathLike[str]) -> None:
-        """Write the engine as a directory (created or replaced file by file, atomically)."""
+        """Write the engine as a directory, replaced as a whole (see :class:`EngineBase`)."""
         ...
 
     def layers(self) -> list[LayerInfo]: ...
@@ -225,11 +229,14 @@ class Engine(Protocol):
         ...
 
 
-class StructuredOutputs:
-    """What every engine shares: it computes flat outputs (``run``), callers get the model's structure.
+class EngineBase:
+    """What every engine shares.
 
-    A dict, ``ModelOutput`` or nested tuple returned by the eager model comes
-    back the same from every engine, so outputs are compared by path.
+    It computes flat outputs (``run``) and callers get the model's structure:
+    a dict, ``ModelOutput`` or nested tuple returned by the eager model comes
+    back the same from every engine, so outputs are compared by path. It is
+    saved as a whole directory of the files it names (``files``), replaced in
+    one step, so no interruption leaves a plan beside another engine's weights.
     """
 
     outputs: OutputSpec
@@ -237,8 +244,16 @@ class StructuredOutputs:
     def run(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         raise NotImplementedError
 
+    def files(self) -> dict[str, bytes]:
+        raise NotImplementedError
+
     def __call__(self, *inputs: torch.Tensor) -> Any:
         return self.outputs.unflatten(self.run(*inputs))
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        from harness.engines.saved import write_engine_dir
+
+        write_engine_dir(path, self.files())
 
 
 class Backend(Protocol):

@@ -11,28 +11,94 @@ which backend must load it.
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
+import shutil
+import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from harness.errors import HarnessError
-from harness.fileio import digest, read_json, validate
+from harness.fileio import atomic_write_bytes, current_umask, digest, read_json, validate
 
 PLAN_FILE = "plan.json"
 
 
 def engine_directory(path: str | os.PathLike[str]) -> Path:
-    """The directory an engine is saved into; refused when a file is in its place."""
+    """The directory an engine is saved into; refused, before any work, when it cannot be written."""
     target = Path(path)
     if target.exists() and not target.is_dir():
         raise HarnessError(f"engine path {target} exists and is not a directory")
+    parent = target.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise HarnessError(f"engine path {target}: {parent} is a file, so nothing can be written below it")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise HarnessError(f"engine path {target}: directory {parent} is not writable")
     return target
+
+
+def write_engine_dir(path: str | os.PathLike[str], files: Mapping[str, bytes]) -> Path:
+    """Replace the engine directory ``path`` with ``files``, as a whole.
+
+    Every file is written into a sibling temporary directory first; then the
+    two directories trade places in one atomic ``renameat2(RENAME_EXCHANGE)``
+    (or, for a new engine, one rename). A run interrupted at any point leaves
+    the previous engine or the new one, never a plan with the other's weights.
+    """
+    target = engine_directory(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
+    try:
+        os.chmod(staging, 0o777 & ~current_umask())
+        for name, data in files.items():
+            atomic_write_bytes(staging / name, data)
+        if target.exists():
+            _exchange(staging, target)  # staging now holds the previous engine
+        else:
+            os.rename(staging, target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _exchange(a: Path, b: Path) -> None:
+    """Swap two directory entries atomically (Linux renameat2); else replace b in two renames."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    renameat2 = getattr(libc, "renameat2", None)
+    if renameat2 is not None:
+        result = renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
+        if result == 0:
+            return
+        if ctypes.get_errno() not in (errno.ENOSYS, errno.EINVAL):
+            error = ctypes.get_errno()
+            raise HarnessError(f"cannot replace engine {b}: {os.strerror(error)}")
+    old = b.with_name(f".{b.name}.old")  # no atomic swap here: the shortest possible gap
+    shutil.rmtree(old, ignore_errors=True)
+    os.rename(b, old)
+    os.rename(a, b)
+    os.rename(old, a)
 
 
 def plan_backend(path: str | os.PathLike[str]) -> tuple[Path, str]:
     """(engine directory, backend name) of a saved engine, given its directory or its plan.json."""
     given = Path(path)
-    directory = given if given.is_dir() else given.parent
+    if given.is_dir():
+        directory = given
+    elif given.name == PLAN_FILE and given.is_file():
+        directory = given.parent
+    else:
+        raise HarnessError(
+            f"engine {given}: no such engine directory (expected a directory holding {PLAN_FILE}, "
+            f"or the {PLAN_FILE} itself)"
+        )
     plan_path = directory / PLAN_FILE
     obj = read_json(plan_path, what="engine plan")
     backend = obj.get("backend") if isinstance(obj, dict) else None
@@ -57,6 +123,8 @@ def read_plan(
     the message when ``path`` is not a directory.
     """
     directory = Path(path)
+    if not directory.exists():
+        raise HarnessError(f"engine {directory}: no such directory (expected {PLAN_FILE} and {payload} in it)")
     if not directory.is_dir():
         raise HarnessError(
             f"engine {directory}: not a directory (expected {PLAN_FILE} and {payload} in it)"

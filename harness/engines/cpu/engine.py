@@ -34,15 +34,15 @@ from harness.engines.cpu.plan import (
     Ref,
     plan_from_json,
 )
-from harness.engines.protocol import LayerInfo, StructuredOutputs, dtype_from_name, dtype_name
-from harness.engines.saved import PLAN_FILE, engine_directory, read_plan
+from harness.engines.protocol import EngineBase, LayerInfo, dtype_from_name, dtype_name
+from harness.engines.saved import PLAN_FILE, read_plan
 from harness.errors import HarnessError
-from harness.fileio import atomic_write_bytes, atomic_write_json, canonical_json, digest
+from harness.fileio import canonical_json, digest, json_bytes
 
 WEIGHTS_FILE = "weights.safetensors"
 
 
-class CpuEngine(StructuredOutputs):
+class CpuEngine(EngineBase):
     backend = "cpu"
 
     def __init__(self, plan: Plan) -> None:
@@ -93,16 +93,10 @@ class CpuEngine(StructuredOutputs):
             sizes[dtype_name(tensor.dtype)] += tensor.numel() * tensor.element_size()
         return dict(sizes)
 
-    def save(self, path: str | os.PathLike[str]) -> None:
-        """Write ``plan.json`` and ``weights.safetensors`` into directory ``path``, each atomically.
-
-        Weights go first: a crash in between leaves a plan whose weights digest
-        no longer matches, which :meth:`load` reports instead of running it.
-        """
-        target = engine_directory(path)
+    def files(self) -> dict[str, bytes]:
+        """``plan.json`` and ``weights.safetensors``."""
         weights = {name: t.contiguous() for name, t in self.plan.weights.items()}
-        atomic_write_bytes(target / WEIGHTS_FILE, save_safetensors(weights))
-        atomic_write_json(target / PLAN_FILE, self.plan.to_json())
+        return {WEIGHTS_FILE: save_safetensors(weights), PLAN_FILE: json_bytes(self.plan.to_json())}
 
     @staticmethod
     def load(path: str | os.PathLike[str]) -> CpuEngine:

@@ -22,6 +22,8 @@ from harness.errors import HarnessError
 
 DEFAULT_WARMUP_RUNS = 2
 DEFAULT_TIMING_RUNS = 7
+# Upper bounds: beyond them a build would run for hours (10**12 runs never ends).
+MAX_RUNS = 1000
 
 
 @dataclass(frozen=True)
@@ -35,9 +37,9 @@ class TimingOptions:
         warmup = options.get("warmup_runs", DEFAULT_WARMUP_RUNS)
         runs = options.get("timing_runs", DEFAULT_TIMING_RUNS)
         for name, value, least in (("warmup_runs", warmup, 0), ("timing_runs", runs, 1)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            if isinstance(value, bool) or not isinstance(value, int) or not least <= value <= MAX_RUNS:
                 raise HarnessError(
-                    f"builder option {name}={value!r}: expected an integer >= {least}"
+                    f"builder option {name}={value!r}: expected an integer from {least} to {MAX_RUNS}"
                 )
         return TimingOptions(warmup_runs=warmup, timing_runs=runs)
 

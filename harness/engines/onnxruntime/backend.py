@@ -67,12 +67,12 @@ from harness.engines.protocol import (
     PRECISION_MODES,
     BuildConfig,
     BuildLog,
+    EngineBase,
     LayerInfo,
-    StructuredOutputs,
 )
-from harness.engines.saved import PLAN_FILE, engine_directory, read_payload, read_plan
+from harness.engines.saved import PLAN_FILE, read_payload, read_plan
 from harness.errors import HarnessError
-from harness.fileio import atomic_write_bytes, atomic_write_json, canonical_json, digest
+from harness.fileio import canonical_json, digest, json_bytes
 from harness.outputs import OutputSpec
 
 if TYPE_CHECKING:
@@ -133,8 +133,8 @@ class SessionSettings:
                 f"onnxruntime option graph_optimization_level={level!r}; valid: {', '.join(OPTIMIZATION_LEVELS)}"
             )
         threads = options.get("intra_op_num_threads", default_threads or torch.get_num_threads())
-        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-            raise HarnessError(f"onnxruntime option intra_op_num_threads={threads!r}; expected an integer >= 1")
+        if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= 1024:
+            raise HarnessError(f"onnxruntime option intra_op_num_threads={threads!r}; expected an integer from 1 to 1024")
         return cls(level, threads)
 
     def to_json(self) -> dict[str, Any]:
@@ -178,7 +178,7 @@ class EngineRecord:
         }
 
 
-class OnnxRuntimeEngine(StructuredOutputs):
+class OnnxRuntimeEngine(EngineBase):
     backend = BACKEND
 
     def __init__(self, model_bytes: bytes, record: EngineRecord) -> None:
@@ -246,15 +246,9 @@ class OnnxRuntimeEngine(StructuredOutputs):
             "fingerprint": self._fingerprint,
         }
 
-    def save(self, path: str | os.PathLike[str]) -> None:
-        """Write ``model.onnx`` then ``plan.json`` (each atomically) into directory ``path``.
-
-        The model goes first: a crash in between leaves a plan whose model
-        digest does not match, which :meth:`load` reports instead of running it.
-        """
-        target = engine_directory(path)
-        atomic_write_bytes(target / MODEL_FILE, self._model_bytes)
-        atomic_write_json(target / PLAN_FILE, self.plan_json())
+    def files(self) -> dict[str, bytes]:
+        """``model.onnx`` and ``plan.json``."""
+        return {MODEL_FILE: self._model_bytes, PLAN_FILE: json_bytes(self.plan_json())}
 
     @staticmethod
     def load(path: str | os.PathLike[str]) -> OnnxRuntimeEngine:

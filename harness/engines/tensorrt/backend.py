@@ -67,11 +67,11 @@ from harness.engines.protocol import (
     PRECISION_MODES,
     BuildConfig,
     BuildLog,
+    EngineBase,
     LayerInfo,
-    StructuredOutputs,
     dtype_from_name,
 )
-from harness.engines.saved import PLAN_FILE, engine_directory, read_payload, read_plan
+from harness.engines.saved import PLAN_FILE, read_payload, read_plan
 from harness.engines.tensorrt.builder import (
     BuildSettings,
     LogCapture,
@@ -97,7 +97,7 @@ from harness.engines.tensorrt.versions import (
     require_weak_typing,
 )
 from harness.errors import HarnessError
-from harness.fileio import atomic_write_bytes, atomic_write_json, canonical_json, digest
+from harness.fileio import canonical_json, digest, json_bytes
 from harness.outputs import OutputSpec
 
 if TYPE_CHECKING:
@@ -171,7 +171,7 @@ class EngineRecord:
         )
 
 
-class TensorRTEngine(StructuredOutputs):
+class TensorRTEngine(EngineBase):
     backend = BACKEND
 
     def __init__(self, plan: bytes, record: EngineRecord, trt_module: TrtModule | None = None) -> None:
@@ -277,11 +277,9 @@ class TensorRTEngine(StructuredOutputs):
             "fingerprint": self._fingerprint,
         }
 
-    def save(self, path: str | os.PathLike[str]) -> None:
-        """Write ``engine.plan`` then ``plan.json`` (each atomically) into directory ``path``."""
-        target = engine_directory(path)
-        atomic_write_bytes(target / ENGINE_FILE, self._plan)
-        atomic_write_json(target / PLAN_FILE, self.plan_json())
+    def files(self) -> dict[str, bytes]:
+        """``engine.plan`` and ``plan.json``."""
+        return {ENGINE_FILE: self._plan, PLAN_FILE: json_bytes(self.plan_json())}
 
     @staticmethod
     def load(path: str | os.PathLike[str], trt_module: TrtModule | None = None) -> TensorRTEngine:

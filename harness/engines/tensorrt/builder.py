@@ -141,8 +141,8 @@ def build_settings(
         raise HarnessError(f"tensorrt option tf32={tf32!r}; expected true or false")
     if isinstance(level, bool) or not isinstance(level, int) or not 0 <= level <= 5:
         raise HarnessError(f"tensorrt option builder_optimization_level={level!r}; expected 0..5")
-    if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 1:
-        raise HarnessError(f"tensorrt option avg_timing_iterations={iterations!r}; expected an integer >= 1")
+    if isinstance(iterations, bool) or not isinstance(iterations, int) or not 1 <= iterations <= 1000:
+        raise HarnessError(f"tensorrt option avg_timing_iterations={iterations!r}; expected an integer from 1 to 1000")
     if error_on_cache_miss and not timing_cache:
         raise HarnessError("error-on-cache-miss needs a timing cache; it cannot be combined with disabling the cache")
     names = builder_flag_names(
