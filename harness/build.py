@@ -95,9 +95,8 @@ def build_engine(
     else:
         cache = TimingCache(provenance)
     compiled = compile_graph(spec, config, backend)
-    known = {} if cache is None else {e.key: e for e in cache.entries()}
     engine, log = backend.build(compiled, config, cache)
-    new = [] if cache is None else [e for e in cache.entries() if known.get(e.key) != e]
+    new = log.new_entries if cache is not None and config.editable_cache else []
     foreign = cache is not None and bool(cache.provenance.mismatches(provenance))
     if foreign and new:
         log.messages.append(
@@ -178,9 +177,9 @@ def rebuild(
 ) -> RebuildReport:
     """Build ``times`` times from one compiled graph and compare the engines.
 
-    Each build gets its own copy of the cache (a fresh empty one without
-    ``cache_path``), so nothing one build times leaks into the next; the cache
-    file itself is never written.
+    Every build reads the same cache (a fresh empty one without
+    ``cache_path``) and none writes it, so nothing one build times leaks into
+    the next.
     """
     if times < 2:
         raise HarnessError(f"--times {times}: a rebuild comparison needs at least 2 builds")
@@ -192,11 +191,8 @@ def rebuild(
     first: tuple[torch.Tensor, ...] | None = None
     mismatches: list[int] = []
     for index in range(times):
-        cache = (
-            TimingCache(base.provenance, base.entries())
-            if base is not None
-            else TimingCache(backend.provenance(config))
-        )
+        # Backends never change the cache they read, so every build starts from the same one.
+        cache = base if base is not None else TimingCache(backend.provenance(config))
         engine, _ = backend.build(compiled, config, cache)
         fingerprints.append(engine.fingerprint())
         per_build.append({layer.name: layer.tactic for layer in engine.layers()})

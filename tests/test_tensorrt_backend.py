@@ -21,7 +21,7 @@ import models
 from harness.cache.timing_cache import CacheEntry, Candidate, Provenance, TimingCache
 from harness.engines.modes import compile_for_mode
 from harness.engines.protocol import BuildConfig
-from harness.engines.tensorrt.backend import TensorRTBackend, merge_decisions, name_entries
+from harness.engines.tensorrt.backend import TensorRTBackend, changed_decisions, name_entries
 from harness.engines.tensorrt.builder import (
     LogCapture,
     layer_timings,
@@ -278,15 +278,14 @@ def test_entries_the_log_does_not_name_take_names_from_the_json_cache():
     assert gemm.layer == UNKNOWN_LAYER
 
 
-def test_a_pinned_rebuild_leaves_the_json_cache_untouched_and_a_change_is_recorded():
+def test_a_pinned_rebuild_adds_nothing_and_a_change_is_reported():
     pinned = CacheEntry(KEY_CONV, "conv + relu", "kernel_a", "0xa", 0.5, CANDIDATES, pinned=True)
     cache = TimingCache(PROV, [pinned])
     before = cache.digest()
-    merge_decisions(cache, [CacheEntry(KEY_CONV, "conv + relu", "0x0A", "0x0A", 0.5)])
-    assert cache.digest() == before
+    assert changed_decisions(cache, [CacheEntry(KEY_CONV, "conv + relu", "0x0A", "0x0A", 0.5)]) == []
     changed = CacheEntry(KEY_CONV, "conv + relu", "kernel_b", "0xb", 0.6)
-    merge_decisions(cache, [changed])
-    assert cache.query(KEY_CONV) == changed
+    assert changed_decisions(cache, [changed]) == [changed]
+    assert cache.digest() == before  # reported, never written into the caller's cache
 
 
 # --- real builds (GPU runners) ---------------------------------------------------------------
@@ -318,7 +317,9 @@ def test_pinned_rebuild_reproduces_the_engine_exactly(tmp_path):
     config = BuildConfig(mode)
     cache = TimingCache(backend.provenance(config))
     first, first_log = backend.build(compiled, config, cache)
-    assert len(cache) > 0
+    assert first_log.new_entries and len(cache) == 0  # the given cache is never changed
+    for entry in first_log.new_entries:
+        cache.update(entry)
     assert first_log.layers and not any(t.from_cache for t in first_log.layers)
     cache.save(tmp_path / "cache.json")
 

@@ -24,7 +24,7 @@ from harness.outputs import OutputSpec
 
 if TYPE_CHECKING:
     from harness.autocast import CompiledGraph
-    from harness.cache.timing_cache import Candidate, Provenance, TimingCache
+    from harness.cache.timing_cache import CacheEntry, Candidate, Provenance, TimingCache
 
 PRECISION_MODES = (
     "fp32",
@@ -180,6 +180,9 @@ class BuildLog:
     layers: list[LayerTiming]
     messages: list[str]
     build_seconds: float
+    # Timing-cache entries this build timed or decided differently from the cache it was
+    # given. Backends never change that cache; the build orchestration writes these.
+    new_entries: list[CacheEntry] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -273,6 +276,12 @@ class Backend(Protocol):
 
     def build(
         self, graph: CompiledGraph, config: BuildConfig, cache: TimingCache | None
-    ) -> tuple[Engine, BuildLog]: ...
+    ) -> tuple[Engine, BuildLog]:
+        """Build ``graph``; ``cache`` (already checked by the caller) is read, never changed.
+
+        The mode and the cache's compatibility are validated once, by the build
+        orchestration (:mod:`harness.build`), before this is called.
+        """
+        ...
 
     def load(self, path: str | os.PathLike[str]) -> Engine: ...

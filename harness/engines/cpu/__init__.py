@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from harness.cache.timing_cache import Provenance, TimingCache, check_compatible
+from harness.cache.timing_cache import Provenance, TimingCache
 from harness.engines.cpu.builder import PlanBuilder
 from harness.engines.cpu.engine import CpuEngine
 from harness.engines.cpu.timing import TimingOptions
@@ -89,19 +89,19 @@ class CpuBackend:
     def build(
         self, graph: CompiledGraph, config: BuildConfig, cache: TimingCache | None
     ) -> tuple[CpuEngine, BuildLog]:
-        self.check_mode(config.mode)
         timing = _timing_options(config)
-        if cache is not None and not config.disable_cache:
-            check_compatible(
-                cache, self.provenance(config), config.ignore_cache_mismatch, "timing cache"
-            )
         start = time.perf_counter()
         builder = PlanBuilder(config, cache, timing)
         plan = builder.build(graph.graph_module, graph.example_inputs)
         plan.structure = graph.outputs
         engine = CpuEngine(plan)
         log = BuildLog(
-            "cpu", config.mode, builder.timings, builder.messages, time.perf_counter() - start
+            "cpu",
+            config.mode,
+            builder.timings,
+            builder.messages,
+            time.perf_counter() - start,
+            list(builder.added.values()),
         )
         return engine, log
 

@@ -102,6 +102,7 @@ class PlanBuilder:
     ) -> None:
         self.config = config
         self.cache = None if config.disable_cache else cache
+        self.added: dict[str, CacheEntry] = {}  # timed by this build (the given cache is never changed)
         self.timing = timing
         self.weak_low = (
             dtype_name(low) if is_weak(config.mode) and (low := low_dtype(config.mode)) else None
@@ -157,7 +158,7 @@ class PlanBuilder:
     def _select(
         self, node: Node, key: str, candidates: list[tuple[_Variant, str]], names: list[str]
     ) -> tuple[int, LayerTiming]:
-        entry = self.cache.query(key) if self.cache is not None else None
+        entry = self.added.get(key) or (self.cache.query(key) if self.cache is not None else None)
         if entry is not None:
             if entry.tactic not in names:
                 raise HarnessError(
@@ -187,9 +188,7 @@ class PlanBuilder:
         index = min(range(len(timed)), key=lambda i: timed[i].time_ms)
         best = timed[index]
         if self.cache is not None and self.config.editable_cache:
-            self.cache.update(
-                CacheEntry(key, node.name, best.tactic, best.tactic_hash, best.time_ms, timed)
-            )
+            self.added[key] = CacheEntry(key, node.name, best.tactic, best.tactic_hash, best.time_ms, timed)
         return index, LayerTiming(node.name, key, timed, best.tactic, best.tactic_hash, False)
 
     def _variants(self, node: Node) -> list[_Variant]:

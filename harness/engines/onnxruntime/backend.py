@@ -48,7 +48,7 @@ import torch
 from onnxruntime.capi import onnxruntime_pybind11_state as ort_state
 
 from harness.bench.machine import cpu_info
-from harness.cache.timing_cache import Provenance, TimingCache, check_compatible
+from harness.cache.timing_cache import Provenance, TimingCache
 from harness.engines.modes import check_mode_name, is_weak
 from harness.engines.onnx_export import (
     CAST_SCHEMA,
@@ -322,10 +322,7 @@ class OnnxRuntimeBackend:
     def build(
         self, graph: CompiledGraph, config: BuildConfig, cache: TimingCache | None
     ) -> tuple[OnnxRuntimeEngine, BuildLog]:
-        self.check_mode(config.mode)
         settings = SessionSettings.from_options(config.options, config.threads)
-        if cache is not None and not config.disable_cache:
-            check_compatible(cache, self.provenance(config), config.ignore_cache_mismatch, "timing cache")
         start = time.perf_counter()
         with tempfile.TemporaryDirectory(prefix="harness-onnx-") as tmp:
             exported = export_onnx(graph, Path(tmp) / MODEL_FILE)

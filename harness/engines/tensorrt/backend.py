@@ -48,7 +48,6 @@ from harness.cache.timing_cache import (
     CacheEntry,
     Provenance,
     TimingCache,
-    check_compatible,
     normalize_hash,
 )
 from harness.engines.modes import check_mode_name, is_weak
@@ -375,14 +374,11 @@ class TensorRTBackend:
     def build(
         self, graph: CompiledGraph, config: BuildConfig, cache: TimingCache | None
     ) -> tuple[TensorRTEngine, BuildLog]:
-        self.check_mode(config.mode)
         trt, _ = self._trt()
         settings = self.settings(config)
         provenance = self.provenance(config)
         if config.disable_cache:
             cache = None
-        if cache is not None:
-            check_compatible(cache, provenance, config.ignore_cache_mismatch, "timing cache")
         pins = cache if cache is not None and len(cache) else None
         if pins is not None and not config.editable_cache:
             raise HarnessError(
@@ -409,8 +405,6 @@ class TensorRTBackend:
             self._key_sources[network_id] = run.cache_bytes
             named = ParsedLog(discovery_log.layers + parsed.layers)
             entries = name_entries(export_trt_cache(run.cache, named, provenance), cache)
-            if cache is not None:
-                merge_decisions(cache, entries)
         messages += [*run.pin_messages, *parsed.problems, *run.capture.problems]
         model = onnx.load_from_string(onnx_bytes)
         record = EngineRecord(
@@ -429,7 +423,8 @@ class TensorRTBackend:
         engine = TensorRTEngine(run.plan, record, self._trt_module)
         known = {key.lower() for key in pins.query_keys()} if pins is not None else set()
         timings = layer_timings(parsed, entries, known)
-        log = BuildLog(BACKEND, config.mode, timings, messages, time.perf_counter() - start)
+        new_entries = changed_decisions(cache, entries) if cache is not None else []
+        log = BuildLog(BACKEND, config.mode, timings, messages, time.perf_counter() - start, new_entries)
         return engine, log
 
     def _pin_base(
@@ -491,13 +486,14 @@ def name_entries(exported: TimingCache, given: TimingCache | None) -> list[Cache
     return entries
 
 
-def merge_decisions(cache: TimingCache, entries: list[CacheEntry]) -> None:
-    """Write the build's decisions into the caller's cache, leaving unchanged entries as they are."""
+def changed_decisions(cache: TimingCache, entries: list[CacheEntry]) -> list[CacheEntry]:
+    """The build's decisions the cache lacks or records differently (what to write back)."""
+    changed = []
     for entry in entries:
         prior = cache.query(entry.key)
-        if prior is not None and normalize_hash(prior.tactic_hash) == normalize_hash(entry.tactic_hash):
-            continue
-        cache.update(entry)
+        if prior is None or normalize_hash(prior.tactic_hash) != normalize_hash(entry.tactic_hash):
+            changed.append(entry)
+    return changed
 
 
 _DIGEST = {"type": "string", "pattern": "^sha256:[0-9a-f]{64}$"}
