@@ -53,7 +53,7 @@ class BuildResult:
 def compile_graph(spec: ModelSpec, config: BuildConfig, backend: Backend) -> CompiledGraph:
     """The typed graph for ``config.mode``, refused early if ``backend`` cannot build that mode."""
     backend.check_mode(config.mode)
-    return compile_for_mode(spec, config.mode, config.explicit_path)
+    return compile_for_mode(spec, config.mode, config.explicit_path, config.autocast)
 
 
 def load_cache(path: str | os.PathLike[str], backend: Backend, config: BuildConfig) -> TimingCache:
@@ -84,6 +84,8 @@ def build_engine(
     here never go into a file whose provenance names another configuration.
     """
     backend.check_mode(config.mode)
+    if config.threads is not None:
+        torch.set_num_threads(config.threads)  # restored on return (preserves_global_state)
     path = Path(cache_path) if cache_path is not None else None
     if path is not None:
         check_writable(path, "timing cache")
@@ -184,6 +186,8 @@ def rebuild(
     if times < 2:
         raise HarnessError(f"--times {times}: a rebuild comparison needs at least 2 builds")
     backend.check_mode(config.mode)
+    if config.threads is not None:
+        torch.set_num_threads(config.threads)
     base = load_cache(cache_path, backend, config) if cache_path is not None else None
     compiled = compile_graph(spec, config, backend)
     fingerprints: list[str] = []

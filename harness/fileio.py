@@ -20,6 +20,7 @@ import json
 import math
 import os
 import stat
+import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -230,3 +231,19 @@ def locked(path: str | os.PathLike[str]) -> Iterator[None]:
         yield
     finally:
         os.close(fd)  # closing releases the lock
+
+
+def parse_toml_file(path: str | os.PathLike[str], what: str) -> Any:
+    """A TOML file through the standard reader (tomllib; tomli before Python 3.11)."""
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover - Python 3.10
+        import tomli as tomllib
+    p = Path(path)
+    data = read_regular_file(p, what)
+    try:
+        return tomllib.loads(data.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise HarnessError(f"{what} {p}: not UTF-8 text") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise HarnessError(f"{what} {p}: not valid TOML ({exc})") from None

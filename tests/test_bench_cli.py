@@ -13,6 +13,7 @@ from harness.bench.runner import cache_file
 from harness.cache.operations import pin
 from harness.cache.timing_cache import TimingCache
 from harness.cli import main as cli_main
+from harness.engines.protocol import BuildConfig
 
 MACHINE = "test-machine"
 
@@ -52,7 +53,7 @@ def test_bench_prints_table_overhead_and_markdown(capsys, tmp_path):
     assert doc["settings"]["quick"] is True and doc["settings"]["backend"] == "cpu"
     assert "measurement overhead per iteration" in out and "x1.00" in out
     # caches default to caches/ next to the results file; plots too
-    assert cache_file(tmp_path / "caches", "digits", "bf16").is_file()
+    assert cache_file(tmp_path / "caches", "digits", BuildConfig("bf16", threads=1), "cpu").is_file()
     assert (tmp_path / "run-digits.png").is_file()
     text = md.read_text()
     assert text.startswith("machine test-machine") and "| model " in text and "| digits " in text
@@ -85,7 +86,8 @@ def test_failed_case_exits_1_after_the_whole_matrix(capsys, tmp_path):
     assert code == 1
     doc = load_results(tmp_path / "r.json")
     assert doc["complete"] and [c["status"] for c in doc["cases"]] == ["failed", "ok"]
-    assert "1 of 2 cases failed" in err and "bad.py:build/fp32" in err
+    # a user model is named by its factory (or ModelSpec.name), never by its path
+    assert "1 of 2 cases failed" in err and "build/fp32" in err and str(model) not in err
 
 
 def test_ctrl_c_keeps_finished_cases_and_exits_130(capsys, tmp_path, monkeypatch):
@@ -186,7 +188,7 @@ def test_a_pinned_slower_tactic_is_what_the_engine_runs(capsys, tmp_path):
     case = ("--models", "digits", "--modes", "weak-bf16")
     first = tmp_path / "a.json"
     assert bench(capsys, tmp_path, first, *case)[0] == 0
-    path = cache_file(tmp_path / "caches", "digits", "weak-bf16")
+    path = cache_file(tmp_path / "caches", "digits", BuildConfig("weak-bf16", threads=1), "cpu")
     cache = TimingCache.load(path)
     heaviest = max(cache.entries(), key=lambda e: e.time_ms)
     slowest = max(heaviest.candidates, key=lambda c: c.time_ms)
@@ -197,7 +199,7 @@ def test_a_pinned_slower_tactic_is_what_the_engine_runs(capsys, tmp_path):
     assert bench(capsys, tmp_path, second, *case)[0] == 0
     (case_b,) = load_results(second)["cases"]
     layers = {la["name"]: la["tactic"] for la in case_b["layers"]}
-    assert layers[heaviest.layer] == slowest.tactic and case_b["pinned"] is True
+    assert layers[heaviest.layer] == slowest.tactic and case_b["from_cache"] is True
     # the cache was edited on purpose: another engine is not a determinism failure
     code, out, _ = run(capsys, "gate", "--baseline", first, "--current", second, "--json")
     (verdict,) = json.loads(out)["cases"]
@@ -227,7 +229,7 @@ def test_compare_reports_same_fingerprints_for_a_rerun(capsys, tmp_path):
         (("gate", "--alpha", "1.5"), "--alpha 1.5"),
         (("bench", "--spread-threshold", "abc"), "--spread-threshold 'abc'"),
         (("bench", "--spread-threshold", "25"), "read as the fraction 25, i.e. 2500%; write 25% for 25 percent"),
-        (("bench", "--threads", "0"), "--threads 0: must be at least 1"),
+        (("bench", "--threads", "0"), "--threads 0: must be from 1 to 1024"),
         (("gate", "--cosine-drop", "-1"), "--cosine-drop -1.0: must be a finite number >= 0"),
     ],
 )
@@ -302,7 +304,7 @@ def test_spread_threshold_decides_the_unstable_flag(capsys, tmp_path):
         (("--backend", "onnxruntime", "--modes", "bf16"), "cannot build bf16"),
         (("--modes", "explicit", "--explicit", "{bad_regex}"), "not a valid regular expression"),
         (("--cache-dir", "{a_file}"), "is a file, not a directory"),
-        (("--cache-dir", "{corrupt_caches}"), "digits-fp32.json"),
+        (("--cache-dir", "{corrupt_caches}"), "digits-fp32-cpu-t1.json"),
         (("--summary-md", "{a_dir}"), "--summary-md"),
     ],
 )
@@ -310,7 +312,7 @@ def test_what_would_fail_is_refused_before_anything_is_written(capsys, tmp_path,
     (tmp_path / "bad.json").write_text('{"(": "fp16"}')
     (tmp_path / "file").write_text("x")
     (tmp_path / "corrupt").mkdir()
-    (tmp_path / "corrupt" / "digits-fp32.json").write_text('{"truncated": ')
+    (tmp_path / "corrupt" / "digits-fp32-cpu-t1.json").write_text('{"truncated": ')
     (tmp_path / "dir").mkdir()
     values = {"bad_regex": tmp_path / "bad.json", "a_file": tmp_path / "file",
               "corrupt_caches": tmp_path / "corrupt", "a_dir": tmp_path / "dir"}  # fmt: skip
@@ -357,11 +359,20 @@ def test_threads_and_load_are_recorded_per_case_and_in_the_cache(capsys, tmp_pat
     (case,) = doc["cases"]
     assert doc["settings"]["threads"] == 2 and case["threads"] == 2
     assert len(case["load_average"]["start"]) == 3 and case["load_average"]["cpus"] >= 1
-    cache = TimingCache.load(cache_file(tmp_path / "caches", "digits", "fp32"))
+    cache = TimingCache.load(cache_file(tmp_path / "caches", "digits", BuildConfig("fp32", threads=2), "cpu"))
     assert cache.provenance.builder_options["num_threads"] == 2
-    # the same caches under another thread count are refused up front, naming the setting
-    code, _, err = bench(capsys, tmp_path, tmp_path / "r2.json", "--models", "digits", "--modes", "fp32", "--threads", "1")
-    assert code == 2 and "num_threads" in err and not (tmp_path / "r2.json").exists()
+    # another thread count gets a cache of its own instead of failing against this one
+    code, _, _ = bench(capsys, tmp_path, tmp_path / "r2.json", "--models", "digits", "--modes", "fp32", "--threads", "1")
+    assert code == 0
+    assert TimingCache.load(cache_file(tmp_path / "caches", "digits", BuildConfig("fp32", threads=1), "cpu")).provenance.builder_options["num_threads"] == 1
+    # a cache of this configuration that another thread count wrote is refused up front, naming the setting
+    mine = cache_file(tmp_path / "caches", "digits", BuildConfig("fp32", threads=1), "cpu")
+    mine.write_bytes(cache_file(tmp_path / "caches", "digits", BuildConfig("fp32", threads=2), "cpu").read_bytes())
+    code, _, err = bench(capsys, tmp_path, tmp_path / "r3.json", "--models", "digits", "--modes", "fp32", "--threads", "1")
+    assert code == 2 and "num_threads: 2 != 1" in err and not (tmp_path / "r3.json").exists()
+    code, _, _ = bench(capsys, tmp_path, tmp_path / "r4.json", "--models", "digits", "--modes", "fp32",
+                       "--threads", "1", "--ignore-mismatch")  # fmt: skip
+    assert code == 0 and load_results(tmp_path / "r4.json")["settings"]["ignore_cache_mismatch"] is True
 
 
 def test_report_prints_any_stored_run(capsys, tmp_path):

@@ -206,7 +206,7 @@ def test_determinism_regressions() -> None:
     ]
     # a cache edited on purpose (cache pin) has another digest: another engine is its point
     assert det(engine_fingerprint="sha256:engine-2", timing_cache_digest="sha256:cache-b") == []
-    assert det(engine_fingerprint="sha256:engine-2", timing_cache_digest="sha256:cache-b", pinned=True) == []
+    assert det(engine_fingerprint="sha256:engine-2", timing_cache_digest="sha256:cache-b", from_cache=True) == []
     assert det(output_digest="sha256:" + "f" * 64) == ["same engine fingerprint but the outputs changed"]
     assert det(output_digest="sha256:" + "f" * 64, engine_fingerprint="sha256:e3", timing_cache_digest=None) == []
 

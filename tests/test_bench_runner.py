@@ -12,6 +12,7 @@ from harness.bench.runner import BenchRunner, MeasureSettings, build_matrix, cac
 from harness.cache.timing_cache import TimingCache
 from harness.engines.cpu import CpuBackend
 from harness.engines.modes import is_weak
+from harness.engines.protocol import BuildConfig
 from harness.errors import HarnessError
 from models import digits
 
@@ -63,10 +64,22 @@ def test_bad_shard_is_refused(text):
         parse_shard(text)
 
 
-def test_cache_file_names_are_safe_for_model_paths(tmp_path):
-    path = cache_file(tmp_path, "/home/u/my model.py:build", "amp-bf16")
-    assert path.parent == tmp_path
-    assert "/" not in path.name and " " not in path.name and path.name.endswith("amp-bf16.json")
+def test_cache_files_are_keyed_by_model_mode_backend_threads_and_settings(tmp_path):
+    from harness.autocast import AutocastSettings
+
+    base = BuildConfig("autocast-bf16", threads=1)
+    path = cache_file(tmp_path, "my model/x", base, "cpu")
+    assert path.parent == tmp_path and "/" not in path.name and " " not in path.name
+    assert path.name.startswith("my_model_x-autocast-bf16-cpu-t1-")
+    others = {
+        cache_file(tmp_path, "my model/x", BuildConfig("autocast-bf16", threads=2), "cpu"),
+        cache_file(tmp_path, "my model/x", base, "onnxruntime"),
+        cache_file(tmp_path, "my model/x", BuildConfig("autocast-bf16", threads=1,
+                   autocast=AutocastSettings(nodes_to_exclude=["^conv"])), "cpu"),
+    }  # fmt: skip
+    assert path not in others and len(others) == 3
+    # settings do not shape an fp32 graph: they do not split its cache
+    assert cache_file(tmp_path, "m", BuildConfig("fp32", threads=1), "cpu").name == "m-fp32-cpu-t1.json"
 
 
 def test_failed_cases_are_recorded_and_the_run_goes_on(tmp_path, writer):
@@ -121,13 +134,13 @@ def test_ok_case_measures_against_eager_fp32_and_pins_on_rerun(tmp_path):
     assert eager.shape == (spec.example_inputs[0].shape[0], 10)
 
     # cold cache: tactics were timed and written; the recorded digest is the file's
-    path = cache_file(cache_dir, "digits", "fp32")
-    assert first["pinned"] is False and first["build"]["cache_misses"] > 0
+    path = cache_file(cache_dir, "digits", BuildConfig("fp32", threads=TINY.threads), "cpu")
+    assert first["from_cache"] is False and first["build"]["cache_misses"] > 0
     assert first["timing_cache_digest"] == TimingCache.load(path).digest()
     assert {layer["name"] for layer in first["layers"]} >= {e.layer for e in TimingCache.load(path).entries()}
 
     second = BenchRunner(CpuBackend(), cache_dir=cache_dir, settings=TINY).run_case("digits", "fp32")
-    assert second["pinned"] is True and second["build"]["cache_misses"] == 0
+    assert second["from_cache"] is True and second["build"]["cache_misses"] == 0
     assert second["engine_fingerprint"] == first["engine_fingerprint"]
     assert second["timing_cache_digest"] == first["timing_cache_digest"]
     assert second["output_digest"] == first["output_digest"]
@@ -135,7 +148,7 @@ def test_ok_case_measures_against_eager_fp32_and_pins_on_rerun(tmp_path):
 
 def test_corrupt_cache_fails_the_case_and_is_not_overwritten(tmp_path):
     cache_dir = tmp_path / "caches"
-    path = cache_file(cache_dir, "digits", "fp32")
+    path = cache_file(cache_dir, "digits", BuildConfig("fp32", threads=TINY.threads), "cpu")
     path.parent.mkdir()
     path.write_text('{"schema_version": 1, "truncated')
     case = BenchRunner(CpuBackend(), cache_dir=cache_dir, settings=TINY).run_case("digits", "fp32")

@@ -21,7 +21,8 @@ def test_version(capsys):
 @pytest.mark.parametrize(
     ("argv", "expected"),
     [
-        (["bench", "--help"], ["--threads THREADS", "(default: 1)", "(default: auto)", "(default: resnet,transformer,digits)"]),
+        (["bench", "--help"], ["--threads THREADS", "else 1)", "else auto)", "else resnet,transformer,digits)",
+                               "--data-max X|off", "(default: 512)", "--keep-io-types, --no-keep-io-types"]),
         (["gate", "--help"], ["(default: 5%)", "(default: 0.01)", "--allow-missing", "(default: 0.0001)"]),
         (["compile", "--help"], ["(default: rule)", "--max-reduction-depth N", "keep in fp32 every reduction"]),
         (["baseline", "promote", "--help"], ["(default: results)"]),

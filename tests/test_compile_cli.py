@@ -30,7 +30,11 @@ def test_json_output(capsys):
     (["--exclude", "(bad"], "invalid regular expression '(bad'"),
     (["--exclude-op", "aten.nosuch"], "no operator 'nosuch'"),
     (["--low", "fp8"], "unknown dtype 'fp8'"),
-    (["--max-reduction-depth", "0"], "--max-reduction-depth must be a positive integer"),
+    (["--max-reduction-depth", "0"], "--max-reduction-depth 0: expected a positive finite number, or 'off'"),
+    (["--max-reduction-depth", "1.5"], "--max-reduction-depth '1.5': expected a positive number"),
+    (["--data-max", "nan"], "--data-max nan: expected a positive finite number, or 'off'"),
+    (["--data-max", "0"], "--data-max 0.0: expected a positive finite number, or 'off'"),
+    (["--init-max", "inf"], "--init-max inf: expected a positive finite number"),
 ])
 def test_bad_flags_exit_2(argv, message, capsys):
     assert main(["compile", "--model", "lenet", *argv]) == 2

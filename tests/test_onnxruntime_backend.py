@@ -179,7 +179,7 @@ def test_options_are_validated_and_recorded():
     options = {"graph_optimization_level": "all", "intra_op_num_threads": 2}
     provenance = backend.provenance(BuildConfig("fp32", options=options))
     assert provenance.backend == "onnxruntime"
-    assert provenance.builder_options == {"mode": "fp32", "provider": "CPUExecutionProvider", **options}
+    assert provenance.builder_options == {"mode": "fp32", "provider": "CPUExecutionProvider", **options, "autocast": None}
     with pytest.raises(HarnessError, match="unknown onnxruntime builder option.*valid: graph_optimization_level"):
         backend.provenance(BuildConfig("fp32", options={"tf32": True}))
     with pytest.raises(HarnessError, match="graph_optimization_level='max'"):

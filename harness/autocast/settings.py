@@ -1,14 +1,25 @@
-"""Compiler settings, validated up front.
+"""Compiler settings, validated up front, defined once for every command.
 
 Everything the user can get wrong (a regex that does not compile, an op name
 that does not exist, a dtype that is not a low-precision float, a threshold
 that is not a positive number) is caught here, before export or calibration
 spends any time, with a message that names the setting and what is valid.
+
+The same :class:`AutocastSettings` travels from the CLI flags or the project
+file through :class:`harness.engines.protocol.BuildConfig` to the compiler;
+its canonical JSON (:meth:`AutocastSettings.to_json`) and digest go into the
+timing-cache provenance, the engine fingerprint and the results, so an engine
+or cache made under other settings is never taken for this one.
+
+A threshold of ``None`` turns its rule off (on the command line: ``off``);
+0, negative numbers, NaN and infinity are refused everywhere.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
+import os
 import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -17,10 +28,18 @@ from typing import Any
 import torch
 
 from harness.errors import HarnessError
+from harness.fileio import canonical_json, digest, read_regular_file
 from harness.lowering.decompose import resolve_op_names
 
 LOW_PRECISION_TYPES = {"fp16": torch.float16, "float16": torch.float16, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
 DTYPES = {**LOW_PRECISION_TYPES, "fp32": torch.float32, "float32": torch.float32}
+
+# Defaults of the rule-mode settings (Torch-TensorRT's, and fp16's largest finite value).
+DEFAULT_LOW_PRECISION_TYPE = "fp16"
+DEFAULT_DATA_MAX = 512.0
+DEFAULT_INIT_MAX = 65504.0
+DEFAULT_MAX_DEPTH_OF_REDUCTION: int | None = None
+DEFAULT_KEEP_IO_TYPES = True
 
 # A custom rule sees the node and the compile context and returns a reason to
 # keep the node in fp32, or None to let the remaining rules decide.
@@ -50,8 +69,8 @@ def compile_patterns(patterns: Iterable[str], what: str) -> tuple[re.Pattern[str
 def _threshold(value: float | None, what: str) -> float | None:
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or value <= 0:
-        raise HarnessError(f"{what} must be a positive number or None, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise HarnessError(f"{what} must be a positive finite number, or None (off), got {value!r}")
     return float(value)
 
 
@@ -59,16 +78,16 @@ def _threshold(value: float | None, what: str) -> float | None:
 class AutocastSettings:
     """Rule-mode settings (seed 000), plus ``keep_io_types`` and custom rules."""
 
-    low_precision_type: torch.dtype | str = torch.float16
+    low_precision_type: torch.dtype | str = DEFAULT_LOW_PRECISION_TYPE
     nodes_to_exclude: Sequence[str] = ()
     targets_to_exclude: Sequence[str] = ()
     nodes_to_include: Sequence[str] = ()
     targets_to_include: Sequence[str] = ()
-    data_max: float | None = 512.0
-    init_max: float | None = 65504.0
-    max_depth_of_reduction: int | None = None
+    data_max: float | None = DEFAULT_DATA_MAX
+    init_max: float | None = DEFAULT_INIT_MAX
+    max_depth_of_reduction: int | None = DEFAULT_MAX_DEPTH_OF_REDUCTION
     calibration_data: Sequence[Sequence[torch.Tensor]] | None = None
-    keep_io_types: bool = True
+    keep_io_types: bool = DEFAULT_KEEP_IO_TYPES
     custom_rules: Sequence[CustomRule] = ()
     # derived, validated forms
     low: torch.dtype = field(init=False)
@@ -89,9 +108,77 @@ class AutocastSettings:
         depth = self.max_depth_of_reduction
         if depth is not None and (isinstance(depth, bool) or not isinstance(depth, int) or depth <= 0):
             raise HarnessError(f"max_depth_of_reduction must be a positive integer or None, got {depth!r}")
+        if not isinstance(self.keep_io_types, bool):
+            raise HarnessError(f"keep_io_types must be true or false, got {self.keep_io_types!r}")
         for rule in self.custom_rules:
             if not callable(rule):
                 raise HarnessError(f"custom_rules: {rule!r} is not callable (expected f(node, context) -> reason or None)")
+
+    def to_json(self) -> dict[str, Any]:
+        """The settings as canonical JSON: what the digest covers and a reader can compare.
+
+        Calibration data is represented by a digest of its tensors, custom
+        rules by their qualified names (a rule's code cannot be digested).
+        """
+        return {
+            "low_precision_type": dtype_label(self.low),
+            "nodes_to_exclude": list(self.nodes_to_exclude),
+            "targets_to_exclude": sorted(self.exclude_targets),
+            "nodes_to_include": list(self.nodes_to_include),
+            "targets_to_include": sorted(self.include_targets),
+            "data_max": self.data_max,
+            "init_max": self.init_max,
+            "max_depth_of_reduction": self.max_depth_of_reduction,
+            "keep_io_types": self.keep_io_types,
+            "calibration_data": None if self.calibration_data is None else _tensors_digest(self.calibration_data),
+            "custom_rules": [f"{getattr(r, '__module__', '?')}.{getattr(r, '__qualname__', repr(r))}" for r in self.custom_rules],
+        }
+
+    def digest(self) -> str:
+        return digest(canonical_json(self.to_json()))
+
+
+def dtype_label(dtype: torch.dtype) -> str:
+    return next(name for name, d in DTYPES.items() if d == dtype and len(name) == 4)
+
+
+def _tensors_digest(batches: Sequence[Sequence[torch.Tensor]]) -> str:
+    h = hashlib.sha256()
+    for batch in batches:
+        for t in batch:
+            c = t.detach().contiguous()
+            h.update(f"{c.dtype}{tuple(c.shape)};".encode())
+            h.update(c.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return "sha256:" + h.hexdigest()
+
+
+def load_calibration_file(path: str | os.PathLike[str]) -> list[tuple[torch.Tensor, ...]]:
+    """Calibration batches from a safetensors file (``--calibration-data``).
+
+    The file holds one tensor per model input, named ``input0``, ``input1``,
+    ..., each with one more leading dimension than the input: the batches,
+    stacked. (safetensors, not pickle: the file may come from anyone.)
+    """
+    from safetensors import SafetensorError
+    from safetensors.torch import load
+
+    where = f"calibration data {os.fspath(path)}"
+    data = read_regular_file(path, "calibration data", limit=1 << 32)
+    try:
+        tensors = load(data)
+    except (SafetensorError, ValueError, RuntimeError) as exc:
+        raise HarnessError(f"{where}: not a safetensors file ({exc})") from None
+    names = [f"input{i}" for i in range(len(tensors))]
+    if sorted(tensors) != sorted(names) or not tensors:
+        raise HarnessError(
+            f"{where}: expected tensors named input0, input1, ... (one per model input, the batches "
+            f"stacked on a new first dimension); found {', '.join(sorted(tensors)) or 'none'}"
+        )
+    counts = {tensors[n].shape[0] if tensors[n].dim() else 0 for n in names}
+    if len(counts) != 1 or 0 in counts:
+        raise HarnessError(f"{where}: every input must hold the same number (>= 1) of batches on dimension 0")
+    (count,) = counts
+    return [tuple(tensors[n][b].clone() for n in names) for b in range(count)]
 
 
 def _strings(values: Iterable[str], what: str) -> list[str]:

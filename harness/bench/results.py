@@ -170,7 +170,7 @@ _CASE: dict[str, Any] = {
         "engine_fingerprint": _OPT_STR,
         "timing_cache_digest": _OPT_STR,
         "model_weights_digest": _OPT_DIGEST,
-        "pinned": {"type": "boolean"},
+        "from_cache": {"type": "boolean"},
         "output_digest": _OPT_STR,
         "threads": {"type": ["integer", "null"], "minimum": 1},
         "load_average": {
@@ -250,7 +250,7 @@ class CaseResult:
     telemetry: dict[str, Any] | None = None
     engine_fingerprint: str | None = None
     timing_cache_digest: str | None = None
-    pinned: bool = False
+    from_cache: bool = False  # every tuned layer's tactic came from the timing cache: nothing was timed
     output_digest: str | None = None
     model_weights_digest: str | None = None
     threads: int | None = None
@@ -282,7 +282,7 @@ class CaseResult:
             "telemetry": self.telemetry,
             "engine_fingerprint": self.engine_fingerprint,
             "timing_cache_digest": self.timing_cache_digest,
-            "pinned": self.pinned,
+            "from_cache": self.from_cache,
             "output_digest": self.output_digest,
             "model_weights_digest": self.model_weights_digest,
             "threads": self.threads,

@@ -2,7 +2,7 @@
 
 Each case builds an engine through :func:`harness.build.build_engine` with a
 timing cache of its own (``<cache dir>/<model>-<mode>.json``), so the first
-run times tactics and every later run is warm and pinned; then it measures
+run times tactics and every later run takes them from the cache; then it measures
 accuracy against the fp32 eager model, latency (with telemetry sampled
 around the timing loop) and memory, and appends the case to the results
 file at once. A case that fails at any stage is recorded with the stage and
@@ -22,12 +22,13 @@ import re
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from harness.autocast.settings import AutocastSettings
 from harness.bench.accuracy import TaskAccuracy, compare_outputs, output_digest
 from harness.bench.latency import Timer, measure_latency, measure_overhead
 from harness.bench.memory import MemoryReport, measure_memory
@@ -114,10 +115,27 @@ def build_matrix(
     return cases[index - 1 :: count]
 
 
-def cache_file(cache_dir: str | os.PathLike[str], model: str, mode: str) -> Path:
-    """One timing cache per (model, mode); model file paths become safe file names."""
-    stem = re.sub(r"[^A-Za-z0-9._-]+", "_", f"{model}-{mode}").strip("._")
+def cache_file(cache_dir: str | os.PathLike[str], model: str, config: BuildConfig, backend: str) -> Path:
+    """One timing cache per (model name, mode, backend, threads, autocast settings).
+
+    Each of these decides which tactics a build may time, so each gets its own
+    file: switching backend, thread count or settings starts a new cache
+    instead of failing every case against the previous run's.
+    """
+    parts = [model, config.mode, backend, f"t{config.thread_count()}"]
+    settings = config.autocast_digest()
+    if settings is not None:
+        parts.append(settings.removeprefix("sha256:")[:10])
+    stem = re.sub(r"[^A-Za-z0-9._-]+", "_", "-".join(parts)).strip("._")
     return Path(cache_dir) / f"{stem}.json"
+
+
+@dataclass(frozen=True)
+class ModelPlan:
+    """How one model is benchmarked besides its modes: its compiler settings and explicit file."""
+
+    autocast: AutocastSettings = field(default_factory=AutocastSettings)
+    explicit: str | None = None
 
 
 def _is_logits(outputs: list[torch.Tensor]) -> bool:
@@ -172,14 +190,16 @@ class BenchRunner:
         *,
         cache_dir: str | os.PathLike[str],
         settings: MeasureSettings = MeasureSettings(),
-        explicit_path: str | None = None,
+        plans: Mapping[str, ModelPlan] | None = None,
         load_model: ModelLoader = _load_model,
+        ignore_cache_mismatch: bool = False,
     ) -> None:
         self.backend = backend
         self.cache_dir = Path(cache_dir)
         self.settings = settings
-        self.explicit_path = explicit_path
+        self.plans = dict(plans or {})
         self.load_model = load_model
+        self.ignore_cache_mismatch = ignore_cache_mismatch
         self._overheads: dict[Timer, Summary] = {}
         self._references: dict[str, _Reference] = {}
 
@@ -221,7 +241,25 @@ class BenchRunner:
             )
             return {**case.to_dict(), "build": build}
         except Exception as exc:  # recorded, and the matrix goes on; Ctrl-C is not an Exception
-            return CaseResult.failed(model, mode, self.backend.name, _error_text(stage[0], exc)).to_dict()
+            name = self.name_of(model)
+            return CaseResult.failed(name, mode, self.backend.name, _error_text(stage[0], exc)).to_dict()
+
+    def name_of(self, model: str) -> str:
+        """The name results use for a model reference: its ModelSpec's name (never a file path)."""
+        try:
+            return str(self.load_model(model).name)
+        except Exception:  # noqa: BLE001 - a model that does not load is named by its reference
+            return model
+
+    def config(self, model: str, mode: str) -> BuildConfig:
+        plan = self.plans.get(model, ModelPlan())
+        return BuildConfig(
+            mode=mode,
+            explicit_path=plan.explicit if mode == EXPLICIT_MODE else None,
+            threads=self.settings.threads,
+            autocast=plan.autocast,
+            ignore_cache_mismatch=self.ignore_cache_mismatch,
+        )
 
     def _gpu_index(self) -> int | None:
         """The CUDA device a GPU backend runs on (GPU memory is recorded for it), else None."""
@@ -240,12 +278,8 @@ class BenchRunner:
         stage[0] = "fp32 eager reference"
         ref = self.reference(model)
         stage[0] = "build"
-        config = BuildConfig(
-            mode=mode,
-            explicit_path=self.explicit_path if mode == EXPLICIT_MODE else None,
-            threads=self.settings.threads,
-        )
-        cache_path = cache_file(self.cache_dir, model, mode)
+        config = self.config(model, mode)
+        cache_path = cache_file(self.cache_dir, spec.name, config, self.backend.name)
         self.cache_dir.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
         built = build_engine(spec, config, self.backend, cache_path)
@@ -262,7 +296,7 @@ class BenchRunner:
         latency, telemetry = self._latency(engine, inputs)
         stage[0] = "memory"
         return CaseResult(
-            model=model,
+            model=spec.name,
             mode=mode,
             backend=self.backend.name,
             latency=latency,
@@ -276,7 +310,7 @@ class BenchRunner:
             telemetry=telemetry,
             engine_fingerprint=engine.fingerprint(),
             timing_cache_digest=_cache_digest(built),
-            pinned=built.cache_misses == 0,
+            from_cache=built.cache_hits > 0 and built.cache_misses == 0,
             output_digest=output_digest(outputs),
             model_weights_digest=module_weights_digest(spec.module),
             layers=[layer.to_json() for layer in engine.layers()],
@@ -338,7 +372,7 @@ class BenchRunner:
         """
         from tqdm import tqdm
 
-        todo = [(m, mode) for m, mode in matrix if not writer.has(m, mode, self.backend.name)]
+        todo = [(m, mode) for m, mode in matrix if not writer.has(self.name_of(m), mode, self.backend.name)]
         bar = tqdm(todo, desc="bench", unit="case", file=sys.stderr, disable=not progress)
         try:
             for model, mode in bar:

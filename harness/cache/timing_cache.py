@@ -233,11 +233,17 @@ _MISSING = "(unset)"
 
 
 def _dict_differences(prefix: str, mine: dict[str, Any], theirs: dict[str, Any]) -> list[str]:
-    return [
-        f"{prefix}.{name}: {mine.get(name, _MISSING)} != {theirs.get(name, _MISSING)}"
-        for name in sorted(set(mine) | set(theirs))
-        if mine.get(name, _MISSING) != theirs.get(name, _MISSING)
-    ]
+    """One line per differing leaf: nested settings name the very setting that differs."""
+    lines = []
+    for name in sorted(set(mine) | set(theirs)):
+        a, b = mine.get(name, _MISSING), theirs.get(name, _MISSING)
+        if a == b:
+            continue
+        if isinstance(a, dict) and isinstance(b, dict):
+            lines += _dict_differences(f"{prefix}.{name}", a, b)
+        else:
+            lines.append(f"{prefix}.{name}: {a} != {b}")
+    return lines
 
 
 class TimingCache:

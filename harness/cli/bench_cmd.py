@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from harness.autocast import options
 from harness.errors import HarnessError
 
 DEFAULT_ROOT = "results"
@@ -31,19 +32,26 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         help="benchmark models x precision modes on one backend",
         description="Build, check accuracy of, and time every (model, mode) case; write one results JSON.",
     )
-    p.add_argument("--models", default=",".join(DEFAULT_MODELS),
-                   help="comma-separated zoo names or path/to/file.py:factory")
+    p.add_argument("--models", default=None,
+                   help="comma-separated zoo names or path/to/file.py:factory "
+                   f"(default: the project file's, else {','.join(DEFAULT_MODELS)})")
     p.add_argument("--modes", default=None, help="comma-separated precision modes "
                    "(default: every mode the backend supports; 'explicit' only with --explicit)")
-    p.add_argument("--backend", choices=BACKEND_NAMES, default="auto",
-                   help="auto: TensorRT when it imports and a GPU is visible, else cpu")
+    p.add_argument("--backend", choices=BACKEND_NAMES, default=None,
+                   help="auto: TensorRT when it imports and a GPU is visible, else cpu (default: the project "
+                   "file's, else auto)")
     p.add_argument("--explicit", default=None, metavar="FILE", help="explicit precision file for mode 'explicit'")
     p.add_argument("--cache-dir", default=None, metavar="DIR",
                    help="timing caches, one per (model, mode) (default: caches/ next to the results file)")
     p.add_argument("--shard", default=None, metavar="I/N", help="run every N-th case of the matrix, starting at the I-th")
-    p.add_argument("--threads", type=int, default=DEFAULT_THREADS,
+    p.add_argument("--threads", type=int, default=None,
                    help="intra-op threads of every candidate, pinned for each case (1 gives stable "
-                   "numbers on a shared machine; more measures multi-core speed)")
+                   f"numbers on a shared machine; more measures multi-core speed) (default: the project "
+                   f"file's, else {DEFAULT_THREADS})")
+    p.add_argument("--ignore-mismatch", action="store_true",
+                   help="use timing caches recorded for another configuration (read-only)")
+    p.add_argument("--config", metavar="FILE",
+                   help="project file (default: ./harness.toml, else [tool.harness] in ./pyproject.toml)")
     p.add_argument("--spread-threshold", default=None, metavar="PCT",
                    help="flag a case unstable above this IQR/median spread, e.g. 5%% or 0.05 "
                    "(default: 5%% on CPU, 2.5%% on GPU)")
@@ -56,6 +64,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--summary-md", default=None, metavar="FILE", help="also write the table as Markdown (CI job summary)")
     p.add_argument("--no-plots", action="store_true", help="skip the latency-vs-error PNGs")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    options.add_flags(p)
     p.set_defaults(func=run_bench)
 
     m = sub.add_parser("merge", help="join the shards of a run into one results file")
@@ -89,20 +98,24 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     g.add_argument("--baseline", default=None, metavar="B", help="default: <root>/<machine>/baseline.json")
     g.add_argument("--current", default=None, metavar="C", help="default: the newest run-*.json in <root>/<machine>/")
     g.add_argument("--root", default=DEFAULT_ROOT, help="results root for the defaults")
-    g.add_argument("--latency-threshold", default=f"{defaults.latency_threshold:.0%}", metavar="PCT",
-                   help="smallest slowdown of the median that counts (5%% or 0.05)")
-    g.add_argument("--alpha", type=float, default=defaults.alpha, help="significance level of the Mann-Whitney U test")
-    g.add_argument("--max-abs-error-increase", type=float, default=tol.max_abs_error_increase, metavar="X",
-                   help="largest accepted growth of the max absolute error")
-    g.add_argument("--cosine-drop", type=float, default=tol.cosine_drop, metavar="X",
-                   help="largest accepted drop of the cosine similarity")
-    g.add_argument("--top1-drop", type=float, default=tol.top1_drop, metavar="X",
-                   help="largest accepted drop of top-1 agreement (a fraction)")
-    g.add_argument("--task-accuracy-drop", type=float, default=tol.task_accuracy_drop, metavar="X",
-                   help="largest accepted drop of the task accuracy (a fraction)")
-    g.add_argument("--fail-on-unstable", action="store_true", help="an unstable current case fails the gate")
-    g.add_argument("--allow-missing", action="store_true",
+    g.add_argument("--latency-threshold", default=None, metavar="PCT",
+                   help=f"smallest slowdown of the median that counts, 5%% or 0.05 (default: {defaults.latency_threshold * 100:g}%%)")
+    g.add_argument("--alpha", type=float, default=None,
+                   help=f"significance level of the Mann-Whitney U test (default: {defaults.alpha})")
+    g.add_argument("--max-abs-error-increase", type=float, default=None, metavar="X",
+                   help=f"largest accepted growth of the max absolute error (default: {tol.max_abs_error_increase})")
+    g.add_argument("--cosine-drop", type=float, default=None, metavar="X",
+                   help=f"largest accepted drop of the cosine similarity (default: {tol.cosine_drop})")
+    g.add_argument("--top1-drop", type=float, default=None, metavar="X",
+                   help=f"largest accepted drop of top-1 agreement, a fraction (default: {tol.top1_drop})")
+    g.add_argument("--task-accuracy-drop", type=float, default=None, metavar="X",
+                   help=f"largest accepted drop of the task accuracy, a fraction (default: {tol.task_accuracy_drop})")
+    g.add_argument("--fail-on-unstable", action="store_true", default=None,
+                   help="an unstable current case fails the gate")
+    g.add_argument("--allow-missing", action="store_true", default=None,
                    help="a baseline case this run lacks does not fail the gate (a subset run)")
+    g.add_argument("--config", metavar="FILE",
+                   help="project file whose [gate] table sets these (flags win)")
     g.add_argument("--summary-md", default=None, metavar="FILE", help="also write the gate table as Markdown")
     g.add_argument("--json", action="store_true", help="print the verdicts as JSON")
     g.set_defaults(func=run_gate)
@@ -120,22 +133,18 @@ def _split(text: str, flag: str) -> list[str]:
     return items
 
 
-def _modes(text: str | None, backend: Any, explicit: str | None) -> list[str]:
+def _modes(text: str | None, backend: Any, with_explicit: list[str]) -> list[str]:
     """The modes to run, each one the backend can build (refused here, not as failed cases)."""
     from harness.bench.runner import EXPLICIT_MODE, default_modes
 
     if text is None:
         modes = list(default_modes(backend))
-        return modes + [EXPLICIT_MODE] if explicit is not None else modes
+        return modes + [EXPLICIT_MODE] if with_explicit else modes
     modes = _split(text, "--modes")
     for mode in modes:
         backend.check_mode(mode)
-    if (EXPLICIT_MODE in modes) != (explicit is not None):
-        raise HarnessError(
-            "mode 'explicit' needs --explicit FILE"
-            if explicit is None
-            else "--explicit FILE was given but 'explicit' is not among --modes"
-        )
+    if EXPLICIT_MODE in modes and not with_explicit:
+        raise HarnessError("mode 'explicit' needs --explicit FILE (or an explicit file per model in the project file)")
     return modes
 
 
@@ -190,71 +199,121 @@ def _output_path(args: argparse.Namespace, machine_id: str, shard: tuple[int, in
     return check_writable(output, "-o")
 
 
-def _check_caches(
-    cache_dir: Path, matrix: list[tuple[str, str]], backend: Any, explicit: str | None, threads: int
-) -> None:
+def _check_caches(cache_dir: Path, matrix: list[tuple[str, str]], runner: Any) -> None:
     """Every cache the run would read must load and fit this backend, before any case runs."""
-    from harness.bench.runner import EXPLICIT_MODE, cache_file
+    from harness.bench.runner import cache_file
     from harness.build import load_cache
-    from harness.engines.protocol import BuildConfig
 
     if cache_dir.exists() and not cache_dir.is_dir():
         raise HarnessError(f"--cache-dir {cache_dir}: is a file, not a directory")
     for model, mode in matrix:
-        path = cache_file(cache_dir, model, mode)
+        config = runner.config(model, mode)
+        path = cache_file(cache_dir, runner.name_of(model), config, runner.backend.name)
         if path.exists():
-            config = BuildConfig(mode=mode, explicit_path=explicit if mode == EXPLICIT_MODE else None, threads=threads)
-            load_cache(path, backend, config)
+            load_cache(path, runner.backend, config)
+
+
+def _plans(refs: list[str], project: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """Per model: its autocast settings (defaults < project file < flags) and explicit file."""
+    import models
+    from harness.autocast import options
+    from harness.bench.runner import ModelPlan
+    from harness.engines.modes import load_explicit
+
+    plans: dict[str, Any] = {}
+    names: dict[str, str] = {}
+    cli = options.given(args)
+    for ref in refs:
+        name = models.load(ref).name
+        if name in names:
+            raise HarnessError(
+                f"models {names[name]!r} and {ref!r} are both named {name!r}; results name a model by "
+                "its ModelSpec.name (or factory name), so give them different names"
+            )
+        names[name] = ref
+        explicit = args.explicit or project.explicit_for(ref, name)
+        if explicit is not None:
+            load_explicit(explicit)
+        plans[ref] = ModelPlan(project.autocast_settings(ref, cli, name), explicit)
+    return plans
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    import models
     from harness.bench.machine import machine_info
     from harness.bench.results import ResultsWriter
-    from harness.bench.runner import QUICK, BenchRunner, MeasureSettings, build_matrix, parse_shard
-    from harness.engines.modes import load_explicit
+    from harness.bench.runner import (
+        DEFAULT_MODELS,
+        DEFAULT_THREADS,
+        EXPLICIT_MODE,
+        QUICK,
+        BenchRunner,
+        MeasureSettings,
+        build_matrix,
+        parse_shard,
+    )
     from harness.fileio import check_writable
+    from harness.project import load_project
 
     # Everything that can be refused is refused here, before a file is written.
+    project = load_project(args.config)
     shard = parse_shard(args.shard) if args.shard is not None else None
-    if args.threads < 1:
-        raise HarnessError(f"--threads {args.threads}: must be at least 1")
-    if args.explicit is not None:
-        load_explicit(args.explicit)
-    model_names = _split(args.models, "--models")
-    backend = _backend(args.backend)
-    modes = _modes(args.modes, backend, args.explicit)
-    for name in model_names:
-        models.load(name)
-    measure = dataclasses.replace(QUICK if args.quick else MeasureSettings(), threads=args.threads)
-    if args.spread_threshold is not None:
-        measure = dataclasses.replace(
-            measure, spread_threshold=parse_threshold(args.spread_threshold, "--spread-threshold")
-        )
+    threads = args.threads if args.threads is not None else project.get("threads") or DEFAULT_THREADS
+    if not 1 <= threads <= 1024:
+        raise HarnessError(f"--threads {threads}: must be from 1 to 1024")
+    refs = (
+        _split(args.models, "--models") if args.models is not None
+        else project.models() or list(DEFAULT_MODELS)
+    )  # fmt: skip
+    backend = _backend(args.backend or project.get("backend") or "auto")
+    plans = _plans(refs, project, args)
+    with_explicit = [ref for ref, plan in plans.items() if plan.explicit is not None]
+    modes_text = args.modes if args.modes is not None else (",".join(project.get("modes") or []) or None)
+    modes = _modes(modes_text, backend, with_explicit)
+    if EXPLICIT_MODE in modes and len(with_explicit) != len(refs):
+        lacking = ", ".join(r for r in refs if r not in with_explicit)
+        raise HarnessError(f"mode 'explicit' needs an explicit precision file for every model; none for {lacking}")
+    timing = project.section("timing")
+    spread = args.spread_threshold if args.spread_threshold is not None else timing.pop("spread_threshold", None)
+    timing.pop("spread_threshold", None)
+    measure = dataclasses.replace(QUICK if args.quick else MeasureSettings(**timing), threads=threads)
+    if spread is not None:
+        measure = dataclasses.replace(measure, spread_threshold=parse_threshold(str(spread), "--spread-threshold"))
     if args.summary_md is not None:
         check_writable(args.summary_md, "--summary-md")
     machine = machine_info()
     output = _output_path(args, machine["id"], shard)
-    cache_dir = Path(args.cache_dir) if args.cache_dir is not None else output.parent / "caches"
-    matrix = build_matrix(model_names, modes, shard)
-    _check_caches(cache_dir, matrix, backend, args.explicit, measure.threads)
+    cache_dir = Path(args.cache_dir or project.get("cache_dir") or output.parent / "caches")
+    matrix = build_matrix(refs, modes, shard)
+    runner = BenchRunner(
+        backend, cache_dir=cache_dir, settings=measure, plans=plans, ignore_cache_mismatch=args.ignore_mismatch
+    )
+    _check_caches(cache_dir, matrix, runner)
 
     # Shards of one run must carry equal settings (merge checks them), so the
     # shard is in the file name and the measured overhead in each case, not here.
     settings = {
         "backend": backend.name,
-        "models": model_names,
+        "models": [runner.name_of(r) for r in refs],
         "modes": modes,
-        "explicit": args.explicit,
         "quick": bool(args.quick),
         "threads": measure.threads,
         "measure": measure.to_dict(),
+        "project_file": None if project.path is None else str(project.path),
+        "model_settings": {
+            runner.name_of(ref): {
+                "reference": ref,
+                "explicit": plan.explicit,
+                "autocast": plan.autocast.to_json(),
+                "autocast_digest": plan.autocast.digest(),
+            }
+            for ref, plan in plans.items()
+        },
+        "ignore_cache_mismatch": args.ignore_mismatch,
     }
     if args.resume:
         writer = ResultsWriter.resume(output, settings=settings, machine=machine)
     else:
         writer = ResultsWriter.create(output, settings=settings, machine=machine)
-    runner = BenchRunner(backend, cache_dir=cache_dir, settings=measure, explicit_path=args.explicit)
     try:
         doc = runner.run(matrix, writer, progress=not args.no_progress)
     except KeyboardInterrupt:
@@ -409,21 +468,25 @@ def run_gate(args: argparse.Namespace) -> int:
     from harness.bench.results import load_results
     from harness.bench.tables import gate_table
     from harness.fileio import check_writable
+    from harness.project import load_project
 
-    for flag in ("max_abs_error_increase", "cosine_drop", "top1_drop", "task_accuracy_drop"):
-        value = getattr(args, flag)
+    # defaults < the project file's [gate] table < flags
+    chosen = {**load_project(args.config).section("gate"), **{k: v for k, v in vars(args).items() if v is not None}}
+    defaults, tol = GateSettings(), AccuracyTolerances()
+    values = {k: chosen.get(k, getattr(tol, k)) for k in ("max_abs_error_increase", "cosine_drop", "top1_drop", "task_accuracy_drop")}
+    for flag, value in values.items():
         if not 0 <= value < float("inf"):
             raise HarnessError(f"--{flag.replace('_', '-')} {value}: must be a finite number >= 0")
-    if not 0 < args.alpha < 1:
-        raise HarnessError(f"--alpha {args.alpha}: must be strictly between 0 and 1")
+    alpha = chosen.get("alpha", defaults.alpha)
+    if not 0 < alpha < 1:
+        raise HarnessError(f"--alpha {alpha}: must be strictly between 0 and 1")
+    threshold = chosen.get("latency_threshold")
     settings = GateSettings(
-        latency_threshold=parse_threshold(args.latency_threshold),
-        alpha=args.alpha,
-        tolerances=AccuracyTolerances(
-            args.max_abs_error_increase, args.cosine_drop, args.top1_drop, args.task_accuracy_drop
-        ),
-        fail_on_unstable=args.fail_on_unstable,
-        allow_missing=args.allow_missing,
+        latency_threshold=defaults.latency_threshold if threshold is None else parse_threshold(str(threshold)),
+        alpha=alpha,
+        tolerances=AccuracyTolerances(**values),
+        fail_on_unstable=bool(chosen.get("fail_on_unstable", False)),
+        allow_missing=bool(chosen.get("allow_missing", False)),
     )
     if args.summary_md is not None:
         check_writable(args.summary_md, "--summary-md")

@@ -13,6 +13,7 @@ import json
 from collections import Counter
 from typing import Any
 
+from harness.autocast import options
 from harness.engines.protocol import PRECISION_MODES, BuildConfig
 from harness.engines.registry import BACKEND_NAMES, get_backend
 from harness.engines.saved import engine_directory, plan_backend
@@ -80,17 +81,32 @@ def _common(p: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         help="backend builder option (cpu: timing_runs, warmup_runs); VALUE is JSON or a string",
     )
+    p.add_argument("--threads", type=int, default=None,
+                   help="intra-op threads to build and run with (default: the project file's, else torch's)")
+    p.add_argument("--config", metavar="FILE",
+                   help="project file (default: ./harness.toml, else [tool.harness] in ./pyproject.toml)")
+    options.add_flags(p)
 
 
-def _config(args: argparse.Namespace) -> BuildConfig:
-    return BuildConfig(
+def _config(args: argparse.Namespace) -> tuple[str, BuildConfig]:
+    """The model reference and the build configuration: defaults < project file < flags."""
+    from harness.project import load_project
+
+    project = load_project(args.config)
+    model = project.model_reference(args.model)
+    threads = args.threads if args.threads is not None else project.get("threads")
+    if threads is not None and not 1 <= threads <= 1024:
+        raise HarnessError(f"--threads {threads}: expected 1 to 1024")
+    return model, BuildConfig(
         mode=args.mode,
-        explicit_path=args.explicit,
+        explicit_path=args.explicit or project.explicit_for(args.model),
         error_on_cache_miss=args.error_on_cache_miss,
         editable_cache=not getattr(args, "no_editable_cache", False),
         disable_cache=getattr(args, "disable_cache", False),
         ignore_cache_mismatch=args.ignore_mismatch,
         options=_options(args.option),
+        threads=threads,
+        autocast=project.autocast_settings(args.model, options.given(args)),
     )
 
 
@@ -111,14 +127,14 @@ def run_build(args: argparse.Namespace) -> int:
     import models
     from harness.build import build_engine, save_build
 
-    config = _config(args)
+    model, config = _config(args)
     if config.disable_cache and args.cache:
         raise HarnessError("--disable-cache and --cache contradict each other; give one")
     engine_directory(args.output)  # refused now, not after the build
     if args.cache is not None:
         check_writable(args.cache, "--cache")
     backend = get_backend(args.backend)
-    spec = models.load(args.model)
+    spec = models.load(model)
     result = build_engine(spec, config, backend, args.cache)
     out = save_build(result, args.output)
     layers = result.engine.layers()
@@ -152,9 +168,9 @@ def run_rebuild(args: argparse.Namespace) -> int:
     import models
     from harness.build import rebuild
 
-    config = _config(args)
+    model, config = _config(args)
     backend = get_backend(args.backend)
-    spec = models.load(args.model)
+    spec = models.load(model)
     report = rebuild(spec, config, backend, args.times, args.cache)
     if args.json:
         print(json.dumps(report.to_json(), indent=2))

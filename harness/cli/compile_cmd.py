@@ -6,7 +6,7 @@ import argparse
 import dataclasses
 import json
 
-from harness.errors import HarnessError
+from harness.autocast import options
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -15,36 +15,24 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--mode", choices=("rule", "amp", "full", "fp32"), default="rule",
                    help="rule: rule-based classifier; amp: PyTorch AMP policy; full: all low; fp32: nothing lowered")
     p.add_argument("--low", default="fp16", help="low precision type: fp16 or bf16")
-    p.add_argument("--exclude", action="append", default=[], metavar="REGEX", help="keep nodes matching REGEX in fp32")
-    p.add_argument("--exclude-op", action="append", default=[], metavar="OP", help="keep ops such as aten.conv2d in fp32")
-    p.add_argument("--include", action="append", default=[], metavar="REGEX", help="force nodes matching REGEX low")
-    p.add_argument("--include-op", action="append", default=[], metavar="OP", help="force ops low")
-    p.add_argument("--data-max", type=float, default=512.0, help="activation absmax above which a node stays fp32 (<=0: off)")
-    p.add_argument("--init-max", type=float, default=65504.0, help="weight absmax above which a node stays fp32 (<=0: off)")
-    p.add_argument("--max-reduction-depth", type=int, default=None, metavar="N",
-                   help="keep in fp32 every reduction that sums more than N values (conv, matmul K, sum, softmax ...)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--config", metavar="FILE",
+                   help="project file (default: ./harness.toml, else [tool.harness] in ./pyproject.toml)")
+    options.add_flags(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     import models
-    from harness.autocast import AutocastSettings, compile
+    from harness.autocast import compile
+    from harness.project import load_project
 
-    if args.max_reduction_depth is not None and args.max_reduction_depth <= 0:
-        raise HarnessError(f"--max-reduction-depth must be a positive integer, got {args.max_reduction_depth}")
-    settings = AutocastSettings(
-        low_precision_type=args.low,
-        nodes_to_exclude=args.exclude,
-        targets_to_exclude=args.exclude_op,
-        nodes_to_include=args.include,
-        targets_to_include=args.include_op,
-        data_max=args.data_max if args.data_max > 0 else None,
-        init_max=args.init_max if args.init_max > 0 else None,
-        max_depth_of_reduction=args.max_reduction_depth,
-    )  # validated before the model is built, so a bad flag fails fast
-    spec = models.load(args.model)
-    settings = dataclasses.replace(settings, calibration_data=spec.calibration_data)
+    project = load_project(args.config)
+    # validated before the model is built, so a bad flag fails fast
+    settings = project.autocast_settings(args.model, options.given(args), low_precision_type=args.low)
+    spec = models.load(project.model_reference(args.model))
+    if settings.calibration_data is None:
+        settings = dataclasses.replace(settings, calibration_data=spec.calibration_data)
     compiled = compile(spec.module, spec.example_inputs, mode=args.mode, settings=settings)
     if args.json:
         print(json.dumps({"model": spec.name, **compiled.report.to_json()}, indent=2))

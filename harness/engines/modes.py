@@ -7,12 +7,14 @@ decides each layer's precision.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
+from harness.autocast.settings import AutocastSettings
 from harness.engines.protocol import PRECISION_MODES
 from harness.errors import HarnessError
 from harness.fileio import read_json
@@ -75,8 +77,25 @@ _COMPILER_MODES = {
 }
 
 
-def compile_for_mode(spec: ModelSpec, mode: str, explicit_path: str | None) -> CompiledGraph:
-    """Compile ``spec`` into the typed graph that precision ``mode`` asks a backend to build."""
+def settings_apply(mode: str) -> bool:
+    """Whether the autocast settings change the graph of ``mode`` (rule mode; I/O types of full and explicit)."""
+    return _COMPILER_MODES[mode] in ("rule", "full", "explicit")
+
+
+def effective_settings(settings: AutocastSettings, mode: str) -> AutocastSettings:
+    """``settings`` with the low precision type ``mode`` implies (the mode decides it for builds)."""
+    low = low_dtype(mode)
+    return dataclasses.replace(settings, low_precision_type=low) if low is not None else settings
+
+
+def compile_for_mode(
+    spec: ModelSpec, mode: str, explicit_path: str | None, settings: AutocastSettings | None = None
+) -> CompiledGraph:
+    """Compile ``spec`` into the typed graph that precision ``mode`` asks a backend to build.
+
+    ``settings`` carry the classifier's options (exclusions, thresholds,
+    calibration data) from the command line or project file to the compiler.
+    """
     from harness.autocast import compile
 
     check_mode_name(mode)
@@ -91,7 +110,7 @@ def compile_for_mode(spec: ModelSpec, mode: str, explicit_path: str | None) -> C
         spec.module,
         spec.example_inputs,
         mode=_COMPILER_MODES[mode],
-        low_precision_type=None if is_weak(mode) else low_dtype(mode),
+        settings=effective_settings(settings or AutocastSettings(), mode),
         explicit=explicit,
         calibration_data=spec.calibration_data,
     )

@@ -18,7 +18,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from harness.autocast.settings import AutocastSettings
 from harness.errors import HarnessError
+from harness.fileio import canonical_json, digest
 from harness.fxutil import dtype_name as fx_dtype_name
 from harness.outputs import OutputSpec
 
@@ -92,6 +94,23 @@ class BuildConfig:
     # Intra-op threads of host engines (timing and running); None: torch's current count.
     # Tactic timings depend on it, so it is part of the cache provenance.
     threads: int | None = None
+    # The autocast compiler's settings (exclusions, thresholds, calibration data).
+    autocast: AutocastSettings = field(default_factory=AutocastSettings)
+
+    def compiler_settings(self) -> dict[str, Any] | None:
+        """The settings that shape this mode's graph, as JSON (None where they change nothing).
+
+        They go into the cache provenance and the engine fingerprint: an
+        engine or cache made under other settings is refused, naming them.
+        """
+        from harness.engines.modes import effective_settings, settings_apply
+
+        return effective_settings(self.autocast, self.mode).to_json() if settings_apply(self.mode) else None
+
+    def autocast_digest(self) -> str | None:
+        """Digest of :meth:`compiler_settings`, for engine fingerprints and results."""
+        settings = self.compiler_settings()
+        return None if settings is None else digest(canonical_json(settings))
 
     def thread_count(self) -> int:
         return self.threads if self.threads is not None else torch.get_num_threads()

@@ -83,6 +83,7 @@ class CpuBackend:
                 "timing_runs": timing.timing_runs,
                 "warmup_runs": timing.warmup_runs,
                 "num_threads": config.thread_count(),
+                "autocast": config.compiler_settings(),
             },
         )
 
@@ -94,6 +95,7 @@ class CpuBackend:
         builder = PlanBuilder(config, cache, timing)
         plan = builder.build(graph.graph_module, graph.example_inputs)
         plan.structure = graph.outputs
+        plan.compiler_settings = config.autocast_digest()
         engine = CpuEngine(plan)
         log = BuildLog(
             "cpu",

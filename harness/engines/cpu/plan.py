@@ -143,6 +143,8 @@ class Plan:
     weights: dict[str, torch.Tensor] = field(default_factory=dict)
     # How the flat outputs nest in the model's return value (a flat tuple if not given).
     structure: OutputSpec | None = None
+    # Digest of the autocast settings the graph was compiled under (None: they did not apply).
+    compiler_settings: str | None = None
 
     @property
     def output_structure(self) -> OutputSpec:
@@ -188,6 +190,7 @@ class Plan:
             "nodes": [_node_json(n) for n in self.nodes],
             "outputs": [encode_arg(o) for o in self.outputs],
             "output_structure": self.output_structure.to_json(),
+            "compiler_settings": self.compiler_settings,
             "layers": [{**layer.to_json(), "key": layer.key or None} for layer in self.layers()],
         }
 
@@ -408,6 +411,7 @@ PLAN_SCHEMA: dict[str, Any] = {
         "nodes",
         "outputs",
         "output_structure",
+        "compiler_settings",
         "layers",
         "fingerprint",
         "weights_digest",
@@ -459,6 +463,7 @@ PLAN_SCHEMA: dict[str, Any] = {
         },
         "outputs": {"type": "array", "minItems": 1},
         "output_structure": _STR,
+        "compiler_settings": {"type": ["string", "null"]},
         "layers": {"type": "array", "items": LAYER_SCHEMA},
         "fingerprint": _STR,
         "weights_digest": _STR,
@@ -503,13 +508,15 @@ def plan_from_json(obj: dict[str, Any], weights: dict[str, torch.Tensor], where:
         known[node.name] = node
         nodes.append(node)
     outputs_refs = [decode_arg(o, f"{where}: outputs") for o in obj["outputs"]]
+    if not all(isinstance(o, (Ref, WeightRef)) for o in outputs_refs):
+        raise HarnessError(f"{where}: every output must name a node, an input or a weight")
     _check_refs(outputs_refs, known, declared, f"{where}: outputs")
     structure = OutputSpec.from_json(obj["output_structure"], where)
     if structure.count != len(outputs_refs):
         raise HarnessError(
             f"{where}: the output structure holds {structure.count} outputs, the plan {len(outputs_refs)}"
         )
-    plan = Plan(obj["mode"], inputs, nodes, outputs_refs, weights, structure)
+    plan = Plan(obj["mode"], inputs, nodes, outputs_refs, weights, structure, obj["compiler_settings"])
     check_on_fake_tensors(plan, where)
     return plan
 
@@ -608,6 +615,8 @@ def _check_refs(
             raise HarnessError(
                 f"{where}: refers to tuple {leaf.name!r} directly instead of through a getitem"
             )
+        if isinstance(leaf, Ref) and (producer := known[leaf.name]) is not None and producer.outputs[0] is None:
+            raise HarnessError(f"{where}: refers to {leaf.name!r}, which declares no tensor output")
         if isinstance(leaf, WeightRef) and leaf.name not in weights:
             raise HarnessError(
                 f"{where}: refers to weight {leaf.name!r}, which the plan does not declare"

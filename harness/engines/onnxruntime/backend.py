@@ -166,10 +166,12 @@ class EngineRecord:
     casts: tuple[CastRecord, ...]
     settings: SessionSettings
     structure: OutputSpec
+    compiler_settings: str | None  # digest of the autocast settings (None: they did not apply)
 
     def to_json(self) -> dict[str, Any]:
         return {
             "mode": self.mode,
+            "compiler_settings": self.compiler_settings,
             "session": self.settings.to_json(),
             "inputs": [s.to_json() for s in self.inputs],
             "outputs": [s.to_json() for s in self.outputs],
@@ -268,6 +270,7 @@ class OnnxRuntimeEngine(EngineBase):
             casts=tuple(CastRecord.from_json(c) for c in obj["casts"]),
             settings=SessionSettings.from_options(obj["session"]),
             structure=OutputSpec.from_json(obj["output_structure"], where),
+            compiler_settings=obj["compiler_settings"],
         )
         if record.structure.count != len(record.outputs):
             raise HarnessError(
@@ -316,7 +319,12 @@ class OnnxRuntimeBackend:
             # MLAS picks kernels by ISA extension, so they belong to the compared device.
             device=f"{cpu['model']} [{' '.join(cpu['isa_flags'])}] ({PROVIDER})",
             device_details=cpu,
-            builder_options={"mode": config.mode, "provider": PROVIDER, **settings.to_json()},
+            builder_options={
+                "mode": config.mode,
+                "provider": PROVIDER,
+                **settings.to_json(),
+                "autocast": config.compiler_settings(),
+            },
         )
 
     def build(
@@ -335,7 +343,8 @@ class OnnxRuntimeBackend:
                     "backend cpu or tensorrt for this mode"
                 )
         record = EngineRecord(
-            config.mode, exported.inputs, exported.outputs, exported.casts, settings, graph.outputs
+            config.mode, exported.inputs, exported.outputs, exported.casts, settings, graph.outputs,
+            config.autocast_digest(),
         )
         engine = OnnxRuntimeEngine(model_bytes, record)
         engine(*graph.example_inputs)  # a first run surfaces kernels that fail only when executed
@@ -502,6 +511,7 @@ PLAN_SCHEMA: dict[str, Any] = {
         "outputs",
         "casts",
         "output_structure",
+        "compiler_settings",
         "model_file",
         "model_digest",
         "layers",
@@ -528,6 +538,7 @@ PLAN_SCHEMA: dict[str, Any] = {
         "outputs": {"type": "array", "items": TENSOR_SPEC_SCHEMA},
         "casts": {"type": "array", "items": CAST_SCHEMA},
         "output_structure": {"type": "string"},
+        "compiler_settings": {"type": ["string", "null"]},
         "model_file": {"const": MODEL_FILE},
         "model_digest": {"type": "string", "pattern": "^sha256:[0-9a-f]{64}$"},
         "layers": {"type": "array", "items": LAYER_SCHEMA},

@@ -148,6 +148,7 @@ class EngineRecord:
     weights_digest: str
     weight_bytes: dict[str, int]
     structure: OutputSpec
+    compiler_settings: str | None  # digest of the autocast settings (None: they did not apply)
 
     def digest(self) -> str:
         """Digest of everything the record says; the fingerprint covers tactic decisions only."""
@@ -165,6 +166,7 @@ class EngineRecord:
                     "weights_digest": self.weights_digest,
                     "weight_bytes": self.weight_bytes,
                     "output_structure": self.structure.to_json(),
+                    "compiler_settings": self.compiler_settings,
                 }
             )
         )
@@ -195,7 +197,9 @@ class TensorRTEngine(EngineBase):
         hashes = dict(record.cache_entries)
         self._layers = [_layer_info(layer, record.layer_keys, hashes) for layer in info.layers]
         self._fingerprint = trt_fingerprint(
-            info.layers, [CacheEntry(k, "", h, h, 0.0) for k, h in record.cache_entries]
+            info.layers,
+            [CacheEntry(k, "", h, h, 0.0) for k, h in record.cache_entries],
+            record.compiler_settings,
         )
         context = engine.create_execution_context()
         if context is None:
@@ -270,6 +274,7 @@ class TensorRTEngine(EngineBase):
             "weights_digest": record.weights_digest,
             "weight_bytes_by_dtype": dict(record.weight_bytes),
             "output_structure": record.structure.to_json(),
+            "compiler_settings": record.compiler_settings,
             "record_digest": record.digest(),
             "plan_file": ENGINE_FILE,
             "plan_digest": digest(self._plan),
@@ -303,6 +308,7 @@ class TensorRTEngine(EngineBase):
             weights_digest=obj["weights_digest"],
             weight_bytes=dict(obj["weight_bytes_by_dtype"]),
             structure=OutputSpec.from_json(obj["output_structure"], where),
+            compiler_settings=obj["compiler_settings"],
         )
         if record.digest() != obj["record_digest"]:
             raise HarnessError(f"{where}: the plan's fields do not match its record digest; it was edited")
@@ -369,7 +375,8 @@ class TensorRTBackend:
     def provenance(self, config: BuildConfig) -> Provenance:
         settings = self.settings(config)
         device, details = device_identity()
-        return Provenance(BACKEND, str(settings.version), device, details, settings.kernel_options())
+        options = {**settings.kernel_options(), "autocast": config.compiler_settings()}
+        return Provenance(BACKEND, str(settings.version), device, details, options)
 
     def build(
         self, graph: CompiledGraph, config: BuildConfig, cache: TimingCache | None
@@ -419,6 +426,7 @@ class TensorRTBackend:
             weights_digest=initializers_digest(model),
             weight_bytes=initializer_bytes_by_dtype(model),
             structure=graph.outputs,
+            compiler_settings=config.autocast_digest(),
         )
         engine = TensorRTEngine(run.plan, record, self._trt_module)
         known = {key.lower() for key in pins.query_keys()} if pins is not None else set()
@@ -515,6 +523,7 @@ PLAN_SCHEMA: dict[str, Any] = {
         "weights_digest",
         "weight_bytes_by_dtype",
         "output_structure",
+        "compiler_settings",
         "record_digest",
         "plan_file",
         "plan_digest",
@@ -545,6 +554,7 @@ PLAN_SCHEMA: dict[str, Any] = {
         "weights_digest": _DIGEST,
         "weight_bytes_by_dtype": {"type": "object", "additionalProperties": {"type": "integer"}},
         "output_structure": {"type": "string"},
+        "compiler_settings": {"anyOf": [_DIGEST, {"type": "null"}]},
         "record_digest": _DIGEST,
         "plan_file": {"const": ENGINE_FILE},
         "plan_digest": _DIGEST,

@@ -178,15 +178,19 @@ def engine_information_json(engine: tensorrt.ICudaEngine, trt_module: TrtApi | N
     return inspector.get_engine_information(trt.LayerInformationFormat.JSON)
 
 
-def trt_fingerprint(layers: Iterable[InspectedLayer], cache_entries: Iterable[CacheEntry]) -> str:
+def trt_fingerprint(
+    layers: Iterable[InspectedLayer], cache_entries: Iterable[CacheEntry], compiler_settings: str | None = None
+) -> str:
     """Digest of the tactic decisions: per-key tactic hashes and per-layer tactic names.
 
     Never plan or cache bytes: those differ between two GPUs of the same model
     even when every decision is identical. Both lists are sorted, so the order
     in which the inspector or the cache lists things does not matter.
     """
-    payload = {
+    payload: dict[str, Any] = {
         "keys": sorted([e.key.lower(), normalize_hash(e.tactic_hash)] for e in cache_entries),
         "layers": sorted([layer.name, layer.tactic_name or ""] for layer in layers),
     }
+    if compiler_settings is not None:  # graphs the autocast settings shaped
+        payload["compiler_settings"] = compiler_settings
     return digest(canonical_json(payload))
