@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import re
 from pathlib import Path
 from types import SimpleNamespace
@@ -539,12 +540,19 @@ def _no_gpu_reason() -> str | None:
 
 
 NO_GPU = _no_gpu_reason()
-needs_gpu = pytest.mark.skipif(NO_GPU is not None, reason=NO_GPU or "")
+
+
+@pytest.fixture
+def gpu() -> None:
+    """Skip without a GPU; on GPU runners (HARNESS_REQUIRE_GPU=1, gpu.yml) a missing GPU fails."""
+    if NO_GPU is not None:
+        if os.environ.get("HARNESS_REQUIRE_GPU"):
+            pytest.fail(f"HARNESS_REQUIRE_GPU is set, but the GPU tests cannot run: {NO_GPU}")
+        pytest.skip(NO_GPU)
 
 
 @pytest.mark.gpu
-@needs_gpu
-def test_pinned_rebuild_reproduces_the_engine_exactly(tmp_path):
+def test_pinned_rebuild_reproduces_the_engine_exactly(tmp_path, gpu):
     spec = models.load("lenet")
     mode = "autocast-fp16"
     compiled = compile_for_mode(spec, mode, None)
@@ -583,8 +591,7 @@ def test_pinned_rebuild_reproduces_the_engine_exactly(tmp_path):
 
 
 @pytest.mark.gpu
-@needs_gpu
-def test_a_second_build_in_one_process_keeps_its_verbose_log():
+def test_a_second_build_in_one_process_keeps_its_verbose_log(gpu):
     """TensorRT keeps the first logger it is given; each build must still see its own log."""
     spec = models.load("lenet")
     compiled = compile_for_mode(spec, "fp16", None)
@@ -597,8 +604,7 @@ def test_a_second_build_in_one_process_keeps_its_verbose_log():
 
 
 @pytest.mark.gpu
-@needs_gpu
-def test_error_on_cache_miss_with_an_empty_cache_fails_naming_the_problem():
+def test_error_on_cache_miss_with_an_empty_cache_fails_naming_the_problem(gpu):
     spec = models.load("lenet")
     compiled = compile_for_mode(spec, "fp16", None)
     backend = TensorRTBackend()

@@ -20,9 +20,14 @@ says (:func:`~harness.engines.tensorrt.builder.run_builder`) and the real
 build runs with it (``ERROR_ON_TIMING_CACHE_MISS`` when asked). The binary
 cache of each build is remembered per network for the life of the backend
 object, so repeated builds (``harness rebuild``) discover keys once.
-After the build, the binary cache joined with the VERBOSE log (layer names,
-candidates) updates the JSON cache in place; entries whose tactic did not
-change are left untouched, so a fully pinned rebuild leaves the file as it was.
+After a pinned build every key's tactic is compared with its pin, and a build
+whose tactics moved fails (``ERROR_ON_TIMING_CACHE_MISS`` has not stopped
+re-timing on every TensorRT version). The binary cache joined with the VERBOSE
+log (op names, candidates) then updates the JSON cache in place; entries whose
+tactic did not change are left untouched, so a fully pinned rebuild leaves the
+file as it was. The log's ops are joined to the inspector's engine layers by
+the ONNX nodes both list (:mod:`harness.engines.tensorrt.join`), which gives
+each engine layer its key and tactic hash.
 
 Engines are saved as a directory with ``engine.plan`` (TensorRT's serialized
 engine, opaque and specific to the GPU model and TensorRT version) and

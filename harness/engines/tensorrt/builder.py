@@ -5,10 +5,10 @@ numbers (:class:`BuildSettings`) and turned into enum members of the loaded
 TensorRT only inside :func:`run_builder`, so a record written under TensorRT
 10 still reads correctly under 11 (enum integers changed between them).
 
-The builder's VERBOSE log is the only map from layer to timing-cache key, so
-every run captures it (:class:`LogCapture`, fed by a ``trt.ILogger``
-subclass) and :func:`layer_timings` turns it into the backend-neutral
-:class:`~harness.engines.protocol.LayerTiming` records.
+The builder's VERBOSE log is the only map from op to timing-cache key, so
+every run captures it (:func:`capture_log`, fed by the process's one
+``trt.ILogger``, :func:`process_logger`) and :func:`layer_timings` turns it into
+the backend-neutral :class:`~harness.engines.protocol.LayerTiming` records.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from harness.engines.tensorrt.versions import (
     TrtVersion,
     builder_flag_names,
     flag_bits,
+    installed_version,
     load_tensorrt,
     network_flag_names,
 )
@@ -251,7 +252,8 @@ def set_builder_flags(trt: TrtModule, config: tensorrt.IBuilderConfig, settings:
     for name in settings.builder_flags:
         if name not in members:
             raise HarnessError(
-                f"BuilderFlag.{name} does not exist in TensorRT {settings.version}; valid names: "
+                f"BuilderFlag.{name} does not exist in the installed TensorRT {installed_version(trt)} "
+                f"(the settings are for {settings.version}); valid names: "
                 + ", ".join(sorted(members))
             )
         config.set_flag(members[name])
