@@ -31,9 +31,16 @@ def _install(session: nox.Session, *extras: str) -> None:
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    """The whole test suite (GPU-marked tests skip where there is no GPU)."""
+    """The whole test suite (GPU-marked tests skip where there is no GPU).
+
+    The real TensorRT bindings of several versions (tests/test_trt_real_bindings.py)
+    are downloaded here, with the other installs, into the session's virtualenv, so
+    that a missing network fails at set-up with pip's message and later runs reuse them.
+    """
     _install(session, "test")
-    session.run("pytest", "-q", "-p", "no:cacheprovider", *session.posargs)
+    wheels = Path(session.virtualenv.location) / "trt-bindings"
+    session.run("python", "tests/trt_bindings.py", str(wheels))
+    session.run("pytest", "-q", "-p", "no:cacheprovider", *session.posargs, env={"HARNESS_TRT_WHEELS": str(wheels)})
 
 
 # Repairs for tensorrt-stubs 10.13, whose generated .pyi files do not parse:

@@ -1,15 +1,22 @@
-"""TensorRT backend: version gating, flag names, log capture; real builds on GPU runners.
+"""TensorRT backend: version gating, flag names, log capture, the log-to-engine join; real
+builds on GPU runners.
 
-Without a GPU only the decisions made *before* TensorRT runs are tested,
-against a thin stand-in for the ``tensorrt`` module (version string, flag
-enums whose integer values differ between the fake 10.x and 11.x, a base
-``ILogger``). Every real call into TensorRT is type-checked by mypy against
-the tensorrt-stubs instead (``nox -s lint``). The ``gpu`` tests build real
-engines and skip, here only, when there is no CUDA device or no TensorRT.
+Without a GPU the decisions made around TensorRT are tested against a thin
+stand-in for the ``tensorrt`` module (version string, flag enums whose integer
+values differ between the fake 10.x and 11.x, a base ``ILogger``, and for
+:func:`run_builder` a builder that only logs and edits its timing cache), fed
+with real recorded TensorRT output (tests/data/trt). The real bindings of each
+TensorRT version are exercised in test_trt_real_bindings.py; every real call is
+type-checked by mypy against the tensorrt-stubs (``nox -s lint``). The ``gpu``
+tests build real engines and skip, here only, when there is no CUDA device or
+no TensorRT.
 """
 
 from __future__ import annotations
 
+import logging
+import math
+import os
 import re
 from pathlib import Path
 from types import SimpleNamespace
@@ -18,27 +25,40 @@ import pytest
 import torch
 
 import models
+from harness.cache.operations import verify
 from harness.cache.timing_cache import CacheEntry, Candidate, Provenance, TimingCache
 from harness.engines.modes import compile_for_mode
 from harness.engines.protocol import BuildConfig
-from harness.engines.tensorrt.backend import TensorRTBackend, changed_decisions, name_entries
+from harness.engines.tensorrt.backend import (
+    AutotunedOp,
+    TensorRTBackend,
+    autotuned_ops,
+    changed_decisions,
+    name_entries,
+)
 from harness.engines.tensorrt.builder import (
-    LogCapture,
+    build_settings,
+    capture_log,
     layer_timings,
-    make_logger,
+    process_logger,
+    run_builder,
     set_builder_flags,
 )
 from harness.engines.tensorrt.cache_bridge import UNKNOWN_LAYER
-from harness.engines.tensorrt.log_parser import parse_log
-from harness.engines.tensorrt.versions import load_tensorrt
+from harness.engines.tensorrt.inspector import read_engine_information
+from harness.engines.tensorrt.join import join_ops, layer_keys
+from harness.engines.tensorrt.log_parser import ParsedLog, parse_log
+from harness.engines.tensorrt.versions import TrtVersion, load_tensorrt
 from harness.errors import HarnessError
 
 DATA = Path(__file__).parent / "data" / "trt"
-KEY_CONV = "0xa4c123b1612dd272d1371c17149d4395"
-KEY_GEMM = "0x36b3216fdaeeb975729fae923d5a4fd1"
-KEY_SOFTMAX = "0x2aabfe228f219e9cb0eb53f16947ccf2"
-KEY_OLD = "0xcc3fc1626e53a13043b026c48bbf33fe"
-KEY_UNLOGGED = "0x0123456789abcdef0123456789abcdef"
+EDITABLE = DATA / "editable_10.8_sample_readme.log"
+COOKBOOK = DATA / "cookbook_10.16.2_detailed_build.log"
+# Real keys of NVIDIA's sampleEditableTimingCache (README): matMul1 is in the log block,
+# matMul2's only in the README's summary.
+KEY_MATMUL1 = "0x1814870c44ff0f8574df6e3dda04cbd7"
+KEY_MATMUL2 = "0xb222b0832016f1115ff61116c094875a"
+CACHE_FLAGS = ("EDITABLE_TIMING_CACHE", "DISABLE_COMPILATION_CACHE")
 
 
 class Member:
@@ -64,9 +84,12 @@ class BaseLogger:
 
 FLAGS_10 = (
     "FP16", "BF16", "TF32", "OBEY_PRECISION_CONSTRAINTS", "DISABLE_TIMING_CACHE",
-    "EDITABLE_TIMING_CACHE", "ERROR_ON_TIMING_CACHE_MISS",
+    "EDITABLE_TIMING_CACHE", "ERROR_ON_TIMING_CACHE_MISS", "DISABLE_COMPILATION_CACHE",
 )  # fmt: skip
-FLAGS_11 = ("TF32", "DISABLE_TIMING_CACHE", "EDITABLE_TIMING_CACHE", "ERROR_ON_TIMING_CACHE_MISS")
+FLAGS_11 = (
+    "TF32", "DISABLE_TIMING_CACHE", "EDITABLE_TIMING_CACHE", "ERROR_ON_TIMING_CACHE_MISS",
+    "DISABLE_COMPILATION_CACHE",
+)  # fmt: skip
 
 
 def fake_trt(version: str) -> SimpleNamespace:
@@ -115,7 +138,7 @@ def test_weak_modes_on_tensorrt_10_build_weakly_typed_with_the_precision_flag(mo
     backend.check_mode(mode)
     settings = backend.settings(BuildConfig(mode))
     assert settings.network_flags == ()  # not strongly typed: the builder picks precisions
-    assert settings.builder_flags == ("TF32", flag, "OBEY_PRECISION_CONSTRAINTS", "EDITABLE_TIMING_CACHE")
+    assert settings.builder_flags == ("TF32", flag, "OBEY_PRECISION_CONSTRAINTS", *CACHE_FLAGS)
     config = ConfigDouble()
     set_builder_flags(trt, config, settings)
     assert config.set == [trt.BuilderFlag.__members__[n] for n in settings.builder_flags]
@@ -134,7 +157,7 @@ def test_weak_modes_warn_about_the_deprecation_from_10_12():
 def test_other_modes_build_strongly_typed_without_precision_flags(mode, version):
     settings = TensorRTBackend(fake_trt(version)).settings(BuildConfig(mode))
     assert settings.network_flags == ("STRONGLY_TYPED",)
-    assert settings.builder_flags == ("TF32", "EDITABLE_TIMING_CACHE")
+    assert settings.builder_flags == ("TF32", *CACHE_FLAGS)
 
 
 def test_editable_cache_needs_tensorrt_10_8():
@@ -151,7 +174,7 @@ def test_flags_are_recorded_by_name_identically_across_versions_with_different_e
     assert int(fake_trt("10.11.0").BuilderFlag.TF32) != int(fake_trt("11.0.0").BuilderFlag.TF32)
     assert {**old.to_json(), "tensorrt_version": ""} == {**new.to_json(), "tensorrt_version": ""}
     record = old.to_json()
-    assert record["builder_flags"] == ["TF32", "EDITABLE_TIMING_CACHE", "ERROR_ON_TIMING_CACHE_MISS"]
+    assert record["builder_flags"] == ["TF32", *CACHE_FLAGS, "ERROR_ON_TIMING_CACHE_MISS"]
     assert record["network_flags"] == ["STRONGLY_TYPED"]
     # Cache-handling flags do not change kernels, so a cache stays valid with or without them.
     assert old.kernel_options() == TensorRTBackend(fake_trt("10.11.0")).settings(BuildConfig("autocast-fp16")).kernel_options()
@@ -171,7 +194,7 @@ def test_builder_options_are_applied_and_recorded():
     settings = TensorRTBackend(trt).settings(BuildConfig("fp16", options=options))
     config = ConfigDouble()
     set_builder_flags(trt, config, settings)
-    assert [m.name for m in config.set] == ["EDITABLE_TIMING_CACHE"]
+    assert [m.name for m in config.set] == list(CACHE_FLAGS)
     assert [m.name for m in config.cleared] == ["TF32"]
     assert (config.builder_optimization_level, config.avg_timing_iterations) == (5, 4)
     assert settings.kernel_options()["tf32"] is False
@@ -207,55 +230,267 @@ def test_a_flag_the_installed_tensorrt_lacks_is_refused_by_name():
         set_builder_flags(eleven, ConfigDouble(), settings)
 
 
-# --- VERBOSE log capture -> BuildLog ---------------------------------------------------------
+# --- one process-wide logger, its sink switched per build --------------------------------------
 
-_PREFIX = re.compile(r"^\[[^\]]*\] \[(?P<tag>[VIWE])\] \[TRT\] ")
+VERBOSE = SimpleNamespace(name="VERBOSE")
+ERROR = SimpleNamespace(name="ERROR")
+
+
+def test_one_logger_per_tensorrt_module_and_one_capture_per_build(caplog):
+    # TensorRT keeps the first logger it is given and ignores later ones (real 10.16 output):
+    warning = (DATA / "logger_10.16_cookbook_warnings.log").read_text()
+    assert "differs from one already registered" in warning and "the current new logger is ignored" in warning
+    trt = fake_trt("10.13.0")
+    logger = process_logger(trt)
+    assert process_logger(trt) is logger
+    assert isinstance(logger, BaseLogger) and logger.base_initialised
+    assert process_logger(fake_trt("11.0.0")) is not logger  # another loaded module, another logger
+    with capture_log(trt) as first:
+        logger.log(VERBOSE, "first build")
+    with capture_log(trt) as second:
+        logger.log(VERBOSE, "second build")
+        with capture_log(trt) as inner:
+            logger.log(ERROR, "inner")
+        logger.log(ERROR, "second again")
+    assert first.lines == ["[V] [TRT] first build"]
+    assert second.lines == ["[V] [TRT] second build", "[E] [TRT] second again"]
+    assert (inner.lines, inner.problems) == (["[E] [TRT] inner"], ["inner"])
+    with caplog.at_level(logging.WARNING, logger="harness.tensorrt"):
+        logger.log(ERROR, "outside any build")
+        logger.log(VERBOSE, "chatter")
+    assert [r.getMessage() for r in caplog.records] == ["outside any build"]
+
+
+_PREFIX = re.compile(r"^\[[^\]]*\] (?:\[TRT\] \[(?P<a>[VIWE])\]|\[(?P<b>[VIWE])\] \[TRT\]) ")
 _SEVERITIES = {"V": "VERBOSE", "I": "INFO", "W": "WARNING", "E": "ERROR"}
 
 
 def replay(logger, path: Path) -> None:
-    """Feed a recorded trtexec log to a logger as TensorRT would: severity + bare message."""
-    for line in path.read_text().splitlines():
+    """Feed a recorded log to a logger as TensorRT would: severity + bare message. Lines without
+    a prefix continue the previous message (TensorRT logs the layer list as one message)."""
+    messages: list[list] = []
+    for line in path.read_text().split("\n"):
         match = _PREFIX.match(line)
-        assert match is not None, line
-        logger.log(SimpleNamespace(name=_SEVERITIES[match["tag"]]), line[match.end() :])
+        if match is not None:
+            messages.append([_SEVERITIES[match["a"] or match["b"]], line[match.end() :]])
+        elif messages:
+            messages[-1][1] += "\n" + line
+    for severity, message in messages:
+        logger.log(SimpleNamespace(name=severity), message)
 
 
-def test_verbose_logger_output_becomes_layer_timings():
-    capture = LogCapture()
-    logger = make_logger(fake_trt("10.13.0"), capture)
-    assert isinstance(logger, BaseLogger) and logger.base_initialised
-    replay(logger, DATA / "builder_10x_verbose.log")
-    logger.log(SimpleNamespace(name="ERROR"), "Error Code 10: Could not find any implementation")
-    assert capture.problems == ["Error Code 10: Could not find any implementation"]
-
+def test_a_replayed_real_build_is_captured_and_parsed_like_the_recording():
+    trt = fake_trt("10.13.0")
+    with capture_log(trt) as capture:
+        replay(process_logger(trt), COOKBOOK)
     parsed = parse_log(capture.text)
-    older = CacheEntry(KEY_OLD, "/older/layer", "kernel_a", "0x584d8c4fa281", 0.0123, (), pinned=True)
-    unlogged = CacheEntry(KEY_UNLOGGED, UNKNOWN_LAYER, "0x77", "0x77", 0.001)
-    final = [
-        CacheEntry(KEY_CONV, UNKNOWN_LAYER, "0x8f86bebb2737", "0x8f86bebb2737", 0.019),
-        older,
-        unlogged,
+    recorded = parse_log(COOKBOOK.read_text())
+    assert [(p.layer, p.candidates) for p in parsed.layers] == [(p.layer, p.candidates) for p in recorded.layers]
+    assert len(parsed.layers) == 10 and capture.problems == []
+    info = read_engine_information(capture.text, "captured log")
+    assert len(info.layers) == 26
+
+
+# --- the join, and what the build log reports -------------------------------------------------
+
+
+def cookbook_join():
+    parsed = parse_log(COOKBOOK.read_text())
+    layers = read_engine_information(COOKBOOK.read_text(), "cookbook").layers
+    joined, problems = join_ops(parsed.layers, layers)
+    return parsed, layers, joined, problems
+
+
+def test_every_op_of_a_real_build_joins_its_engine_layers():
+    _, _, joined, problems = cookbook_join()
+    assert problems == []
+    by_op = {item.op.layer: (item.layers, item.how) for item in joined}
+    assert by_op["node_linear"] == (("node_linear_myl7_1", "node_linear [profile 1]_myl15_1"), "onnx-layers")
+    assert by_op["node_linear_1_2"] == (("node_linear_1_2_myl7_2", "node_linear_1_2 [profile 1]_myl15_2"), "onnx-layers")
+    assert by_op["node_conv2d + node_relu"] == (("node_conv2d + node_relu",), "name")
+    assert by_op["node_conv2d + node_relu [profile 1]"] == (("node_conv2d + node_relu [profile 1]",), "name")
+
+
+def test_the_editable_sample_joins_by_name_and_carries_its_key_to_the_layer():
+    text = EDITABLE.read_text()
+    parsed = parse_log(text)
+    layers = read_engine_information(text, "sample").layers
+    assert [layer.name for layer in layers] == ["matMul1_myl0_0"]  # the log's op is "matMul1"
+    ops = autotuned_ops(parsed, parsed.entries())
+    assert ops == (AutotunedOp("matMul1", KEY_MATMUL1, ()),)
+    joined, problems = join_ops(ops, layers)
+    assert problems == [] and joined[0].how == "name"
+    assert layer_keys(joined) == ({"matMul1_myl0_0": KEY_MATMUL1}, [])
+
+
+def test_the_prefix_fallback_and_unjoinable_ops_are_reported_by_name():
+    layers = read_engine_information(COOKBOOK.read_text(), "cookbook").layers
+    ops = [
+        AutotunedOp("node_linear_1", KEY_MATMUL1, ()),  # prefix of node_linear_1_2_myl7_2 only
+        AutotunedOp("node_lin", KEY_MATMUL2, ()),  # prefix of two ops' layers
+        AutotunedOp("matMul9", KEY_MATMUL2, ("matMul9",)),
     ]
-    timings = {t.key: t for t in layer_timings(parsed, final, known_keys={KEY_OLD, KEY_CONV})}
-    # Everything but the cut-off block.
-    assert set(timings) == {KEY_CONV, KEY_GEMM, KEY_SOFTMAX, KEY_OLD, KEY_UNLOGGED}
-    conv = timings[KEY_CONV]
-    assert conv.layer == "/features/features.0/Conv + /features/features.1/Relu"
-    assert conv.chosen_hash == "0x8f86bebb2737" and not conv.from_cache
-    assert conv.chosen.startswith("sm80_xmma_fprop_implicit_gemm_f16f16_f16f32_f32_nhwckrsc_nhwc_tilesize64x64x64")
-    assert [c.time_ms for c in conv.candidates] == [0.019328, 0.020192, 0.0216, 0.026208]
-    assert timings[KEY_GEMM].layer == "(Unnamed Layer* 7) [MatrixMultiply]"
-    assert (timings[KEY_SOFTMAX].chosen, len(timings[KEY_SOFTMAX].candidates)) == (
-        "__myl_Exp_SumReduce_Div_0x786e4d3cea27d2",
-        2,
+    joined, problems = join_ops(ops, layers)
+    assert (joined[0].layers, joined[0].how) == (("node_linear_1_2_myl7_2", "node_linear_1_2 [profile 1]_myl15_2"), "prefix")
+    assert joined[1].layers == () and joined[2].layers == ()
+    assert problems[0].startswith("autotuned op 'node_lin' cannot be joined to an engine layer: its name is a prefix")
+    assert problems[1] == (
+        "autotuned op 'matMul9' matches no engine layer by its ONNX nodes ([ONNX Layer: matMul9]) or its name"
     )
-    # A key the JSON cache held and the builder did not autotune was served by the cache;
-    # one it did not hold was created by this build.
-    old = timings[KEY_OLD]
-    assert (old.layer, old.chosen, old.from_cache) == ("/older/layer", "kernel_a", True)
-    assert not timings[KEY_UNLOGGED].from_cache
-    assert any("features.3/Conv" in p for p in parsed.problems)
+    twice = [AutotunedOp("node_linear", KEY_MATMUL1, ("node_linear", "node_relu_2")), AutotunedOp("node_linear_myl7_1", KEY_MATMUL2, ())]
+    keys, claimed = layer_keys(join_ops(twice, layers)[0])
+    assert keys["node_linear_myl7_1"] == KEY_MATMUL1
+    assert claimed == [
+        f"engine layer 'node_linear_myl7_1' joins several keyed ops; its key is {KEY_MATMUL1}, not "
+        f"{KEY_MATMUL2} (op 'node_linear_myl7_1')"
+    ]
+
+
+def test_keyless_ops_become_timings_with_the_engines_tactic_never_a_guessed_hash():
+    parsed, layers, joined, _ = cookbook_join()
+    timings = {t.layer: t for t in layer_timings(parsed, [], set(), joined, layers, set())}
+    assert len(timings) == 10 and all(t.key == "" for t in timings.values())
+    # Profile 1's Cask ops were answered from the build's cache ("got cached result").
+    assert [t.layer for t in timings.values() if t.from_cache] == [
+        "node_conv2d + node_relu [profile 1]",
+        "node_max_pool2d [profile 1]",
+        "node_conv2d_1 + node_relu_1 [profile 1]",
+        "node_max_pool2d_1 [profile 1]",
+    ]
+    # A layer a keyed op claims is reported by that op only.
+    claimed = layer_timings(parsed, [], set(), joined, layers, {"node_conv2d + node_relu"})
+    assert "node_conv2d + node_relu" not in {t.layer for t in claimed} and len(claimed) == 9
+    conv = timings["node_conv2d + node_relu"]
+    # A Cask layer: its TacticValue is the hash, one of the 246 candidates the log measured.
+    assert conv.chosen_hash == "0xcf8ea142095f02d2" and len(conv.candidates) == 246
+    assert conv.chosen.startswith("sm80_xmma_fprop_implicit_gemm_indexed_wo_smem_f32f32_tf32f32")
+    assert conv.chosen_hash in {c.tactic_hash for c in conv.candidates}
+    linear = timings["node_linear"]
+    # A Myelin layer has no TacticValue and its kernel name is shared by several candidates.
+    assert linear.chosen == "sm80_xmma_gemm_f32f32_tf32f32_f32_tn_n_tilesize32x32x64_stage3_warpsize2x1x2_tensor16x8x8"
+    assert sum(c.tactic == linear.chosen for c in linear.candidates) > 1 and linear.chosen_hash == ""
+
+
+def test_keyed_ops_cache_hits_and_unlogged_keys_become_timings():
+    text = EDITABLE.read_text()
+    parsed = parse_log(text)
+    layers = read_engine_information(text, "sample").layers
+    older = CacheEntry(KEY_MATMUL2, "matMul2", "kernel_a", "0x665ded9abbf88", 0.0113, (), pinned=True)
+    unlogged = CacheEntry("0x000102030405060708090a0b0c0d0e0f", UNKNOWN_LAYER, "0x77", "0x77", 0.001)
+    final = [parsed.entries()[0], older, unlogged]
+    joined, _ = join_ops(parsed.layers, layers)
+    timings = {t.key: t for t in layer_timings(parsed, final, {KEY_MATMUL2}, joined, layers, set())}
+    assert set(timings) == {KEY_MATMUL1, KEY_MATMUL2, unlogged.key}
+    matmul = timings[KEY_MATMUL1]
+    assert (matmul.layer, matmul.chosen_hash, matmul.from_cache, len(matmul.candidates)) == ("matMul1", "0x665ded9abbf88", False, 3)
+    assert timings[KEY_MATMUL2].from_cache and not timings[unlogged.key].from_cache
+
+
+# --- run_builder: pins checked after the build -------------------------------------------------
+
+
+class TimingCacheDouble:
+    """ITimingCache's documented semantics: update() refuses an absent key, NaN deletes."""
+
+    def __init__(self, values):
+        self.values = dict(values)
+
+    def queryKeys(self):  # noqa: N802 - TensorRT's spelling
+        return list(self.values)
+
+    def query(self, key):
+        return SimpleNamespace(tacticHash=self.values[key][0], timingMSec=self.values[key][1])
+
+    def update(self, key, value):
+        if key not in self.values:
+            return False
+        if math.isnan(value.timingMSec):
+            del self.values[key]
+        else:
+            self.values[key] = (value.tacticHash, value.timingMSec)
+        return True
+
+    def serialize(self):
+        return repr(sorted(self.values.items())).encode()
+
+
+def builder_trt(retime: dict[str, int]):
+    """A stand-in for TensorRT whose build logs through the logger it was given and then
+    re-times keys as TensorRT 11.0 did despite ERROR_ON_TIMING_CACHE_MISS."""
+    trt = fake_trt("11.0.0")
+    loggers = []
+
+    class Config(ConfigDouble):
+        def create_timing_cache(self, data):
+            self.cache = TimingCacheDouble({KEY_MATMUL1: (0x665DED9ABBF88, 0.011264), KEY_MATMUL2: (0x665DED9ABBF88, 0.0113)})
+            return self.cache
+
+        def set_timing_cache(self, cache, ignore_mismatch):
+            return True
+
+        def get_timing_cache(self):
+            return self.cache
+
+    class Builder:
+        def __init__(self, logger):
+            loggers.append(logger)
+            self.logger = logger
+
+        def create_network(self, flags):
+            return SimpleNamespace(flags=flags)
+
+        def create_builder_config(self):
+            return Config()
+
+        def build_serialized_network(self, network, config):
+            self.logger.log(VERBOSE, "building")
+            config.cache.values.update({k: (v, 0.01) for k, v in retime.items()})
+            return b"plan"
+
+    class OnnxParser:
+        def __init__(self, network, logger):
+            loggers.append(logger)
+
+        def parse(self, data):
+            return True
+
+    trt.Builder, trt.OnnxParser, trt.TimingCacheValue = Builder, OnnxParser, SimpleNamespace
+    trt.TimingCacheKey = SimpleNamespace(parse=str)
+    trt.TimingCacheValue = lambda tactic_hash, time_ms: SimpleNamespace(tacticHash=tactic_hash, timingMSec=time_ms)
+    return trt, loggers
+
+
+def pins() -> TimingCache:
+    parsed = parse_log(EDITABLE.read_text())
+    cache = TimingCache(PROV, parsed.entries())
+    cache.update(CacheEntry(KEY_MATMUL2, "matMul2", "0x665ded9abbf88", "0x665ded9abbf88", 0.0113))
+    return cache
+
+
+def test_a_pinned_build_whose_tactics_moved_fails_naming_the_layer():
+    settings = build_settings(TrtVersion(11, 0), "fp16", {}, timing_cache=True, editable=True, error_on_cache_miss=True)
+    trt, loggers = builder_trt({})
+    run = run_builder(trt, b"onnx", settings, base_cache=b"", pins=pins(), ignore_mismatch=False)
+    assert run.plan == b"plan" and run.capture.lines == ["[V] [TRT] building"]
+    second = run_builder(trt, b"onnx", settings, base_cache=b"", pins=pins(), ignore_mismatch=False)
+    assert second.capture.lines == ["[V] [TRT] building"]
+    # Both builds, builder and parser alike, got the one process-wide logger.
+    assert len(loggers) == 4 and all(logger is loggers[0] for logger in loggers)
+
+    trt, _ = builder_trt({KEY_MATMUL1: 0x393E4EF8AD243})
+    with pytest.raises(HarnessError) as exc:
+        run_builder(trt, b"onnx", settings, base_cache=b"", pins=pins(), ignore_mismatch=False)
+    assert str(exc.value) == (
+        "TensorRT did not keep the pinned tactics (fp16); the engine is discarded:\n"
+        f"  layer 'matMul1' (key {KEY_MATMUL1}): pinned sm80_xmma_gemm_f32f32_tf32f32_f32_nn_n_tilesize32x32x64"
+        "_stage3_warpsize2x1x2_tensor16x8x8 (0x665ded9abbf88), built 0x393e4ef8ad243"
+    )
+    trt, _ = builder_trt({"0x000102030405060708090a0b0c0d0e0f": 1})
+    with pytest.raises(HarnessError, match="key 0x000102030405060708090a0b0c0d0e0f: not in the pinned cache"):
+        run_builder(trt, b"onnx", settings, base_cache=b"", pins=pins(), ignore_mismatch=False)
+    # Without error-on-miss a new key is a layer timed afresh, which is allowed.
+    lenient = build_settings(TrtVersion(11, 0), "fp16", {}, timing_cache=True, editable=True, error_on_cache_miss=False)
+    assert run_builder(trt, b"onnx", lenient, base_cache=b"", pins=pins(), ignore_mismatch=False).plan == b"plan"
 
 
 # --- JSON cache bookkeeping ------------------------------------------------------------------
@@ -265,25 +500,25 @@ CANDIDATES = (Candidate("kernel_a", "0xa", 0.5), Candidate("kernel_b", "0xb", 0.
 
 
 def test_entries_the_log_does_not_name_take_names_from_the_json_cache():
-    given = TimingCache(PROV, [CacheEntry(KEY_CONV, "conv + relu", "kernel_a", "0xa", 0.5, CANDIDATES, pinned=True)])
+    given = TimingCache(PROV, [CacheEntry(KEY_MATMUL1, "matMul1", "kernel_a", "0xa", 0.5, CANDIDATES, pinned=True)])
     exported = TimingCache(
         PROV,
-        [
-            CacheEntry(KEY_CONV, UNKNOWN_LAYER, "0xa", "0xa", 0.5),
-            CacheEntry(KEY_GEMM, UNKNOWN_LAYER, "0xc", "0xc", 0.1),
-        ],
+        [CacheEntry(KEY_MATMUL1, UNKNOWN_LAYER, "0xa", "0xa", 0.5), CacheEntry(KEY_MATMUL2, UNKNOWN_LAYER, "0xc", "0xc", 0.1)],
     )
-    conv, gemm = name_entries(exported, given)
-    assert (conv.layer, conv.tactic, conv.candidates) == ("conv + relu", "kernel_a", CANDIDATES)
-    assert gemm.layer == UNKNOWN_LAYER
+    matmul, other = name_entries(exported, given)
+    assert (matmul.layer, matmul.tactic, matmul.candidates) == ("matMul1", "kernel_a", CANDIDATES)
+    assert other.layer == UNKNOWN_LAYER
+    # The plan records the op of every key but the unnamed one; a key served by the JSON
+    # cache has its name only (no log block, so no ONNX nodes).
+    assert autotuned_ops(ParsedLog(), [matmul, other]) == (AutotunedOp("matMul1", KEY_MATMUL1, ()),)
 
 
 def test_a_pinned_rebuild_adds_nothing_and_a_change_is_reported():
-    pinned = CacheEntry(KEY_CONV, "conv + relu", "kernel_a", "0xa", 0.5, CANDIDATES, pinned=True)
+    pinned = CacheEntry(KEY_MATMUL1, "matMul1", "kernel_a", "0xa", 0.5, CANDIDATES, pinned=True)
     cache = TimingCache(PROV, [pinned])
     before = cache.digest()
-    assert changed_decisions(cache, [CacheEntry(KEY_CONV, "conv + relu", "0x0A", "0x0A", 0.5)]) == []
-    changed = CacheEntry(KEY_CONV, "conv + relu", "kernel_b", "0xb", 0.6)
+    assert changed_decisions(cache, [CacheEntry(KEY_MATMUL1, "matMul1", "0x0A", "0x0A", 0.5)]) == []
+    changed = CacheEntry(KEY_MATMUL1, "matMul1", "kernel_b", "0xb", 0.6)
     assert changed_decisions(cache, [changed]) == [changed]
     assert cache.digest() == before  # reported, never written into the caller's cache
 
@@ -304,12 +539,19 @@ def _no_gpu_reason() -> str | None:
 
 
 NO_GPU = _no_gpu_reason()
-needs_gpu = pytest.mark.skipif(NO_GPU is not None, reason=NO_GPU or "")
+
+
+@pytest.fixture
+def gpu() -> None:
+    """Skip without a GPU; on GPU runners (HARNESS_REQUIRE_GPU=1, gpu.yml) a missing GPU fails."""
+    if NO_GPU is not None:
+        if os.environ.get("HARNESS_REQUIRE_GPU"):
+            pytest.fail(f"HARNESS_REQUIRE_GPU is set, but the GPU tests cannot run: {NO_GPU}")
+        pytest.skip(NO_GPU)
 
 
 @pytest.mark.gpu
-@needs_gpu
-def test_pinned_rebuild_reproduces_the_engine_exactly(tmp_path):
+def test_pinned_rebuild_reproduces_the_engine_exactly(tmp_path, gpu):
     spec = models.load("lenet")
     mode = "autocast-fp16"
     compiled = compile_for_mode(spec, mode, None)
@@ -321,6 +563,11 @@ def test_pinned_rebuild_reproduces_the_engine_exactly(tmp_path):
     for entry in first_log.new_entries:
         cache.update(entry)
     assert first_log.layers and not any(t.from_cache for t in first_log.layers)
+    # Every autotuned op of the log joined an engine layer, which carries its key and hash.
+    assert not [m for m in first_log.messages if "autotuned op" in m], first_log.messages
+    keyed = [layer for layer in first.layers() if layer.key]
+    assert keyed and all(layer.tactic_hash for layer in keyed)
+    assert {layer.key for layer in keyed} <= set(cache.query_keys())
     cache.save(tmp_path / "cache.json")
 
     # A fresh backend has no binary cache of this network: it must discover the keys first.
@@ -330,6 +577,7 @@ def test_pinned_rebuild_reproduces_the_engine_exactly(tmp_path):
     assert second.fingerprint() == first.fingerprint()
     assert all(t.from_cache for t in second_log.layers)
     assert pinned.digest() == before
+    assert verify(pinned, [(layer.name, layer.key, layer.tactic) for layer in second.layers() if layer.key]) == []
     a = first.run(*spec.example_inputs)
     b = second.run(*spec.example_inputs)
     assert all(torch.equal(x.view(torch.int32), y.view(torch.int32)) for x, y in zip(a, b, strict=True))
@@ -344,8 +592,20 @@ def test_pinned_rebuild_reproduces_the_engine_exactly(tmp_path):
 
 
 @pytest.mark.gpu
-@needs_gpu
-def test_error_on_cache_miss_with_an_empty_cache_fails_naming_the_problem():
+def test_a_second_build_in_one_process_keeps_its_verbose_log(gpu):
+    """TensorRT keeps the first logger it is given; each build must still see its own log."""
+    spec = models.load("lenet")
+    compiled = compile_for_mode(spec, "fp16", None)
+    for _ in range(2):
+        backend = TensorRTBackend()
+        config = BuildConfig("fp16")
+        engine, log = backend.build(compiled, config, TimingCache(backend.provenance(config)))
+        assert any(t.key for t in log.layers)
+        assert any(layer.key for layer in engine.layers())
+
+
+@pytest.mark.gpu
+def test_error_on_cache_miss_with_an_empty_cache_fails_naming_the_problem(gpu):
     spec = models.load("lenet")
     compiled = compile_for_mode(spec, "fp16", None)
     backend = TensorRTBackend()

@@ -1,13 +1,15 @@
 """TensorRT bridge, engine inspector and version rules, without a GPU.
 
-The bridge is exercised against a thin double of ``ITimingCache`` that has
-only ``queryKeys``/``query``/``update`` with the documented semantics
-(``update`` returns False for an absent key, a NaN time deletes), and a tiny
-namespace standing in for the ``tensorrt`` module.
+Inputs are real TensorRT output (tests/data/trt/README.md). The bridge is
+exercised against a thin double of ``ITimingCache`` that has only
+``queryKeys``/``query``/``update`` with the documented semantics (``update``
+returns False for an absent key, a NaN time deletes), and a tiny namespace
+standing in for the ``tensorrt`` module.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 import types
@@ -21,10 +23,18 @@ import pytest
 from harness.cache.operations import pin
 from harness.cache.timing_cache import CacheEntry, Provenance, TimingCache
 from harness.engines.tensorrt import versions
-from harness.engines.tensorrt.cache_bridge import UNKNOWN_LAYER, apply_pins, export_trt_cache
+from harness.engines.tensorrt.cache_bridge import (
+    INVALID_TACTIC_HASH,
+    UNKNOWN_LAYER,
+    apply_pins,
+    built_tactics,
+    export_trt_cache,
+    moved_pins,
+)
 from harness.engines.tensorrt.inspector import (
     engine_information_json,
     parse_engine_information,
+    read_engine_information,
     trt_fingerprint,
 )
 from harness.engines.tensorrt.log_parser import parse_log_file
@@ -32,11 +42,12 @@ from harness.engines.tensorrt.versions import TrtVersion
 from harness.errors import HarnessError
 
 DATA = Path(__file__).parent / "data" / "trt"
-KEY_CONV = "0xa4c123b1612dd272d1371c17149d4395"
-KEY_GEMM = "0x36b3216fdaeeb975729fae923d5a4fd1"
-KEY_SOFTMAX = "0x2aabfe228f219e9cb0eb53f16947ccf2"
-KEY_OLD = "0xcc3fc1626e53a13043b026c48bbf33fe"
-PROV = Provenance("tensorrt", "10.13.0.35", "NVIDIA A100-SXM4-40GB (sm_80)", {}, {"tf32": True})
+EDITABLE = DATA / "editable_10.8_sample_readme.log"
+# Real keys of NVIDIA's sampleEditableTimingCache (README): matMul1 is in the log block,
+# matMul2's only in the README's summary, so the log does not name it.
+KEY_MATMUL1 = "0x1814870c44ff0f8574df6e3dda04cbd7"
+KEY_MATMUL2 = "0xb222b0832016f1115ff61116c094875a"
+PROV = Provenance("tensorrt", "10.8.0.43", "NVIDIA A100-SXM4-40GB (sm_80)", {}, {"tf32": True})
 
 
 class Key:
@@ -58,6 +69,10 @@ class Value:
 
 
 class TimingCacheDouble:
+    """``queryKeys``/``query``/``update`` with ITimingCache's documented semantics: ``update``
+    returns False for an absent key, a NaN time deletes. (The real ``TimingCacheKey`` and
+    ``TimingCacheValue`` of every TensorRT version are exercised in test_trt_real_bindings.)"""
+
     def __init__(self, values: dict[str, tuple[int, float]]) -> None:
         self.values = dict(values)
 
@@ -81,20 +96,12 @@ FAKE_TRT = SimpleNamespace(TimingCacheKey=Key, TimingCacheValue=Value)
 
 
 def trt_cache_after_build() -> TimingCacheDouble:
-    # What TensorRT stored after the 10.x build; KEY_OLD came from an older cache.
-    return TimingCacheDouble(
-        {
-            KEY_CONV: (0x8F86BEBB2737, 0.0191),
-            KEY_GEMM: (0x454F31AF317, 0.0083),  # differs from the log's pick: a pinned rebuild
-            KEY_SOFTMAX: (0x786E4D3CEA27D2, 0.0041),
-            KEY_OLD: (0x584D8C4FA281, 0.0123),
-        }
-    )
+    # What TensorRT stored after the sample's build (times as float32, as TensorRT keeps them).
+    return TimingCacheDouble({KEY_MATMUL1: (0x665DED9ABBF88, 0.011264), KEY_MATMUL2: (0x665DED9ABBF88, 0.0113)})
 
 
 def exported() -> TimingCache:
-    log = parse_log_file(DATA / "builder_10x_verbose.log")
-    return export_trt_cache(trt_cache_after_build(), log, PROV)
+    return export_trt_cache(trt_cache_after_build(), parse_log_file(EDITABLE), PROV)
 
 
 # --- cache bridge ---------------------------------------------------------------------------
@@ -103,71 +110,83 @@ def exported() -> TimingCache:
 def test_export_joins_binary_cache_values_with_log_names():
     cache = exported()
     assert cache.provenance == PROV
-    assert cache.query_keys() == [KEY_CONV, KEY_GEMM, KEY_SOFTMAX, KEY_OLD]
-    conv = cache.query(KEY_CONV)
-    assert conv.layer == "/features/features.0/Conv + /features/features.1/Relu"
-    assert conv.tactic.startswith(
-        "sm80_xmma_fprop_implicit_gemm_f16f16_f16f32_f32_nhwckrsc_nhwc_tilesize64x64x64"
+    assert cache.query_keys() == [KEY_MATMUL1, KEY_MATMUL2]
+    matmul = cache.query(KEY_MATMUL1)
+    assert (matmul.layer, matmul.tactic, matmul.tactic_hash, matmul.time_ms) == (
+        "matMul1",
+        "sm80_xmma_gemm_f32f32_tf32f32_f32_nn_n_tilesize32x32x64_stage3_warpsize2x1x2_tensor16x8x8",
+        "0x665ded9abbf88",
+        0.011264,
     )
-    # The time comes from the binary cache (0.0191), not the log (0.019328).
-    assert (conv.tactic_hash, conv.time_ms) == ("0x8f86bebb2737", 0.0191)
-    assert len(conv.candidates) == 4
-    gemm = cache.query(KEY_GEMM)
-    assert gemm.tactic_hash == "0x454f31af317"
-    assert (
-        gemm.tactic
-        == "sm80_xmma_gemm_f16f16_f16f32_f32_tn_n_tilesize32x32x64_stage6_warpsize2x2x1_tensor16x8x16"
-    )
-    old = cache.query(KEY_OLD)
-    assert (old.layer, old.tactic, old.candidates) == (UNKNOWN_LAYER, "0x584d8c4fa281", ())
+    assert len(matmul.candidates) == 3
+    other = cache.query(KEY_MATMUL2)
+    assert (other.layer, other.tactic, other.candidates) == (UNKNOWN_LAYER, "0x665ded9abbf88", ())
 
 
-def test_export_refuses_invalid_time():
-    double = TimingCacheDouble({KEY_CONV: (1, math.nan)})
-    with pytest.raises(HarnessError, match=f"key {KEY_CONV} has an invalid time"):
-        export_trt_cache(double, parse_log_file(DATA / "builder_10x_verbose.log"), PROV)
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ((1, math.nan), "has an invalid time nan"),
+        ((1, -1.0), "has an invalid time -1.0"),
+        ((INVALID_TACTIC_HASH, 0.5), "has the invalid tactic hash 0xffffffffffffffff"),
+    ],
+)
+def test_export_refuses_invalid_values(value, message):
+    double = TimingCacheDouble({KEY_MATMUL1: value})
+    with pytest.raises(HarnessError, match=f"key {KEY_MATMUL1} {message}"):
+        export_trt_cache(double, parse_log_file(EDITABLE), PROV)
+    with pytest.raises(HarnessError, match=message):
+        built_tactics(double)
 
 
 def test_round_trip_pin_in_json_then_apply_to_trt(tmp_path):
     path = tmp_path / "cache.json"
     exported().save(path)
     cache = TimingCache.load(path)
-    pin(
-        cache,
-        "/features/features.0/Conv + /features/features.1/Relu",
-        "ampere_h16816cudnn_128x64_ldg8_relu_exp_small_nhwc_tn_v1",
-    )
+    pin(cache, "matMul1", "0x393e4ef8ad243")
     trt_cache = trt_cache_after_build()
     assert apply_pins(trt_cache, cache, FAKE_TRT) == []
-    assert trt_cache.values[KEY_CONV] == (0xA2CEC255404E4, 0.0216)
-    assert trt_cache.values[KEY_GEMM] == (0x454F31AF317, 0.0083)
+    assert trt_cache.values[KEY_MATMUL1] == (0x393E4EF8AD243, 0.0118784)
     # Exporting again gives back exactly the edited JSON decisions.
-    again = export_trt_cache(trt_cache, parse_log_file(DATA / "builder_10x_verbose.log"), PROV)
-    assert [(e.key, e.tactic_hash) for e in again.entries()] == [
-        (e.key, e.tactic_hash) for e in cache.entries()
-    ]
+    again = export_trt_cache(trt_cache, parse_log_file(EDITABLE), PROV)
+    assert [(e.key, e.tactic_hash) for e in again.entries()] == [(e.key, e.tactic_hash) for e in cache.entries()]
 
 
 def test_apply_reports_keys_tensorrt_does_not_have():
-    trt_cache = TimingCacheDouble({KEY_CONV: (1, 1.0)})
+    trt_cache = TimingCacheDouble({KEY_MATMUL2: (1, 1.0)})
     errors = apply_pins(trt_cache, exported(), FAKE_TRT)
-    assert len(errors) == 3
-    assert errors[0].startswith(
-        f"layer '(Unnamed Layer* 7) [MatrixMultiply]' (key {KEY_GEMM}): TensorRT refused"
-    )
+    assert len(errors) == 1
+    assert errors[0].startswith(f"layer 'matMul1' (key {KEY_MATMUL1}): TensorRT refused")
     assert "EDITABLE_TIMING_CACHE" in errors[0]
-    assert trt_cache.values == {KEY_CONV: (0x8F86BEBB2737, 0.0191)}
+    assert trt_cache.values == {KEY_MATMUL2: (0x665DED9ABBF88, 0.0113)}
 
 
 def test_apply_rejects_other_backends_and_malformed_keys():
-    cpu = TimingCache(
-        replace(PROV, backend="cpu"), [CacheEntry("conv|nchw|f32", "conv", "direct", "0x1", 1.0)]
-    )
+    cpu = TimingCache(replace(PROV, backend="cpu"), [CacheEntry("conv|nchw|f32", "conv", "direct", "0x1", 1.0)])
     with pytest.raises(HarnessError, match="backend 'cpu', not 'tensorrt'"):
         apply_pins(TimingCacheDouble({}), cpu, FAKE_TRT)
     odd = TimingCache(PROV, [CacheEntry("0x1234", "conv", "t", "0x1", 1.0)])
     assert apply_pins(TimingCacheDouble({"0x1234": (0, 1.0)}), odd, FAKE_TRT) == [
         "layer 'conv' (key 0x1234): not a TensorRT cache key (expected 0x and 32 hex digits)"
+    ]
+
+
+def test_a_pinned_tactic_that_moved_fails_naming_the_layer():
+    pins = exported()
+    pin(pins, "matMul1", "0x393e4ef8ad243")
+    kept = {KEY_MATMUL1: "0x393E4EF8AD243", KEY_MATMUL2: "0x665ded9abbf88"}
+    assert moved_pins(kept, pins, error_on_miss=True) == []
+    moved = {**kept, KEY_MATMUL1: "0x665ded9abbf88"}
+    assert moved_pins(moved, pins, error_on_miss=False) == [
+        f"layer 'matMul1' (key {KEY_MATMUL1}): pinned sm80_xmma_gemm_f32f32_tf32f32_f32_nn_n_tilesize64x32x64"
+        "_stage4_warpsize2x1x2_tensor16x8x8 (0x393e4ef8ad243), built 0x665ded9abbf88"
+    ]
+    # A key the pins lack was timed: a miss, which error-on-miss forbids even where TensorRT
+    # (11.0) did not stop the build.
+    extra = {**kept, "0x000102030405060708090a0b0c0d0e0f": "0x1"}
+    assert moved_pins(extra, pins, error_on_miss=False) == []
+    assert moved_pins(extra, pins, error_on_miss=True) == [
+        "key 0x000102030405060708090a0b0c0d0e0f: not in the pinned cache, yet the build timed and kept tactic 0x1"
     ]
 
 
@@ -185,72 +204,86 @@ def test_load_tensorrt_explains_missing_bindings(monkeypatch):
 # --- engine inspector -----------------------------------------------------------------------
 
 
-def inspector(layout: str):
-    return parse_engine_information(
-        (DATA / f"inspector_{layout}.json").read_text(), f"inspector_{layout}"
-    )
+def real_json(name: str) -> dict:
+    return json.loads((DATA / name).read_text())
 
 
-def test_inspector_10x_layout():
-    info = inspector("10x")
-    assert info.layout == "10.x"
-    assert info.io_tensors == ("input", "logits")
-    reformat, conv1, conv2, gemm, softmax = info.layers
-    assert (reformat.layer_type, reformat.tactic_name, reformat.tactic_value) == (
-        "Reformat",
-        None,
-        "0x00000000000003e8",
-    )
-    assert reformat.inputs[0].dtype == "float32" and reformat.outputs[0].dtype == "float16"
-    assert reformat.inputs[0].format == "Row major linear FP32 format"
-    assert reformat.inputs[0].dimensions == (1, 3, 32, 32)
-    assert conv1.tactic_value == "0x00008f86bebb2737"
-    assert conv1.outputs[0].format == "Channel major FP16 format where channel % 8 == 0"
-    assert gemm.tactic_value is None and gemm.tactic_name.startswith("sm80_xmma_gemm")
-    assert [t.dtype for t in gemm.inputs] == ["float16", "float16"]
-    assert softmax.outputs[0].dtype == "float32"
+def as_11x(doc: dict) -> dict:
+    """A real 10.x document rewritten by NVIDIA's 10.x -> 11.x migration rules.
+
+    ("Migrating IEngineInspector Usage from TensorRT 10.x to 11.x"): ``Bindings`` becomes
+    ``I/O Tensors`` objects (``Name``, ``IOMode``, ``DataType``, ...), a layer tensor's
+    ``Format/Datatype`` becomes ``Format`` plus ``Datatype``, there is no ``Location``.
+    No real 11.x inspector output is public; this needs a GPU to confirm.
+    """
+    consumed = {t["Name"] for layer in doc["Layers"] for t in layer["Inputs"]}
+
+    def tensor(t: dict) -> dict:
+        combined = t["Format/Datatype"]
+        words = combined.replace(".", "").split()
+        dtype = words[words.index("format", 1) - 1] if "format" in words[1:] else words[-1]
+        return {"Name": t["Name"], "Dimensions": t["Dimensions"], "Format": combined, "Datatype": dtype}
+
+    layers = [
+        {**layer, "Inputs": [tensor(t) for t in layer["Inputs"]], "Outputs": [tensor(t) for t in layer["Outputs"]]}
+        for layer in doc["Layers"]
+    ]
+    io = [{"Name": n, "IOMode": "Input" if n in consumed else "Output", "DataType": "Half"} for n in doc["Bindings"]]
+    return {"Layers": layers, "I/O Tensors": io}
 
 
-def test_inspector_11x_layout_matches_10x_facts():
-    old, new = inspector("10x"), inspector("11x")
-    assert new.layout == "11.x"
-    assert new.io_tensors == ("input", "logits")
-    assert new.layers[0].inputs[0].format == "Row major linear format (kLINEAR)"
+def test_inspector_10x_json_of_a_trtexec_build():
+    info = parse_engine_information(real_json("trtexec_10.4_alexnet_fp16_layers.json"), "alexnet")
+    assert info.layout == "10.x" and info.io_tensors == ("input", "output")
+    reformat, conv = info.layers[:2]
+    assert (reformat.layer_type, reformat.tactic_name, reformat.tactic_value) == ("Reformat", None, "0x00000000000003e8")
+    assert reformat.inputs[0].format == "Row major linear FP16 format"
+    assert reformat.inputs[0].dimensions == (1, 3, 224, 224)
+    assert conv.outputs[0].format == "Channel major FP16 format where channel % 8 == 0"
+    assert (conv.input_dtypes, conv.output_dtypes) == (("fp16",), ("fp16",))
+    assert conv.tactic_value == "0x280b0ad3c23d8442"
+    assert conv.onnx_layers == ("/features/features.0/Conv", "/features/features.1/Relu")
+    gemm = info.layers[11]
+    # A Myelin layer: "Half" tensors, no TacticValue, Metadata separated by \x1f.
+    assert (gemm.name, gemm.tactic_value) == ("/classifier/classifier_1/Gemm_myl9_2", None)
+    assert gemm.tactic_name.startswith("sm50_xmma_cublas_gemvx_f16f16")
+    assert gemm.input_dtypes == ("fp16", "fp16", "fp32", "fp32", "fp16")
+    assert gemm.onnx_layers == ("/classifier/classifier.1/Gemm", "/classifier/classifier.2/Relu")
+
+
+def test_inspector_python_api_json_and_older_layouts():
+    alexnet = parse_engine_information(real_json("inspector_10.1_alexnet.json"))
+    assert len(alexnet.layers) == 17 and alexnet.layers[-1].output_dtypes == ("fp16",)
+    assert alexnet.layers[1].input_dtypes == ("fp32",)  # "Channel major FP32 format"
+    assert alexnet.layers[6].outputs[0].format == "Row major linear FP32"  # no "format" word
+    resnet = parse_engine_information(real_json("inspector_10.1_resnet18.json"))
+    assert resnet.layout == "10.x" and all(layer.name for layer in resnet.layers)
+    trex = parse_engine_information(real_json("inspector_8.x_trex_resnet_a100_fp16.json"))
+    assert trex.io_tensors == ("input.1", "191") and all(layer.onnx_layers == () for layer in trex.layers)
+    assert trex.layers[-1].output_dtypes == ("fp32",)
+
+
+def test_inspector_11x_layout_reads_the_same_facts():
+    old = parse_engine_information(real_json("trtexec_10.4_alexnet_fp16_layers.json"))
+    new = parse_engine_information(as_11x(real_json("trtexec_10.4_alexnet_fp16_layers.json")))
+    assert new.layout == "11.x" and new.io_tensors == ("input", "output")
 
     def facts(info):
         return [
-            (
-                layer.name,
-                layer.layer_type,
-                [t.dtype for t in layer.inputs],
-                [t.dtype for t in layer.outputs],
-                layer.tactic_name,
-                layer.tactic_value,
-            )
+            (layer.name, layer.layer_type, layer.input_dtypes, layer.output_dtypes, layer.tactic_name,
+             layer.tactic_value, layer.onnx_layers)
             for layer in info.layers
-        ]
+        ]  # fmt: skip
 
     assert facts(new) == facts(old)
 
 
 def test_inspector_accepts_datatype_spelling_and_single_layer_output():
-    layer = {
-        "Name": "gemm",
-        "LayerType": "gemm",
-        "Inputs": [
-            {
-                "Name": "a",
-                "Dimensions": [2, 2],
-                "Format": "Row major linear format",
-                "DataType": "BFloat16",
-            }
-        ],
-        "Outputs": [],
-        "TacticName": "k",
-    }
+    layer = as_11x(real_json("trtexec_10.4_alexnet_fp16_layers.json"))["Layers"][1]
+    layer["Inputs"][0]["DataType"] = layer["Inputs"][0].pop("Datatype")
     info = parse_engine_information({"Layers": [layer]})
     assert info.layout == "11.x" and info.io_tensors == ()
-    assert info.layers[0].inputs[0].dtype == "bfloat16"
+    assert info.layers[0].input_dtypes == ("fp16",)
 
 
 @pytest.mark.parametrize(
@@ -271,13 +304,42 @@ def test_inspector_errors(document, message):
         parse_engine_information(document, "engine.json")
 
 
+def test_oneline_layer_information_reads_like_the_json():
+    """ONELINE (trtexec --dumpLayerInfo) and JSON of one build give the same facts."""
+    text = (DATA / "trtexec_10.4_alexnet_fp16_verbose_excerpt.log").read_text()
+    oneline = read_engine_information(text, "log")
+    as_json = {layer.name: layer for layer in parse_engine_information(real_json("trtexec_10.4_alexnet_fp16_layers.json")).layers}
+    # The excerpt keeps three of the layer lines (its author cut the rest).
+    assert [layer.name for layer in oneline.layers] == [
+        "Reformatting CopyNode for Input Tensor 0 to /features/features.0/Conv + /features/features.1/Relu",
+        "/features/features.0/Conv + /features/features.1/Relu",
+        "/classifier/classifier_6/Gemm_myl9_4",
+    ]
+    for layer in oneline.layers:
+        same = as_json[layer.name]
+        assert (layer.layer_type, layer.tactic_value) == (same.layer_type, same.tactic_value)
+    conv = oneline.layers[1]
+    assert conv.tactic_value == "0x280b0ad3c23d8442" and conv.input_dtypes == ("fp16",)
+    cookbook = read_engine_information((DATA / "inspector_10.16_cookbook_oneline.log").read_text(), "cookbook")
+    assert len(cookbook.layers) == 26
+    first = cookbook.layers[0]
+    assert (first.name, first.tactic_value, first.onnx_layers) == (
+        "node_conv2d + node_relu",
+        "0x5b8bf1b8028629d9",
+        ("node_conv2d", "node_relu"),
+    )
+    assert first.inputs[0].dimensions == (1, 1, 28, 28) and first.inputs[0].format == "Row major linear FP32"
+    with pytest.raises(HarnessError, match="neither inspector JSON nor ONELINE layer lines"):
+        read_engine_information((DATA / "logger_10.16_cookbook_warnings.log").read_text(), "warnings")
+
+
 def test_engine_information_json_calls_the_inspector_with_json_format():
     calls = []
 
     class Inspector:
         def get_engine_information(self, fmt):
             calls.append(fmt)
-            return (DATA / "inspector_10x.json").read_text()
+            return (DATA / "inspector_10.1_alexnet.json").read_text()
 
     engine = SimpleNamespace(create_engine_inspector=Inspector)
     trt = SimpleNamespace(LayerInformationFormat=SimpleNamespace(JSON="json-format"))
@@ -286,31 +348,33 @@ def test_engine_information_json_calls_the_inspector_with_json_format():
     assert parse_engine_information(text).layout == "10.x"
 
 
+def layers_10x():
+    return parse_engine_information(real_json("trtexec_10.4_alexnet_fp16_layers.json")).layers
+
+
 def test_fingerprint_depends_on_decisions_only():
     cache = exported()
-    base = trt_fingerprint(inspector("10x").layers, cache.entries())
-    # Layout, list order and TacticValue (missing for fused layers) do not matter.
-    assert trt_fingerprint(inspector("11x").layers, reversed(cache.entries())) == base
-    layers = list(inspector("10x").layers)
+    base = trt_fingerprint(layers_10x(), cache.entries())
+    eleven = parse_engine_information(as_11x(real_json("trtexec_10.4_alexnet_fp16_layers.json"))).layers
+    # Layout, list order and TacticValue (missing on Myelin layers) do not matter.
+    assert trt_fingerprint(eleven, reversed(cache.entries())) == base
+    layers = list(layers_10x())
     layers[1] = replace(layers[1], tactic_value="0x1")
     assert trt_fingerprint(layers, cache.entries()) == base
-    spelled = [
-        replace(e, tactic_hash=e.tactic_hash.upper().replace("0X", "0x000"))
-        for e in cache.entries()
-    ]
-    assert trt_fingerprint(inspector("10x").layers, spelled) == base
+    spelled = [replace(e, tactic_hash=e.tactic_hash.upper().replace("0X", "0x000")) for e in cache.entries()]
+    assert trt_fingerprint(layers_10x(), spelled) == base
     # A different kernel for one layer, or a different hash for one key, changes it.
     layers[1] = replace(layers[1], tactic_name="sm80_other_kernel")
     assert trt_fingerprint(layers, cache.entries()) != base
-    pin(cache, "/features/features.0/Conv + /features/features.1/Relu", "0x6a6f0fb23c6f5")
-    assert trt_fingerprint(inspector("10x").layers, cache.entries()) != base
+    pin(cache, "matMul1", "0x2ad3a182fb05c")
+    assert trt_fingerprint(layers_10x(), cache.entries()) != base
 
 
 def test_fingerprint_of_fixture_is_stable():
     # Golden value: changing the canonical form silently invalidates every recorded
     # fingerprint, so it must only change on purpose.
-    assert trt_fingerprint(inspector("10x").layers, exported().entries()) == (
-        "sha256:8532e5d202df66a235669e3c18c485d2da5b8e0382aa033d1220b514081a06c0"
+    assert trt_fingerprint(layers_10x(), exported().entries()) == (
+        "sha256:26a3858ab6a9b988b40a23d49d57801c85e3d3267cf8168de1739186a67025a4"
     )
 
 
@@ -369,6 +433,7 @@ def test_flag_names():
         "FP16",
         "OBEY_PRECISION_CONSTRAINTS",
         "EDITABLE_TIMING_CACHE",
+        "DISABLE_COMPILATION_CACHE",
         "ERROR_ON_TIMING_CACHE_MISS",
     )
     assert versions.builder_flag_names(
@@ -377,7 +442,7 @@ def test_flag_names():
         tf32=False,
         editable_timing_cache=True,
         error_on_cache_miss=False,
-    ) == ("EDITABLE_TIMING_CACHE",)
+    ) == ("EDITABLE_TIMING_CACHE", "DISABLE_COMPILATION_CACHE")
     with pytest.raises(HarnessError, match="removed in TensorRT 11"):
         versions.builder_flag_names(
             TrtVersion(11, 0),

@@ -1,4 +1,9 @@
-"""The VERBOSE builder log parser against recorded-format text (tests/data/trt)."""
+"""The VERBOSE builder log parser against real TensorRT output (tests/data/trt/README.md).
+
+Edge cases (a block cut off, a key timed twice, a bad header) are made from
+the real editable-cache block by cutting or repeating its lines, never by
+writing log text of our own.
+"""
 
 from __future__ import annotations
 
@@ -7,169 +12,184 @@ from pathlib import Path
 import pytest
 
 from harness.cache.timing_cache import Candidate
-from harness.engines.tensorrt.log_parser import parse_log, parse_log_file
+from harness.engines.tensorrt.log_parser import onnx_layers, parse_log, parse_log_file
 from harness.errors import HarnessError
 
 DATA = Path(__file__).parent / "data" / "trt"
-CONV_KERNEL = "sm80_xmma_fprop_implicit_gemm_f16f16_f16f32_f32_nhwckrsc_nhwc_tilesize64x64x64_stage4_warpsize2x2x1_g1_tensor16x8x16"
-GEMM_KERNEL = (
-    "sm80_xmma_gemm_f16f16_f16f32_f32_tn_n_tilesize32x32x64_stage6_warpsize2x2x1_tensor16x8x16"
-)
+EDITABLE = DATA / "editable_10.8_sample_readme.log"
+COOKBOOK = DATA / "cookbook_10.16.2_detailed_build.log"
+TRTEXEC = DATA / "trtexec_10.4_alexnet_fp16_verbose_excerpt.log"
+MATMUL_KEY = "0x1814870c44ff0f8574df6e3dda04cbd7"
+MATMUL_KERNEL = "sm80_xmma_gemm_f32f32_tf32f32_f32_nn_n_tilesize32x32x64_stage3_warpsize2x1x2_tensor16x8x8"
 
 
-def test_10x_log_blocks_keys_candidates_and_selections():
-    log = parse_log_file(DATA / "builder_10x_verbose.log")
-    assert [(p.layer, p.key) for p in log.layers] == [
-        (
-            "/features/features.0/Conv + /features/features.1/Relu",
-            "0xa4c123b1612dd272d1371c17149d4395",
+def editable_block() -> list[str]:
+    """The real block's lines up to and including its selection line."""
+    lines = EDITABLE.read_text().splitlines()
+    end = next(i for i, line in enumerate(lines) if line.startswith("The selected tactic"))
+    return lines[: end + 1]
+
+
+# --- editable timing cache (keys and selections) ---------------------------------------------
+
+
+def test_editable_block_key_candidates_and_selection():
+    log = parse_log_file(EDITABLE)
+    assert log.problems == []
+    (op,) = log.layers
+    assert (op.layer, op.key, op.onnx_layers) == ("matMul1", MATMUL_KEY, ())
+    # The author's "..." line ends the table: three rows, read by the header's column names.
+    assert op.candidates == (
+        Candidate(MATMUL_KERNEL, "0x665ded9abbf88", 0.011264),
+        Candidate(
+            "sm80_xmma_gemm_f32f32_tf32f32_f32_nn_n_tilesize64x32x64_stage4_warpsize2x1x2_tensor16x8x8",
+            "0x393e4ef8ad243",
+            0.0118784,
         ),
-        ("(Unnamed Layer* 7) [MatrixMultiply]", "0x36b3216fdaeeb975729fae923d5a4fd1"),
-        ("/classifier/classifier.2/Softmax", "0x2aabfe228f219e9cb0eb53f16947ccf2"),
-        ("/features/features.3/Conv", "0x5ec84d8dbc74254770f58904dba41ecc"),
-    ]
-    conv = log.layers[0]
-    assert conv.candidates[0] == Candidate(CONV_KERNEL, "0x8f86bebb2737", 0.019328)
-    assert [c.tactic_hash for c in conv.candidates] == [
-        "0x8f86bebb2737",
-        "0x6a6f0fb23c6f5",
-        "0xa2cec255404e4",
-        "0xfb440034d66086",
-    ]
-    assert [c.time_ms for c in conv.candidates] == [0.019328, 0.020192, 0.0216, 0.026208]
-    assert (conv.selected_hash, conv.selected_time_ms, conv.selected_name) == (
-        "0x8f86bebb2737",
-        0.019328,
-        CONV_KERNEL,
+        Candidate(
+            "sm80_xmma_gemm_f32f32_tf32f32_f32_nn_n_tilesize64x32x64_stage5_warpsize2x2x1_tensor16x8x8",
+            "0x2ad3a182fb05c",
+            0.0123904,
+        ),
     )
-    gemm = log.layers[1]
-    # Two candidates share the kernel name; the hash tells them apart.
-    assert [c.tactic for c in gemm.candidates[:2]] == [GEMM_KERNEL, GEMM_KERNEL]
-    assert gemm.selected_hash == "0x7a8d41bed440e"
+    assert (op.selected_hash, op.selected_time_ms, op.selected_name) == ("0x665ded9abbf88", 0.011264, MATMUL_KERNEL)
+    (entry,) = log.entries()
+    assert (entry.key, entry.layer, entry.tactic, entry.tactic_hash) == (
+        MATMUL_KEY,
+        "matMul1",
+        MATMUL_KERNEL,
+        "0x665ded9abbf88",
+    )
+    assert len(entry.candidates) == 3 and not entry.pinned
 
 
-def test_truncated_block_is_reported_not_fatal():
-    log = parse_log_file(DATA / "builder_10x_verbose.log")
-    cut = log.layers[-1]
-    assert cut.selected_hash is None and len(cut.candidates) == 2
+def test_a_block_cut_before_its_selection_is_reported_not_fatal():
+    block = editable_block()
+    log = parse_log("\n".join(block[:-1]))
+    (op,) = log.layers
+    assert op.selected_hash is None and len(op.candidates) == 3
     assert log.problems == [
-        "line 33: op '/features/features.3/Conv' (key 0x5ec84d8dbc74254770f58904dba41ecc) has no "
-        "selection before the end of the log (truncated?)"
+        f"line 1: op 'matMul1' (key {MATMUL_KEY}) has no selection before the end of the log (truncated?)"
     ]
-    assert [p.layer for p in log.complete()] == [p.layer for p in log.layers[:3]]
-    with pytest.raises(
-        HarnessError, match="line 33: op '/features/features.3/Conv'.*no selected tactic"
-    ):
-        cut.to_entry()
+    assert log.entries() == []
+    with pytest.raises(HarnessError, match="line 1: op 'matMul1' has no selected tactic"):
+        op.to_entry()
 
 
-def test_10x_entries_carry_names_times_and_candidates():
-    entries = parse_log_file(DATA / "builder_10x_verbose.log").entries()
-    assert [e.layer for e in entries] == [
-        "/features/features.0/Conv + /features/features.1/Relu",
-        "(Unnamed Layer* 7) [MatrixMultiply]",
-        "/classifier/classifier.2/Softmax",
-    ]
-    softmax = entries[2]
-    assert (softmax.tactic, softmax.tactic_hash, softmax.time_ms) == (
-        "__myl_Exp_SumReduce_Div_0x786e4d3cea27d2",
-        "0x786e4d3cea27d2",
-        0.004096,
-    )
-    assert len(softmax.candidates) == 2 and not softmax.pinned
-
-
-def test_11x_log_reordered_columns_crlf_and_unprefixed_rows():
-    log = parse_log_file(DATA / "builder_11x_verbose.log")
-    assert [p.layer for p in log.layers] == [
-        "/blocks.0/attn/qkv/MatMul",
-        "/blocks.0/attn/softmax_myl0_1",
-        "/blocks.0/mlp/fc1/MatMul",
-    ]
-    qkv = log.layers[0]
-    assert qkv.key == "0xcc3fc1626e53a13043b026c48bbf33fe"
-    assert [(c.tactic_hash, c.time_ms) for c in qkv.candidates] == [
-        ("0x584d8c4fa281", 0.012288),
-        ("0x5d2802827283e0", 0.0129024),
-        ("0xd841735815699", 0.016384),
-    ]
-    assert qkv.candidates[2].tactic.startswith(
-        "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize256x128x64"
-    )
-    assert (qkv.selected_hash, qkv.selected_time_ms) == ("0x584d8c4fa281", 0.012288)
-    assert log.layers[1].selected_hash is None and len(log.layers[1].candidates) == 1
-    assert log.layers[2].selected_name.endswith(
-        "tilesize128x64x64_cgasize1x1x1_warpgroupsize1x1x1_execute_segment_k_off_kernel__5x_cublas"
-    )
+def test_a_key_autotuned_twice_keeps_the_last_selection_and_says_so():
+    block = editable_block()
+    second = [line.replace("matMul1", "matMul1_again") for line in block[:-1]]
+    second.append("The selected tactic is (tactic hash, cost(in ms)):0x393e4ef8ad243,  0.0118784")
+    log = parse_log("\n".join(block + second))
+    assert [(e.layer, e.tactic_hash) for e in log.entries()] == [("matMul1_again", "0x393e4ef8ad243")]
     assert log.problems == [
-        "line 10: op '/blocks.0/attn/softmax_myl0_1' (key 0xff9243a8f506b40928b5b7a767c76fb0) ended "
-        "without 'The selected tactic is' line; no selection recorded",
-        "line 21: tactic selection outside an 'Autotuning op' block; ignored",
-    ]
-
-
-def test_selected_hash_missing_from_table_falls_back_to_hash_name():
-    text = "\n".join(
-        [
-            "Autotuning op conv(key: 0x000102030405060708090a0b0c0d0e0f):",
-            "tactic_id, cost(in ms), cost/fastest_cost, prediction_correlation, kernel_name, tactic_hash",
-            "1, 0.5, 1.0, 1.0, k1, 0x11,",
-            "The selected tactic is (tactic hash, cost(in ms)):0x22, 0.4",
-        ]
-    )
-    entry = parse_log(text).entries()[0]
-    assert (entry.tactic, entry.tactic_hash, entry.time_ms) == ("0x22", "0x22", 0.4)
-
-
-def test_key_autotuned_twice_keeps_last_and_says_so():
-    block = (
-        "Autotuning op {name}(key: 0x000102030405060708090a0b0c0d0e0f):\n"
-        "tactic_id, cost(in ms), cost/fastest_cost, prediction_correlation, kernel_name, tactic_hash\n"
-        "1, 0.5, 1.0, 1.0, k1, 0x11,\n"
-        "2, 0.6, 1.2, 1.0, k2, 0x12,\n"
-        "The selected tactic is (tactic hash, cost(in ms)):{pick}, 0.5\n"
-    )
-    log = parse_log(block.format(name="a", pick="0x11") + block.format(name="b", pick="0x12"))
-    assert [(e.layer, e.tactic) for e in log.entries()] == [("b", "k2")]
-    assert log.problems == [
-        "line 6: key 0x000102030405060708090a0b0c0d0e0f was autotuned again (op 'b', first for op 'a'); "
+        f"line 9: key {MATMUL_KEY} was autotuned again (op 'matMul1_again', first for op 'matMul1'); "
         "the later selection is used"
     ]
 
 
-def test_header_without_required_columns_is_reported():
-    text = "\n".join(
-        [
-            "Autotuning op x(key: 0x000102030405060708090a0b0c0d0e0f):",
-            "tactic_id, cost(in ms), tactic_hash",
-            "1, 0.5, 0x11",
-            "The selected tactic is (tactic hash, cost(in ms)):0x11, 0.5",
-        ]
-    )
-    log = parse_log(text)
-    assert log.layers[0].candidates == () and log.layers[0].selected_hash == "0x11"
+def test_selection_outside_a_block_and_unreadable_costs_are_reported():
+    block = editable_block()
+    stray = parse_log(block[-1])
+    assert stray.layers == [] and stray.problems == [
+        "line 1: tactic selection outside an 'Autotuning op' block; ignored"
+    ]
+    nan = parse_log("\n".join([*block[:-1], block[-1].replace("0.011264", "nan")]))
+    assert nan.entries() == []
+    assert nan.problems == ["line 8: op 'matMul1': unreadable selected cost 'nan'"]
+
+
+def test_a_header_without_the_needed_columns_is_reported():
+    block = editable_block()
+    block[2] = block[2].replace("kernel_name", "kernel")
+    log = parse_log("\n".join(block))
+    assert log.layers[0].candidates == ()
     assert "lacks one of tactic_id, cost(in ms), kernel_name, tactic_hash" in log.problems[0]
+    # The selection still stands; its kernel name is unknown, so the hash names it.
+    assert log.entries()[0].tactic == "0x665ded9abbf88"
+
+
+# --- no editable cache (real 10.16.2 build) ---------------------------------------------------
+
+
+def test_a_build_without_editable_cache_yields_keyless_ops_and_says_so():
+    log = parse_log_file(COOKBOOK)
+    assert [(p.layer, p.key, p.onnx_layers) for p in log.layers] == [
+        ("node_conv2d + node_relu", None, ()),
+        ("node_max_pool2d", None, ()),
+        ("node_conv2d_1 + node_relu_1", None, ()),
+        ("node_max_pool2d_1", None, ()),
+        ("node_linear", None, ("node_linear", "node_relu_2")),
+        ("node_linear_1_2", None, ("node_linear_1",)),
+        ("node_conv2d + node_relu [profile 1]", None, ()),
+        ("node_max_pool2d [profile 1]", None, ()),
+        ("node_conv2d_1 + node_relu_1 [profile 1]", None, ()),
+        ("node_max_pool2d_1 [profile 1]", None, ()),
+    ]
+    assert log.entries() == [] and len(log.keyless()) == 10
+    (problem,) = log.problems
+    assert problem.startswith("none of the log's 10 autotuned op(s) carries a timing-cache key")
+    assert "EDITABLE_TIMING_CACHE" in problem and "--editableTimingCache" in problem
+
+
+def test_myelin_tables_without_selection_give_their_fastest_candidate():
+    ops = {p.layer: p for p in parse_log_file(COOKBOOK).layers}
+    linear = ops["node_linear"]
+    assert len(linear.candidates) == 100 and linear.selected_hash is None
+    # The real table is sorted by cost; the fastest is its first row.
+    assert linear.fastest == linear.candidates[0]
+    assert (linear.fastest.tactic_hash, linear.fastest.time_ms) == ("0x2c80ce2f5c4a6", 0.0124896)
+    assert linear.fastest.tactic == (
+        "sm80_xmma_gemm_f32f32_tf32f32_f32_tn_n_tilesize32x32x64_stage3_warpsize2x1x2_tensor16x8x8"
+    )
+
+
+def test_cask_ops_gather_every_format_combination_and_cached_results():
+    ops = {p.layer: p for p in parse_log_file(COOKBOOK).layers}
+    conv = ops["node_conv2d + node_relu"]
+    # Every "Tactic Name:" line of its four format combinations (grep counts 246); the four
+    # "Fastest Tactic" summary lines are not candidates of their own.
+    assert len(conv.candidates) == 246
+    assert conv.fastest == Candidate(
+        "sm80_xmma_fprop_implicit_gemm_f32f32_f32f32_f32_nchwkcrs_nchw_tilesize32x32x8_stage3_warpsize1x2x1_g1_ffma_t1r5s5_aligna4_alignc4",
+        "0x5b8bf1b8028629d9",
+        0.00575816,
+    )
+    # Profile 1 is answered from the cache; kernel names come from profile 0's timed lines.
+    cached = ops["node_conv2d + node_relu [profile 1]"]
+    assert [c.tactic_hash for c in cached.candidates] == [
+        "0x5b8bf1b8028629d9",
+        "0xcf8ea142095f02d2",
+        "0x2f4d03736e9ddce5",
+        "0x10383a0781d24dde",
+    ]
+    assert cached.candidates[1].tactic.startswith("sm80_xmma_fprop_implicit_gemm_indexed_wo_smem_f32f32")
+
+
+def test_trtexec_10_4_log_cask_autotuning():
+    log = parse_log_file(TRTEXEC)
+    (conv,) = log.layers
+    assert conv.layer == "/features/features.0/Conv + /features/features.1/Relu"
+    assert len(conv.candidates) == 17 and conv.key is None
+    assert conv.candidates[0] == Candidate("ampere_scudnn_128x64_relu_xregs_large_nn_v1", "0x5deb29b7a8e275f7", 0.0521752)
+
+
+def test_onnx_layer_lists_of_logs_and_inspector_metadata():
+    assert onnx_layers("[ONNX Layer: node_linear][ONNX Layer: node_relu_2]") == ("node_linear", "node_relu_2")
+    assert onnx_layers("[ONNX Layer: /a/Conv]\x1e[ONNX Layer: /a/Relu]") == ("/a/Conv", "/a/Relu")
+    assert onnx_layers("[ONNX Layer: /a/Gemm]\x1f[ONNX Layer: /b]") == ("/a/Gemm", "/b")
+    # ONNX node names may contain brackets: only "]" before the next entry or the end closes one.
+    assert onnx_layers("[ONNX Layer: (Unnamed Layer* 3) [Convolution]]") == ("(Unnamed Layer* 3) [Convolution]",)
+    assert onnx_layers("") == ()
 
 
 def test_unrelated_text_gives_nothing():
-    log = parse_log("[I] [TRT] Loaded engine size: 12 MiB\nhello, 1, 2, 3\n")
+    log = parse_log_file(DATA / "logger_10.16_cookbook_warnings.log")
     assert log.layers == [] and log.problems == []
 
 
-def test_missing_log_file(tmp_path):
+def test_missing_or_directory_log(tmp_path):
     with pytest.raises(HarnessError, match="no such file"):
         parse_log_file(tmp_path / "build.log")
-
-
-def test_unreadable_selected_cost_leaves_block_unselected():
-    text = "\n".join(
-        [
-            "Autotuning op x(key: 0x000102030405060708090a0b0c0d0e0f):",
-            "tactic_id, cost(in ms), cost/fastest_cost, prediction_correlation, kernel_name, tactic_hash",
-            "1, 0.5, 1.0, 1.0, k1, 0x11,",
-            "The selected tactic is (tactic hash, cost(in ms)):0x11, nan",
-        ]
-    )
-    log = parse_log(text)
-    assert log.layers[0].selected_hash is None and log.entries() == []
-    assert log.problems == ["line 4: op 'x': unreadable selected cost 'nan'"]
+    with pytest.raises(HarnessError, match="is a directory"):
+        parse_log_file(tmp_path)

@@ -47,12 +47,24 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     rebuild.add_argument("--json", action="store_true", help="print the report as JSON")
     rebuild.set_defaults(func=run_rebuild)
 
-    inspect = sub.add_parser("inspect", help="load a saved engine and list its layers and tactics")
-    inspect.add_argument("engine", metavar="DIR", help="engine directory")
+    inspect = sub.add_parser(
+        "inspect",
+        help="list the layers and tactics of a saved engine, or of a trtexec build (--trt-log, --trt-layers)",
+    )
+    inspect.add_argument("engine", metavar="DIR", nargs="?", help="engine directory")
     inspect.add_argument(
         "--backend", choices=BACKEND_NAMES, help="default: the backend named in the engine's plan.json"
     )
     inspect.add_argument("--json", action="store_true", help="print as JSON")
+    inspect.add_argument("--trt-log", metavar="LOG", help="verbose log of a trtexec build (trtexec --verbose)")
+    inspect.add_argument(
+        "--trt-layers",
+        metavar="FILE",
+        help="the same build's layer information: --exportLayerInfo JSON, or a log with --dumpLayerInfo lines",
+    )
+    inspect.add_argument(
+        "--save-cache", metavar="FILE", help="with --trt-log: write the build as a timing cache (for cache diff)"
+    )
     inspect.set_defaults(func=run_inspect)
 
 
@@ -203,6 +215,14 @@ def run_rebuild(args: argparse.Namespace) -> int:
 
 
 def run_inspect(args: argparse.Namespace) -> int:
+    if args.trt_log or args.trt_layers:
+        from harness.cli.trtexec_report import run_inspect_trtexec
+
+        return run_inspect_trtexec(args)
+    if args.engine is None:
+        raise HarnessError("inspect needs an engine directory, or --trt-log and --trt-layers of a trtexec build")
+    if args.save_cache:
+        raise HarnessError("--save-cache needs a trtexec build (--trt-log and --trt-layers)")
     backend = args.backend or plan_backend(args.engine)[1]
     engine = get_backend(backend).load(args.engine)
     layers = engine.layers()

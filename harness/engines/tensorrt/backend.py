@@ -20,9 +20,14 @@ says (:func:`~harness.engines.tensorrt.builder.run_builder`) and the real
 build runs with it (``ERROR_ON_TIMING_CACHE_MISS`` when asked). The binary
 cache of each build is remembered per network for the life of the backend
 object, so repeated builds (``harness rebuild``) discover keys once.
-After the build, the binary cache joined with the VERBOSE log (layer names,
-candidates) updates the JSON cache in place; entries whose tactic did not
-change are left untouched, so a fully pinned rebuild leaves the file as it was.
+After a pinned build every key's tactic is compared with its pin, and a build
+whose tactics moved fails (``ERROR_ON_TIMING_CACHE_MISS`` has not stopped
+re-timing on every TensorRT version). The binary cache joined with the VERBOSE
+log (op names, candidates) then updates the JSON cache in place; entries whose
+tactic did not change are left untouched, so a fully pinned rebuild leaves the
+file as it was. The log's ops are joined to the inspector's engine layers by
+the ONNX nodes both list (:mod:`harness.engines.tensorrt.join`), which gives
+each engine layer its key and tactic hash.
 
 Engines are saved as a directory with ``engine.plan`` (TensorRT's serialized
 engine, opaque and specific to the GPU model and TensorRT version) and
@@ -73,12 +78,12 @@ from harness.engines.protocol import (
 from harness.engines.saved import PLAN_FILE, read_payload, read_plan
 from harness.engines.tensorrt.builder import (
     BuildSettings,
-    LogCapture,
     TrtModule,
     build_settings,
+    capture_log,
     layer_timings,
     load_trt,
-    make_logger,
+    process_logger,
     run_builder,
 )
 from harness.engines.tensorrt.cache_bridge import UNKNOWN_LAYER, export_trt_cache
@@ -88,6 +93,7 @@ from harness.engines.tensorrt.inspector import (
     parse_engine_information,
     trt_fingerprint,
 )
+from harness.engines.tensorrt.join import join_ops, layer_keys
 from harness.engines.tensorrt.log_parser import ParsedLog, parse_log
 from harness.engines.tensorrt.versions import (
     ERROR_ON_TIMING_CACHE_MISS,
@@ -106,10 +112,8 @@ if TYPE_CHECKING:
 
 BACKEND = "tensorrt"
 PLAN_FORMAT = "harness-tensorrt-engine"
-PLAN_VERSION = 2
+PLAN_VERSION = 3
 ENGINE_FILE = "engine.plan"
-# Inspector dtype names (inspector.py normalises TensorRT's) -> the engines' short names.
-_INSPECTOR_DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "float64": "fp64"}
 
 
 def require_cuda() -> None:
@@ -134,6 +138,22 @@ def device_identity() -> tuple[str, dict[str, Any]]:
 
 
 @dataclass(frozen=True)
+class AutotunedOp:
+    """An op of the build log that owns a timing-cache key, with what joins it to engine layers."""
+
+    layer: str  # the op's name in the log
+    key: str
+    onnx_layers: tuple[str, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"op": self.layer, "key": self.key, "onnx_layers": list(self.onnx_layers)}
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> AutotunedOp:
+        return cls(obj["op"], obj["key"], tuple(obj["onnx_layers"]))
+
+
+@dataclass(frozen=True)
 class EngineRecord:
     """What plan.json says about an engine besides the plan bytes."""
 
@@ -143,7 +163,7 @@ class EngineRecord:
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[TensorSpec, ...]
     casts: tuple[CastRecord, ...]
-    layer_keys: dict[str, str]  # layer name -> timing-cache key (from the build log)
+    autotuned: tuple[AutotunedOp, ...]  # keyed ops, joined to the inspector's layers on load
     cache_entries: tuple[tuple[str, str], ...]  # (key, tactic hash) the engine was built with
     weights_digest: str
     weight_bytes: dict[str, int]
@@ -161,7 +181,7 @@ class EngineRecord:
                     "inputs": [s.to_json() for s in self.inputs],
                     "outputs": [s.to_json() for s in self.outputs],
                     "casts": [c.to_json() for c in self.casts],
-                    "layer_keys": self.layer_keys,
+                    "autotuned_ops": [op.to_json() for op in self.autotuned],
                     "cache_entries": [list(e) for e in self.cache_entries],
                     "weights_digest": self.weights_digest,
                     "weight_bytes": self.weight_bytes,
@@ -182,20 +202,24 @@ class TensorRTEngine(EngineBase):
         self.outputs = record.structure
         self._plan = plan
         trt = load_trt(trt_module)
-        self._capture = LogCapture()
-        self._logger = make_logger(trt, self._capture)  # must outlive runtime and engine
-        self._runtime = trt.Runtime(self._logger)
-        engine = self._runtime.deserialize_cuda_engine(plan)
+        self._trt = trt
+        with capture_log(trt) as capture:
+            self._runtime = trt.Runtime(process_logger(trt))
+            engine = self._runtime.deserialize_cuda_engine(plan)
         if engine is None:
             raise HarnessError(
                 "TensorRT cannot deserialize the engine plan (built by another TensorRT version or "
-                "for another GPU?): " + ("; ".join(self._capture.problems) or "no error logged")
+                "for another GPU?): " + ("; ".join(capture.problems) or "no error logged")
             )
         self._engine: tensorrt.ICudaEngine = engine
         self._check_io(trt)
         info = parse_engine_information(engine_information_json(engine, trt))
+        self.inspected_layers = info.layers
+        joined, unjoined = join_ops(record.autotuned, info.layers)
+        keys, claimed_twice = layer_keys(joined)
+        self.join_problems = [*unjoined, *claimed_twice]
         hashes = dict(record.cache_entries)
-        self._layers = [_layer_info(layer, record.layer_keys, hashes) for layer in info.layers]
+        self._layers = [_layer_info(layer, keys.get(layer.name, ""), hashes) for layer in info.layers]
         self._fingerprint = trt_fingerprint(
             info.layers,
             [CacheEntry(k, "", h, h, 0.0) for k, h in record.cache_entries],
@@ -230,9 +254,11 @@ class TensorRTEngine(EngineBase):
             if not self._context.set_tensor_address(spec.name, tensor.data_ptr()):
                 raise HarnessError(f"TensorRT refused the address of tensor {spec.name!r}")
         stream = torch.cuda.current_stream(device)
-        if not self._context.execute_async_v3(stream.cuda_stream):
+        with capture_log(self._trt) as capture:
+            ok = self._context.execute_async_v3(stream.cuda_stream)
+        if not ok:
             raise HarnessError(
-                "TensorRT failed to run the engine: " + ("; ".join(self._capture.problems) or "no error logged")
+                "TensorRT failed to run the engine: " + ("; ".join(capture.problems) or "no error logged")
             )
         stream.synchronize()
         return tuple(outputs)
@@ -269,7 +295,7 @@ class TensorRTEngine(EngineBase):
             "casts": [c.to_json() for c in record.casts],
             # key is null for a layer the build log does not name (e.g. not autotuned).
             "layers": [{**layer.to_json(), "key": layer.key or None} for layer in self._layers],
-            "layer_keys": dict(record.layer_keys),
+            "autotuned_ops": [op.to_json() for op in record.autotuned],
             "cache_entries": [{"key": k, "tactic_hash": h} for k, h in record.cache_entries],
             "weights_digest": record.weights_digest,
             "weight_bytes_by_dtype": dict(record.weight_bytes),
@@ -303,7 +329,7 @@ class TensorRTEngine(EngineBase):
             inputs=tuple(TensorSpec.from_json(s) for s in obj["inputs"]),
             outputs=tuple(TensorSpec.from_json(s) for s in obj["outputs"]),
             casts=tuple(CastRecord.from_json(c) for c in obj["casts"]),
-            layer_keys=dict(obj["layer_keys"]),
+            autotuned=tuple(AutotunedOp.from_json(op) for op in obj["autotuned_ops"]),
             cache_entries=tuple((e["key"], e["tactic_hash"]) for e in obj["cache_entries"]),
             weights_digest=obj["weights_digest"],
             weight_bytes=dict(obj["weight_bytes_by_dtype"]),
@@ -320,14 +346,13 @@ class TensorRTEngine(EngineBase):
         return engine
 
 
-def _layer_info(layer: InspectedLayer, layer_keys: dict[str, str], hashes: dict[str, str]) -> LayerInfo:
-    key = layer_keys.get(layer.name, "")
+def _layer_info(layer: InspectedLayer, key: str, hashes: dict[str, str]) -> LayerInfo:
     return LayerInfo(
         name=layer.name,
         layer_type=layer.layer_type,
         key=key,
-        input_dtypes=tuple(_INSPECTOR_DTYPES.get(t.dtype, t.dtype) for t in layer.inputs),
-        output_dtypes=tuple(_INSPECTOR_DTYPES.get(t.dtype, t.dtype) for t in layer.outputs),
+        input_dtypes=layer.input_dtypes,
+        output_dtypes=layer.output_dtypes,
         tactic=layer.tactic_name or "",
         tactic_hash=hashes.get(key, "") if key else (layer.tactic_value or ""),
     )
@@ -338,8 +363,9 @@ class TensorRTBackend:
 
     def __init__(self, trt_module: TrtModule | None = None) -> None:
         self._trt_module = trt_module
-        # network id -> serialized ITimingCache of its last build: the keys pins can update.
-        self._key_sources: dict[str, bytes] = {}
+        # network id -> serialized ITimingCache of its last build (the keys pins can update)
+        # and the ops its logs named (a pinned rebuild autotunes nothing, so logs nothing).
+        self._key_sources: dict[str, tuple[bytes, ParsedLog]] = {}
 
     def check_available(self) -> None:
         """TensorRT's bindings with their native libraries, and a CUDA GPU."""
@@ -397,7 +423,7 @@ class TensorRTBackend:
             exported = export_onnx(graph, Path(tmp) / "model.onnx")
             onnx_bytes = exported.path.read_bytes()
         network_id = digest(onnx_bytes + canonical_json(settings.kernel_options()))
-        base, discovery_log, messages = self._pin_base(trt, onnx_bytes, settings, pins, network_id, config)
+        base, earlier_log, messages = self._pin_base(trt, onnx_bytes, settings, pins, network_id, config)
         run = run_builder(
             trt,
             onnx_bytes,
@@ -408,9 +434,9 @@ class TensorRTBackend:
         )
         parsed = parse_log(run.capture.text)
         entries: list[CacheEntry] = []
+        named = ParsedLog(earlier_log.layers + parsed.layers)
         if run.cache is not None:
-            self._key_sources[network_id] = run.cache_bytes
-            named = ParsedLog(discovery_log.layers + parsed.layers)
+            self._key_sources[network_id] = (run.cache_bytes, named)
             entries = name_entries(export_trt_cache(run.cache, named, provenance), cache)
         messages += [*run.pin_messages, *parsed.problems, *run.capture.problems]
         model = onnx.load_from_string(onnx_bytes)
@@ -421,7 +447,7 @@ class TensorRTBackend:
             inputs=exported.inputs,
             outputs=exported.outputs,
             casts=exported.casts,
-            layer_keys={e.layer: e.key for e in entries if e.layer != UNKNOWN_LAYER},
+            autotuned=autotuned_ops(named, entries),
             cache_entries=tuple((e.key, e.tactic_hash) for e in entries),
             weights_digest=initializers_digest(model),
             weight_bytes=initializer_bytes_by_dtype(model),
@@ -429,8 +455,11 @@ class TensorRTBackend:
             compiler_settings=config.autocast_digest(),
         )
         engine = TensorRTEngine(run.plan, record, self._trt_module)
+        joined, join_problems = join_ops(parsed.layers, engine.inspected_layers)
+        messages = list(dict.fromkeys([*messages, *join_problems, *engine.join_problems]))
         known = {key.lower() for key in pins.query_keys()} if pins is not None else set()
-        timings = layer_timings(parsed, entries, known)
+        keyed = {layer.name for layer in engine.layers() if layer.key}
+        timings = layer_timings(parsed, entries, known, joined, engine.inspected_layers, keyed)
         new_entries = changed_decisions(cache, entries) if cache is not None else []
         log = BuildLog(BACKEND, config.mode, timings, messages, time.perf_counter() - start, new_entries)
         return engine, log
@@ -444,7 +473,8 @@ class TensorRTBackend:
         network_id: str,
         config: BuildConfig,
     ) -> tuple[bytes | None, ParsedLog, list[str]]:
-        """The binary cache pins are written into: remembered, or recorded by a discovery build.
+        """The binary cache pins are written into: remembered, or recorded by a discovery build;
+        with the log of the build that recorded it.
 
         Without pins a build starts from an empty cache and times everything, as
         an independent build would.
@@ -453,7 +483,7 @@ class TensorRTBackend:
             return None, ParsedLog(), []
         remembered = self._key_sources.get(network_id)
         if remembered is not None:
-            return remembered, ParsedLog(), []
+            return remembered[0], remembered[1], []
         discovery = run_builder(
             trt,
             onnx_bytes,
@@ -475,6 +505,20 @@ class TensorRTBackend:
 
 def _without_error_on_miss(settings: BuildSettings) -> BuildSettings:
     return replace(settings, builder_flags=tuple(f for f in settings.builder_flags if f != ERROR_ON_TIMING_CACHE_MISS))
+
+
+def autotuned_ops(named: ParsedLog, entries: list[CacheEntry]) -> tuple[AutotunedOp, ...]:
+    """The op of every key the engine was built with: from the logs (with its ONNX nodes) or,
+    for a key served by the JSON cache, under that cache's layer name."""
+    logged = {str(p.key).lower(): p for p in named.complete()}
+    ops = []
+    for entry in entries:
+        op = logged.get(entry.key.lower())
+        if op is not None:
+            ops.append(AutotunedOp(op.layer, entry.key, op.onnx_layers))
+        elif entry.layer != UNKNOWN_LAYER:
+            ops.append(AutotunedOp(entry.layer, entry.key, ()))
+    return tuple(ops)
 
 
 def name_entries(exported: TimingCache, given: TimingCache | None) -> list[CacheEntry]:
@@ -518,7 +562,7 @@ PLAN_SCHEMA: dict[str, Any] = {
         "outputs",
         "casts",
         "layers",
-        "layer_keys",
+        "autotuned_ops",
         "cache_entries",
         "weights_digest",
         "weight_bytes_by_dtype",
@@ -541,7 +585,19 @@ PLAN_SCHEMA: dict[str, Any] = {
         "outputs": {"type": "array", "items": TENSOR_SPEC_SCHEMA},
         "casts": {"type": "array", "items": CAST_SCHEMA},
         "layers": {"type": "array", "items": LAYER_SCHEMA},
-        "layer_keys": {"type": "object", "additionalProperties": {"type": "string"}},
+        "autotuned_ops": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["op", "key", "onnx_layers"],
+                "additionalProperties": False,
+                "properties": {
+                    "op": {"type": "string"},
+                    "key": {"type": "string"},
+                    "onnx_layers": {"type": "array", "items": {"type": "string"}},
+                },
+            },
+        },
         "cache_entries": {
             "type": "array",
             "items": {

@@ -5,30 +5,37 @@ numbers (:class:`BuildSettings`) and turned into enum members of the loaded
 TensorRT only inside :func:`run_builder`, so a record written under TensorRT
 10 still reads correctly under 11 (enum integers changed between them).
 
-The builder's VERBOSE log is the only map from layer to timing-cache key, so
-every run captures it (:class:`LogCapture`, fed by a ``trt.ILogger``
-subclass) and :func:`layer_timings` turns it into the backend-neutral
-:class:`~harness.engines.protocol.LayerTiming` records.
+The builder's VERBOSE log is the only map from op to timing-cache key, so
+every run captures it (:func:`capture_log`, fed by the process's one
+``trt.ILogger``, :func:`process_logger`) and :func:`layer_timings` turns it into
+the backend-neutral :class:`~harness.engines.protocol.LayerTiming` records.
 """
 
 from __future__ import annotations
 
+import logging
 import math
-from collections.abc import Mapping
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from harness.cache.timing_cache import CacheEntry, TimingCache
 from harness.engines.protocol import LayerTiming
-from harness.engines.tensorrt.cache_bridge import apply_pins
-from harness.engines.tensorrt.log_parser import ParsedLog
+from harness.engines.tensorrt.cache_bridge import apply_pins, built_tactics, moved_pins
+from harness.engines.tensorrt.inspector import InspectedLayer
+from harness.engines.tensorrt.join import Joined
+from harness.engines.tensorrt.log_parser import ParsedLayer, ParsedLog
 from harness.engines.tensorrt.versions import (
+    DISABLE_COMPILATION_CACHE,
     EDITABLE_TIMING_CACHE,
     ERROR_ON_TIMING_CACHE_MISS,
     TF32,
     TrtVersion,
     builder_flag_names,
     flag_bits,
+    installed_version,
     load_tensorrt,
     network_flag_names,
 )
@@ -70,7 +77,9 @@ def load_trt(trt_module: TrtModule | None = None) -> TrtModule:
 
 # Without a timing cache every build times every layer from scratch.
 DISABLE_TIMING_CACHE = "DISABLE_TIMING_CACHE"
-_CACHE_FLAGS = frozenset((EDITABLE_TIMING_CACHE, ERROR_ON_TIMING_CACHE_MISS, DISABLE_TIMING_CACHE))
+_CACHE_FLAGS = frozenset(
+    (EDITABLE_TIMING_CACHE, ERROR_ON_TIMING_CACHE_MISS, DISABLE_TIMING_CACHE, DISABLE_COMPILATION_CACHE)
+)
 
 OPTION_DEFAULTS: dict[str, Any] = {
     "tf32": True,  # TensorRT's own default; recorded either way
@@ -178,23 +187,63 @@ class LogCapture:
         return "\n".join(self.lines)
 
 
-def make_logger(trt: TrtModule, capture: LogCapture) -> tensorrt.ILogger:
-    """A ``trt.ILogger`` that hands every message, VERBOSE included, to ``capture``.
+# TensorRT keeps the first ILogger handed to createInferBuilder/createInferRuntime and
+# ignores every later one ("the current new logger is ignored"), so a second build in one
+# process would log into the first build's capture. One logger per loaded TensorRT module,
+# whose sink is switched per build (capture_log), is what TensorRT actually talks to.
+_LOGGERS: dict[int, tuple[object, tensorrt.ILogger]] = {}
+_SINKS: list[LogCapture] = []
+_LOCK = threading.Lock()
+_LEVELS = {"INTERNAL_ERROR": logging.CRITICAL, "ERROR": logging.ERROR, "WARNING": logging.WARNING}
+_log = logging.getLogger("harness.tensorrt")
+
+
+def _deliver(severity: str, message: str) -> None:
+    with _LOCK:
+        sink = _SINKS[-1] if _SINKS else None
+    if sink is not None:
+        sink.record(severity, message)
+    elif severity in _LEVELS:  # outside any build or run: errors and warnings still show
+        _log.log(_LEVELS[severity], "%s", message)
+
+
+def process_logger(trt: TrtModule) -> tensorrt.ILogger:
+    """The one ``trt.ILogger`` of this process for ``trt``; it hands every message to the
+    innermost :func:`capture_log`.
 
     The class must derive from the loaded module's ``ILogger`` (a pybind11
     trampoline), hence it is created here rather than at import time.
     """
-    base: Any = trt.ILogger
+    with _LOCK:
+        known = _LOGGERS.get(id(trt))
+        if known is None:
+            base: Any = trt.ILogger
 
-    class CapturingLogger(base):
-        def __init__(self) -> None:
-            base.__init__(self)
+            class ProcessLogger(base):
+                def __init__(self) -> None:
+                    base.__init__(self)
 
-        def log(self, severity: tensorrt.ILogger.Severity, msg: str) -> None:
-            capture.record(severity.name, msg)
+                def log(self, severity: tensorrt.ILogger.Severity, msg: str) -> None:
+                    _deliver(severity.name, msg)
 
-    logger: tensorrt.ILogger = CapturingLogger()
-    return logger
+            # The module is kept with its logger so that its id is never reused.
+            known = (trt, ProcessLogger())
+            _LOGGERS[id(trt)] = known
+        return known[1]
+
+
+@contextmanager
+def capture_log(trt: TrtModule) -> Iterator[LogCapture]:
+    """Everything TensorRT logs while the block runs (builds and runs are sequential)."""
+    process_logger(trt)
+    capture = LogCapture()
+    with _LOCK:
+        _SINKS.append(capture)
+    try:
+        yield capture
+    finally:
+        with _LOCK:
+            _SINKS.remove(capture)
 
 
 def set_builder_flags(trt: TrtModule, config: tensorrt.IBuilderConfig, settings: BuildSettings) -> None:
@@ -203,7 +252,8 @@ def set_builder_flags(trt: TrtModule, config: tensorrt.IBuilderConfig, settings:
     for name in settings.builder_flags:
         if name not in members:
             raise HarnessError(
-                f"BuilderFlag.{name} does not exist in TensorRT {settings.version}; valid names: "
+                f"BuilderFlag.{name} does not exist in the installed TensorRT {installed_version(trt)} "
+                f"(the settings are for {settings.version}); valid names: "
                 + ", ".join(sorted(members))
             )
         config.set_flag(members[name])
@@ -240,37 +290,48 @@ def run_builder(
     from that cache; ``pins`` then rewrites it so it says exactly what the
     JSON cache says: every JSON entry is pushed with ``update`` and every key
     the JSON lacks is deleted (a NaN time deletes), so such layers are timed
-    again, or fail the build under ``ERROR_ON_TIMING_CACHE_MISS``.
+    again, or fail the build under ``ERROR_ON_TIMING_CACHE_MISS``. After a
+    pinned build every key's tactic is checked against its pin, since the flag
+    has not stopped re-timing on every TensorRT version (:func:`moved_pins`).
     """
-    capture = LogCapture()
-    logger = make_logger(trt, capture)
-    builder = trt.Builder(logger)
-    flags = flag_bits(
-        trt.NetworkDefinitionCreationFlag.__members__, settings.network_flags, "NetworkDefinitionCreationFlag"
-    )
-    network = builder.create_network(flags)
-    parser = trt.OnnxParser(network, logger)
-    if not parser.parse(onnx_bytes):
-        errors = [str(parser.get_error(i)) for i in range(parser.num_errors)]
-        raise HarnessError("TensorRT's ONNX parser rejected the exported model:\n  " + "\n  ".join(errors))
-    config = builder.create_builder_config()
-    set_builder_flags(trt, config, settings)
-    pin_messages: list[str] = []
-    use_cache = DISABLE_TIMING_CACHE not in settings.builder_flags
-    if use_cache:
-        cache = config.create_timing_cache(base_cache or b"")
-        if pins is not None:
-            pin_messages = _pin(trt, cache, pins)
-        if not config.set_timing_cache(cache, ignore_mismatch):
-            raise HarnessError(
-                "TensorRT refused the timing cache: it was recorded on another device or TensorRT "
-                "version. Rebuild the cache here, or ignore the mismatch (--ignore-mismatch)"
-            )
-    host_plan = builder.build_serialized_network(network, config)
+    with capture_log(trt) as capture:
+        logger = process_logger(trt)
+        builder = trt.Builder(logger)
+        flags = flag_bits(
+            trt.NetworkDefinitionCreationFlag.__members__, settings.network_flags, "NetworkDefinitionCreationFlag"
+        )
+        network = builder.create_network(flags)
+        parser = trt.OnnxParser(network, logger)
+        if not parser.parse(onnx_bytes):
+            errors = [str(parser.get_error(i)) for i in range(parser.num_errors)]
+            raise HarnessError("TensorRT's ONNX parser rejected the exported model:\n  " + "\n  ".join(errors))
+        config = builder.create_builder_config()
+        set_builder_flags(trt, config, settings)
+        pin_messages: list[str] = []
+        use_cache = DISABLE_TIMING_CACHE not in settings.builder_flags
+        if use_cache:
+            cache = config.create_timing_cache(base_cache or b"")
+            if pins is not None:
+                pin_messages = _pin(trt, cache, pins)
+            if not config.set_timing_cache(cache, ignore_mismatch):
+                raise HarnessError(
+                    "TensorRT refused the timing cache: it was recorded on another device or TensorRT "
+                    "version. Rebuild the cache here, or ignore the mismatch (--ignore-mismatch)"
+                )
+        host_plan = builder.build_serialized_network(network, config)
     if host_plan is None:
         details = "\n  ".join(capture.problems[-20:]) or "(no error was logged)"
         raise HarnessError(f"TensorRT failed to build the engine ({settings.mode}):\n  {details}")
     final_cache = config.get_timing_cache() if use_cache else None
+    if final_cache is not None and pins is not None:
+        moved = moved_pins(
+            built_tactics(final_cache), pins, error_on_miss=ERROR_ON_TIMING_CACHE_MISS in settings.builder_flags
+        )
+        if moved:
+            raise HarnessError(
+                f"TensorRT did not keep the pinned tactics ({settings.mode}); the engine is discarded:\n  "
+                + "\n  ".join(moved)
+            )
     cache_bytes = bytes(final_cache.serialize()) if final_cache is not None else b""
     return BuilderRun(bytes(host_plan), final_cache, cache_bytes, capture, pin_messages)
 
@@ -283,19 +344,30 @@ def _pin(trt: TrtModule, cache: tensorrt.ITimingCache, pins: TimingCache) -> lis
     return apply_pins(cache, pins, trt)
 
 
-def layer_timings(parsed: ParsedLog, final_entries: list[CacheEntry], known_keys: set[str]) -> list[LayerTiming]:
-    """Autotuned layers from the log, then the cache's other entries.
+def layer_timings(
+    parsed: ParsedLog,
+    final_entries: list[CacheEntry],
+    known_keys: set[str],
+    joined: Sequence[Joined[ParsedLayer]],
+    layers: Sequence[InspectedLayer],
+    keyed_layers: set[str],
+) -> list[LayerTiming]:
+    """Autotuned ops of the log, then the cache's other entries.
 
     A key the builder did not autotune in this run but that the JSON cache
     held before (``known_keys``, lower case) was served by the timing cache;
     its layer name and candidates come from that entry. Any other key was
     created by this build without a log block, and is reported as timed.
+    An op the log gives no key (no editable cache, or a Cask layer) is
+    reported with its measured candidates and the tactic the engine layer it
+    joins uses (``joined``), unless that layer has a key (``keyed_layers``:
+    engine layers joined to a keyed op) and so is reported by it.
     """
     timed = parsed.by_key()
     timings = [
         LayerTiming(
             layer=p.layer,
-            key=p.key,
+            key=str(p.key),
             candidates=p.candidates,
             chosen=p.selected_name or str(p.selected_hash),
             chosen_hash=str(p.selected_hash),
@@ -315,4 +387,27 @@ def layer_timings(parsed: ParsedLog, final_entries: list[CacheEntry], known_keys
         for e in final_entries
         if e.key.lower() not in timed
     ]
+    keyed_layers = keyed_layers | {name for item in joined if item.op.key is not None for name in item.layers}
+    by_name = {layer.name: layer for layer in layers}
+    for item in joined:
+        if item.op.key is not None or not item.op.candidates or keyed_layers.intersection(item.layers):
+            continue
+        chosen, chosen_hash = kept_tactic(item.op, by_name[item.layers[0]] if item.layers else None)
+        timings.append(LayerTiming(item.op.layer, "", item.op.candidates, chosen, chosen_hash, item.op.from_cache))
     return timings
+
+
+def kept_tactic(op: ParsedLayer, layer: InspectedLayer | None) -> tuple[str, str]:
+    """(kernel name, hash) the engine layer joined to a keyless op uses; "" where unknown.
+
+    The inspector names the kernel; its hash is the layer's ``TacticValue``
+    (Cask layers), else the hash of the one candidate of that name in the
+    op's table. Several candidates may share a kernel name (different tile
+    parameters): then the hash is unknown, never guessed.
+    """
+    if layer is None or not layer.tactic_name:
+        return "", ""
+    if layer.tactic_value:
+        return layer.tactic_name, layer.tactic_value
+    hashes = {c.tactic_hash for c in op.candidates if c.tactic == layer.tactic_name}
+    return layer.tactic_name, hashes.pop() if len(hashes) == 1 else ""

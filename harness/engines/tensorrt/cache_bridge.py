@@ -14,7 +14,7 @@ import math
 import re
 from typing import TYPE_CHECKING
 
-from harness.cache.timing_cache import CacheEntry, Provenance, TimingCache
+from harness.cache.timing_cache import CacheEntry, Provenance, TimingCache, normalize_hash
 from harness.engines.tensorrt.log_parser import ParsedLog
 from harness.engines.tensorrt.versions import TrtApi, load_tensorrt
 from harness.errors import HarnessError
@@ -27,6 +27,29 @@ BACKEND = "tensorrt"
 # over from an older cache that this build did not time).
 UNKNOWN_LAYER = "(not in build log)"
 _KEY = re.compile(r"^0x[0-9a-fA-F]{32}$")
+# ITimingCache.query answers a key it lacks with this hash (UINT64_MAX): never a tactic.
+INVALID_TACTIC_HASH = (1 << 64) - 1
+
+
+def _valid_value(key: str, value: tensorrt.TimingCacheValue) -> tuple[str, float]:
+    """The (hash, time) of a binary-cache value, refused when TensorRT marks it invalid."""
+    if value.tacticHash == INVALID_TACTIC_HASH:
+        raise HarnessError(
+            f"TensorRT timing cache: key {key} has the invalid tactic hash 0x{INVALID_TACTIC_HASH:x} "
+            "(TensorRT's answer for an absent or unusable entry)"
+        )
+    if not math.isfinite(value.timingMSec) or value.timingMSec < 0:
+        raise HarnessError(f"TensorRT timing cache: key {key} has an invalid time {value.timingMSec!r}")
+    return f"0x{value.tacticHash:x}", value.timingMSec
+
+
+def built_tactics(trt_cache: tensorrt.ITimingCache) -> dict[str, str]:
+    """Lower-case key -> tactic hash of every entry of a binary cache (invalid values refused)."""
+    tactics = {}
+    for trt_key in trt_cache.queryKeys():
+        key = str(trt_key)
+        tactics[key.lower()] = _valid_value(key, trt_cache.query(trt_key))[0]
+    return tactics
 
 
 def export_trt_cache(
@@ -41,22 +64,17 @@ def export_trt_cache(
     cache = TimingCache(provenance)
     for trt_key in trt_cache.queryKeys():
         key = str(trt_key)
-        value = trt_cache.query(trt_key)
-        if not math.isfinite(value.timingMSec) or value.timingMSec < 0:
-            raise HarnessError(
-                f"TensorRT timing cache: key {key} has an invalid time {value.timingMSec!r}"
-            )
-        tactic_hash = f"0x{value.tacticHash:x}"
+        tactic_hash, time_ms = _valid_value(key, trt_cache.query(trt_key))
         parsed = by_key.get(key.lower())
         if parsed is None:
-            entry = CacheEntry(key, UNKNOWN_LAYER, tactic_hash, tactic_hash, value.timingMSec)
+            entry = CacheEntry(key, UNKNOWN_LAYER, tactic_hash, tactic_hash, time_ms)
         else:
             entry = CacheEntry(
                 key=key,
                 layer=parsed.layer,
                 tactic=parsed.name_of(tactic_hash) or tactic_hash,
                 tactic_hash=tactic_hash,
-                time_ms=value.timingMSec,
+                time_ms=time_ms,
                 candidates=parsed.candidates,
             )
         cache.update(entry)
@@ -92,3 +110,29 @@ def apply_pins(
                 "once with EDITABLE_TIMING_CACHE to record it) or the value is invalid"
             )
     return errors
+
+
+def moved_pins(built: dict[str, str], pins: TimingCache, *, error_on_miss: bool) -> list[str]:
+    """One line per pinned key whose tactic the build changed, and (``error_on_miss``) per new key.
+
+    ``built`` is :func:`built_tactics` of the cache after the build. TensorRT
+    11.0 re-timed layers despite ``ERROR_ON_TIMING_CACHE_MISS`` (NVIDIA's
+    TensorRT-Model-Connect, PR #449), so the flag alone proves nothing: the
+    tactics the build ended with are compared with the pinned ones, key by key.
+    """
+    lines = []
+    pinned = {entry.key.lower(): entry for entry in pins.entries()}
+    for key, entry in pinned.items():
+        actual = built.get(key)
+        if actual is not None and normalize_hash(actual) != normalize_hash(entry.tactic_hash):
+            lines.append(
+                f"layer {entry.layer!r} (key {entry.key}): pinned {entry.tactic} ({entry.tactic_hash}), "
+                f"built {actual}"
+            )
+    if error_on_miss:
+        lines += [
+            f"key {key}: not in the pinned cache, yet the build timed and kept tactic {tactic}"
+            for key, tactic in built.items()
+            if key not in pinned
+        ]
+    return lines

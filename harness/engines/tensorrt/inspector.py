@@ -20,11 +20,13 @@ across layouts; formats are kept as TensorRT wrote them.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from harness.cache.timing_cache import CacheEntry, normalize_hash
+from harness.engines.tensorrt.log_parser import log_lines, onnx_layers
 from harness.engines.tensorrt.versions import TrtApi, load_tensorrt
 from harness.errors import HarnessError
 from harness.fileio import canonical_json, digest
@@ -55,6 +57,10 @@ _DTYPES = {
 }
 
 
+# Normalised names -> the engines' short names (harness.engines.protocol.DTYPE_NAMES).
+_ENGINE_DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "float64": "fp64"}
+
+
 @dataclass(frozen=True)
 class TensorInfo:
     name: str
@@ -65,7 +71,11 @@ class TensorInfo:
 
 @dataclass(frozen=True)
 class InspectedLayer:
-    """One engine layer. ``tactic_value`` is absent for some fused layers; compare names."""
+    """One engine layer. ``tactic_value`` is absent on Myelin layers (every layer on 11.x).
+
+    ``onnx_layers`` are the ONNX nodes of its ``Metadata`` (``[ONNX Layer: a][ONNX Layer: b]``),
+    which is what joins it to the build log's autotuned ops.
+    """
 
     name: str
     layer_type: str
@@ -73,6 +83,15 @@ class InspectedLayer:
     outputs: tuple[TensorInfo, ...]
     tactic_name: str | None
     tactic_value: str | None
+    onnx_layers: tuple[str, ...] = ()
+
+    @property
+    def input_dtypes(self) -> tuple[str, ...]:
+        return tuple(_ENGINE_DTYPES.get(t.dtype, t.dtype) for t in self.inputs)
+
+    @property
+    def output_dtypes(self) -> tuple[str, ...]:
+        return tuple(_ENGINE_DTYPES.get(t.dtype, t.dtype) for t in self.outputs)
 
 
 @dataclass(frozen=True)
@@ -127,8 +146,9 @@ def _layer(obj: Any, where: str) -> InspectedLayer:
         layer_type=str(obj.get("LayerType", "")),
         inputs=tuple(_tensor(t, here) for t in obj.get("Inputs", [])),
         outputs=tuple(_tensor(t, here) for t in obj.get("Outputs", [])),
-        tactic_name=None if tactic_name is None else str(tactic_name),
+        tactic_name=str(tactic_name) if tactic_name else None,
         tactic_value=None if tactic_value is None else str(tactic_value),
+        onnx_layers=onnx_layers(str(obj.get("Metadata") or "")),
     )
 
 
@@ -169,6 +189,73 @@ def parse_engine_information(
     if len(io_tensors) != len(names):
         raise HarnessError(f"{where}: I/O tensor entries must be names or objects with a Name")
     return EngineInformation(layout, layers, io_tensors)
+
+
+# ONELINE layer information (trtexec --dumpLayerInfo, LayerInformationFormat.ONELINE), one
+# layer a line: "Name: N, LayerType: T, Inputs: [ { Name: a, Location: Device, Dimensions:
+# [1,3], Format/Datatype: Half }], Outputs: [...], ..., TacticName: K, TacticValue: 0x..,
+# StreamId: 0, Metadata: [ONNX Layer: ...]". Tensors hold no braces, so "{[^{}]*}" is one.
+_TENSORS = r"\[(?P<{}>(?:\s*\{{[^{{}}]*\}},?)*)\s*\]"
+_ONELINE = re.compile(
+    r"Name: (?P<name>.*?), LayerType: (?P<type>[^,]*), Inputs: "
+    + _TENSORS.format("inputs")
+    + ", Outputs: "
+    + _TENSORS.format("outputs")
+)
+_ONELINE_TENSOR = re.compile(
+    r"\{ Name: (?P<name>.*?), (?:Location: \w+, )?Dimensions: \[(?P<dims>[^\]]*)\], (?P<rest>[^{}]*?) \}"
+)
+_ONELINE_FIELD = re.compile(r"(?P<field>Format/Datatype|Format|Datatype|DataType): (?P<value>[^,]*)")
+_ONELINE_TACTIC = re.compile(r", TacticName: (?P<name>[^,]*)")
+_ONELINE_VALUE = re.compile(r", TacticValue: (?P<value>0x[0-9a-fA-F]+)")
+_ONELINE_METADATA = re.compile(r", Metadata: (?P<meta>.*)$")
+
+
+def _oneline_tensors(text: str) -> list[dict[str, Any]]:
+    tensors = []
+    for match in _ONELINE_TENSOR.finditer(text):
+        dims = [int(d) for d in match["dims"].split(",") if d.strip()]
+        fields = {m["field"]: m["value"].strip() for m in _ONELINE_FIELD.finditer(match["rest"])}
+        tensors.append({"Name": match["name"], "Dimensions": dims, **fields})
+    return tensors
+
+
+def _oneline_document(text: str, where: str) -> dict[str, Any]:
+    """The ONELINE lines of ``text`` as the JSON document they abbreviate."""
+    layers: list[dict[str, Any]] = []
+    for line in log_lines(text):
+        match = _ONELINE.search(line)
+        if match is None:
+            continue
+        tail = line[match.end() :]
+        tactic = _ONELINE_TACTIC.search(tail)
+        value = _ONELINE_VALUE.search(tail)
+        metadata = _ONELINE_METADATA.search(tail)
+        layers.append(
+            {
+                "Name": match["name"],
+                "LayerType": match["type"].strip(),
+                "Inputs": _oneline_tensors(match["inputs"]),
+                "Outputs": _oneline_tensors(match["outputs"]),
+                **({"TacticName": tactic["name"].strip()} if tactic else {}),
+                **({"TacticValue": value["value"]} if value else {}),
+                "Metadata": metadata["meta"] if metadata else "",
+            }
+        )
+    if not layers:
+        raise HarnessError(
+            f"{where}: neither inspector JSON nor ONELINE layer lines ('Name: ..., LayerType: ...'); "
+            "give trtexec's --exportLayerInfo file or a log of --dumpLayerInfo, with "
+            "--profilingVerbosity=detailed"
+        )
+    return {"Layers": layers}
+
+
+def read_engine_information(text: str, where: str) -> EngineInformation:
+    """Inspector output as JSON (either layout) or as ONELINE lines, e.g. inside a build log."""
+    if text.lstrip().startswith("{"):
+        return parse_engine_information(text, where)
+    return parse_engine_information(_oneline_document(text, where), where)
 
 
 def engine_information_json(engine: tensorrt.ICudaEngine, trt_module: TrtApi | None = None) -> str:

@@ -126,6 +126,9 @@ STRONGLY_TYPED = "STRONGLY_TYPED"
 TF32 = "TF32"
 EDITABLE_TIMING_CACHE = "EDITABLE_TIMING_CACHE"
 ERROR_ON_TIMING_CACHE_MISS = "ERROR_ON_TIMING_CACHE_MISS"
+# Keeps compiled kernels out of the timing cache, so that it holds tactic decisions only
+# (as NVIDIA's TensorRT-Model-Connect does for its pinned builds).
+DISABLE_COMPILATION_CACHE = "DISABLE_COMPILATION_CACHE"
 # Weak typing lets the builder lower layers to these types; OBEY keeps the
 # explicit per-layer constraints (casts set by the harness) authoritative.
 WEAK_TYPING_FLAGS = {"weak-fp16": ("FP16",), "weak-bf16": ("BF16",)}
@@ -168,7 +171,7 @@ def builder_flag_names(
                 f"{EDITABLE_TIMING_CACHE_SINCE.minor} or newer (found {v}); tactic pinning "
                 "is unavailable"
             )
-        names.append(EDITABLE_TIMING_CACHE)
+        names += [EDITABLE_TIMING_CACHE, DISABLE_COMPILATION_CACHE]
     if error_on_cache_miss:
         names.append(ERROR_ON_TIMING_CACHE_MISS)
     return tuple(names)

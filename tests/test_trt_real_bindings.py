@@ -1,0 +1,140 @@
+"""The backend against the real TensorRT Python bindings of 10.8, 10.13, 11.0 and 11.4.
+
+Each version's ``tensorrt-cu12-bindings`` wheel is imported in a subprocess
+over a tiny stand-in for TensorRT's native libraries (tests/trt_bindings.py).
+
+What this exercises, for real, on every version: the ``BuilderFlag`` and
+``NetworkDefinitionCreationFlag`` members and their integer values (which differ
+between 10.x and 11.x), the version gates for weak typing and the editable
+cache, turning the harness's flag names into the real enum members,
+``TimingCacheKey.parse`` and ``str(key)``, ``TimingCacheValue`` (float32
+times, the UINT64_MAX invalid hash), subclassing the real ``ILogger`` with its
+real ``Severity`` names, that two builds hand TensorRT one and the same logger,
+and that every class and method the backend calls exists.
+
+What it does not exercise: the stand-in creates no builder, runtime or parser
+(each returns NULL), so nothing is built, timed, serialized, deserialized,
+inspected or run, no timing cache exists (a recording double stands in for
+``ITimingCache``, fed real keys and values), and TensorRT itself logs nothing.
+Those need a GPU: the ``gpu`` tests in test_tensorrt_backend.py.
+
+No skipping: if the wheels cannot be downloaded or the stand-in cannot be
+compiled, these tests fail and say why.
+"""
+
+from __future__ import annotations
+
+import pytest
+import trt_bindings
+
+from harness.engines.protocol import PRECISION_MODES
+
+KEY = "0x1814870c44ff0f8574df6e3dda04cbd7"
+CACHE_FLAGS = ["EDITABLE_TIMING_CACHE", "DISABLE_COMPILATION_CACHE", "ERROR_ON_TIMING_CACHE_MISS"]
+WEAK = ("weak-fp16", "weak-bf16")
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory) -> dict[str, dict]:
+    # Beside pytest's numbered temporary directories, so that later runs reuse the download.
+    cache = trt_bindings.cache_dir(tmp_path_factory.getbasetemp().parent / "trt-bindings")
+    try:
+        wheels = trt_bindings.fetch_wheels(cache)
+    except trt_bindings.Unavailable as exc:
+        pytest.fail(f"the real-bindings tests need the {trt_bindings.PACKAGE} wheels and a C compiler: {exc}")
+    return {version: trt_bindings.run_probe(cache, version, wheel) for version, wheel in wheels.items()}
+
+
+@pytest.fixture(params=trt_bindings.VERSIONS)
+def report(request, reports) -> dict:
+    found = reports[request.param]
+    assert found["version"].startswith(request.param + "."), found["version"]
+    return found
+
+
+def major(report: dict) -> int:
+    return int(report["version"].split(".")[0])
+
+
+def test_every_class_and_method_the_backend_calls_exists(report):
+    assert report["module_attributes_missing"] == []
+    assert report["called_missing"] == []
+    signatures = report["signatures"]
+    assert "key: tensorrt_bindings.tensorrt.TimingCacheKey, value: tensorrt_bindings.tensorrt.TimingCacheValue) -> bool" in signatures["ITimingCache.update"]
+    assert "ignore_mismatch: bool) -> bool" in signatures["IBuilderConfig.set_timing_cache"]
+    assert "serialized_timing_cache" in signatures["IBuilderConfig.create_timing_cache"]
+    assert "format: tensorrt_bindings.tensorrt.LayerInformationFormat) -> str" in signatures["EngineInspector.get_engine_information"]
+    assert "(self: tensorrt_bindings.tensorrt.IExecutionContext, name: str, memory:" in signatures["IExecutionContext.set_tensor_address"]
+
+
+def test_version_parsing_and_gates(report):
+    assert report["parsed_version"] == ".".join(report["version"].split(".")[:4]).removesuffix(".post1")
+    modes = report["modes"]
+    for mode in PRECISION_MODES:
+        if mode in WEAK and major(report) >= 11:
+            assert modes[mode]["error"].startswith(f"weak typing (mode {mode}) was removed in TensorRT 11")
+        else:
+            assert "error" not in modes[mode], modes[mode]
+    deprecated = [w for mode in WEAK if "warnings" in modes[mode] for w in modes[mode]["warnings"]]
+    if report["version"].startswith("10.13"):
+        assert len(deprecated) == 2 and "deprecated since TensorRT 10.12" in deprecated[0]
+    else:
+        assert deprecated == []
+
+
+def test_flag_names_become_the_real_enum_members(report):
+    members = report["builder_flag_members"]
+    for mode, seen in report["modes"].items():
+        if "error" in seen:
+            continue
+        weak = {"weak-fp16": ["FP16", "OBEY_PRECISION_CONSTRAINTS"], "weak-bf16": ["BF16", "OBEY_PRECISION_CONSTRAINTS"]}
+        assert seen["builder_flags"] == ["TF32", *weak.get(mode, []), *CACHE_FLAGS]
+        assert seen["all_builder_flag_members"] and seen["detailed"] and seen["cleared"] == []
+        # STRONGLY_TYPED is member 1 on 10.x and member 0 on 11.x: the bit follows the loaded enum.
+        strongly_typed = 0 if mode in WEAK else (1 << (1 if major(report) == 10 else 0))
+        assert seen["network_bits"] == strongly_typed
+    # Enum integers differ between versions; the harness only ever stores names.
+    assert members["EDITABLE_TIMING_CACHE"] == (27 if major(report) == 10 else 26)
+    assert members["ERROR_ON_TIMING_CACHE_MISS"] == (16 if major(report) == 10 else 15)
+    assert ("FP16" in members) == (major(report) == 10)
+
+
+def test_settings_for_10x_applied_to_11x_name_the_missing_flag(report):
+    if major(report) == 10:
+        assert report["weak_10_13_here"] is None
+    else:
+        message = report["weak_10_13_here"]
+        assert message.startswith(f"BuilderFlag.FP16 does not exist in the installed TensorRT {report['parsed_version']}")
+        assert "valid names: DEBUG" in message and "EDITABLE_TIMING_CACHE" in message
+
+
+def test_keys_and_values_round_trip_through_the_real_types(report):
+    keys = report["keys"]
+    assert keys["upper_case_round_trip"] == KEY  # TimingCacheKey.parse lower-cases
+    # The exported time is what TimingCacheValue keeps: a float32.
+    assert keys["exported"] == [KEY, "matMul1", "0x665ded9abbf88", 0.011264000087976456]
+    assert keys["updates"] == [["TimingCacheKey", KEY, "TimingCacheValue", 0x393E4EF8AD243, 0.01187840010970831]]
+    assert keys["refused"] == []
+    # A malformed key never reaches TimingCacheKey.parse, which would raise a bare ValueError.
+    assert keys["parse_error"] == "The text should have exactly 34 characters."
+    assert keys["odd"] == ["layer 'conv' (key 0x1234): not a TensorRT cache key (expected 0x and 32 hex digits)"]
+    assert "has the invalid tactic hash 0xffffffffffffffff" in keys["invalid_hash"]
+
+
+def test_one_logger_for_every_builder_and_runtime(report):
+    seen = report["logging"]
+    assert seen["is_ilogger"] and seen["same_logger"]
+    assert seen["captured"] == [
+        "[F] [TRT] message INTERNAL_ERROR",
+        "[E] [TRT] message ERROR",
+        "[W] [TRT] message WARNING",
+        "[I] [TRT] message INFO",
+        "[V] [TRT] message VERBOSE",
+    ]
+    # Two builds and a runtime reached TensorRT's entry points (the stand-in refused them)...
+    assert seen["failures"] == ["pybind11::init(): factory function returned nullptr"] * 3
+    # ...each handing it the same logger, and the version the bindings were compiled for.
+    assert len(seen["loggers_seen"]) == 3 and len(set(seen["loggers_seen"])) == 1 and seen["loggers_seen"][0]
+    major_, minor = (int(p) for p in report["version"].split(".")[:2])
+    patch = int(report["version"].split(".")[2])
+    assert seen["versions_seen"] == [major_ * 10000 + minor * 100 + patch] * 3
