@@ -110,4 +110,5 @@ def build() -> ModelSpec:
         example_inputs=(x_test[:BATCH],),
         calibration_data=[(xb,) for xb in calibration],
         evaluate=make_evaluate(x_test, y_test),
+        batch_dim=0,
     )

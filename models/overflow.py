@@ -50,4 +50,5 @@ def build() -> ModelSpec:
         module=module.eval(),
         example_inputs=example,
         calibration_data=default_calibration_data(example, seed=SEED),
+        batch_dim=0,
     )

@@ -16,6 +16,7 @@ cannot change what the next caller gets.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import hashlib
 import importlib.util
@@ -36,7 +37,7 @@ from harness.autocast.calibrate import default_calibration_data  # noqa: F401  (
 from harness.errors import HarnessError
 from harness.globalstate import preserved_global_state
 
-Factory = Callable[[], "ModelSpec"]
+Factory = Callable[..., "ModelSpec"]
 
 _FACTORIES: dict[str, Factory] = {}
 
@@ -57,6 +58,9 @@ class ModelSpec:
     example_inputs: tuple[torch.Tensor, ...]
     calibration_data: list[tuple[torch.Tensor, ...]]
     evaluate: Callable[[Callable[..., Any]], float] | None = None
+    # The dimension of every input that is the batch, if the model has one: declaring it
+    # lets a benchmark sweep batch sizes (``--batch-sizes``) by resizing the inputs.
+    batch_dim: int | None = None
 
 
 def register(name: str) -> Callable[[Factory], Factory]:
@@ -85,19 +89,24 @@ def available() -> list[str]:
     return sorted(_FACTORIES)
 
 
-def load(name_or_path: str) -> ModelSpec:
+def load(name_or_path: str, batch_size: int | None = None) -> ModelSpec:
     """Resolve a zoo name or ``path/to/file.py:factory`` into a private ModelSpec copy.
 
-    Inference mode is switched off while building and copying: specs are
-    memoized, and tensors created under the first caller's ``inference_mode``
-    could never take part in autograd or export tracing afterwards.
+    With ``batch_size``, a factory that takes a ``batch_size`` argument builds
+    the model for it; otherwise the inputs are resized along the declared
+    ``batch_dim`` (repeating the examples), and a model that declares neither
+    is refused. Inference mode is switched off while building and copying:
+    specs are memoized, and tensors created under the first caller's
+    ``inference_mode`` could never take part in autograd or export tracing.
     """
+    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1):
+        raise HarnessError(f"batch size {batch_size!r}: expected a positive integer")
     with torch.inference_mode(False):
         if ":" in name_or_path:
             path_text, _, factory_name = name_or_path.rpartition(":")
-            spec = _built_from_file(*_file_key(path_text, factory_name, name_or_path))
+            spec = _built_from_file(*_file_key(path_text, factory_name, name_or_path), batch_size)
         elif name_or_path in _FACTORIES:
-            spec = _built_registered(name_or_path)
+            spec = _built_registered(name_or_path, batch_size)
         else:
             valid = ", ".join(available()) or "(none registered)"
             raise HarnessError(
@@ -141,14 +150,14 @@ def _rng_isolated(factory: Factory) -> Factory:
     """Run ``factory`` on freshly seeded global generators, restoring the caller's afterwards."""
 
     @functools.wraps(factory)
-    def wrapper() -> ModelSpec:
+    def wrapper(**kwargs: Any) -> ModelSpec:
         py_state, np_state = random.getstate(), np.random.get_state()
         try:
             with torch.random.fork_rng(devices=[]), preserved_global_state():
                 torch.manual_seed(FACTORY_SEED)
                 random.seed(FACTORY_SEED)
                 np.random.seed(FACTORY_SEED)
-                return factory()
+                return factory(**kwargs)
         finally:
             random.setstate(py_state)
             np.random.set_state(np_state)
@@ -156,9 +165,53 @@ def _rng_isolated(factory: Factory) -> Factory:
     return wrapper
 
 
+def _takes_batch_size(factory: Callable[..., Any]) -> bool:
+    return "batch_size" in inspect.signature(factory).parameters
+
+
+def _for_batch(factory: Callable[..., Any], batch_size: int | None, build: Callable[..., Any], culprit: str) -> ModelSpec:
+    """Build with the factory's own ``batch_size`` argument, or resize along ``batch_dim``."""
+    if batch_size is not None and _takes_batch_size(factory):
+        return build(batch_size=batch_size)
+    spec = build()
+    return spec if batch_size is None else resized(spec, batch_size, culprit)
+
+
+def resized(spec: ModelSpec, batch_size: int, culprit: str) -> ModelSpec:
+    """``spec`` with every input repeated or cut to ``batch_size`` along its ``batch_dim``.
+
+    The evaluation on labelled data is dropped: it feeds inputs of the
+    model's own batch size, which an engine built for another one refuses.
+    """
+    dim = spec.batch_dim
+    if dim is None:
+        raise HarnessError(
+            f"{culprit} has no batch dimension to sweep: declare ModelSpec.batch_dim, or give the "
+            "factory a batch_size argument"
+        )
+
+    def batch(inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        out = []
+        for t in inputs:
+            if not -t.dim() <= dim < t.dim() or t.shape[dim] == 0:
+                raise HarnessError(f"{culprit}: an input of shape {tuple(t.shape)} has no batch_dim {dim}")
+            reps = -(-batch_size // t.shape[dim])
+            out.append(torch.cat([t] * reps, dim=dim).narrow(dim, 0, batch_size).contiguous())
+        return tuple(out)
+
+    return dataclasses.replace(
+        spec,
+        example_inputs=batch(spec.example_inputs),
+        calibration_data=[batch(b) for b in spec.calibration_data],
+        evaluate=None,
+    )
+
+
 @functools.cache
-def _built_registered(name: str) -> ModelSpec:
-    return _checked(_FACTORIES[name](), f"model {name!r}")
+def _built_registered(name: str, batch_size: int | None = None) -> ModelSpec:
+    culprit = f"model {name!r}"
+    factory = _FACTORIES[name]
+    return _checked(_for_batch(factory, batch_size, factory, culprit), culprit)
 
 
 def _file_key(path_text: str, factory_name: str, original: str) -> tuple[str, int, str]:
@@ -175,7 +228,7 @@ def _file_key(path_text: str, factory_name: str, original: str) -> tuple[str, in
 
 
 @functools.cache
-def _built_from_file(path: str, mtime_ns: int, factory_name: str) -> ModelSpec:
+def _built_from_file(path: str, mtime_ns: int, factory_name: str, batch_size: int | None = None) -> ModelSpec:
     del mtime_ns  # only part of the cache key
     module = _import_file(Path(path))
     factory = getattr(module, factory_name, None)
@@ -192,15 +245,19 @@ def _built_from_file(path: str, mtime_ns: int, factory_name: str) -> ModelSpec:
             f"functions defined there: {', '.join(defined) or '(none)'}"
         )
     culprit = f"factory {factory_name!r} in {path}"
-    try:
-        result = _rng_isolated(factory)()
-    except HarnessError:
-        raise
-    except SystemExit as exc:
-        raise HarnessError(f"{culprit} called sys.exit({exc.code!r}); a factory must return a model") from None
-    except Exception as exc:
-        raise HarnessError(f"{culprit} raised {type(exc).__name__}: {exc}") from exc
-    return _checked(_as_spec(result, factory_name, culprit), culprit)
+
+    def build(**kwargs: Any) -> ModelSpec:
+        try:
+            result = _rng_isolated(factory)(**kwargs)
+        except HarnessError:
+            raise
+        except SystemExit as exc:
+            raise HarnessError(f"{culprit} called sys.exit({exc.code!r}); a factory must return a model") from None
+        except Exception as exc:
+            raise HarnessError(f"{culprit} raised {type(exc).__name__}: {exc}") from exc
+        return _checked(_as_spec(result, factory_name, culprit), culprit)
+
+    return _checked(_for_batch(factory, batch_size, build, culprit), culprit)
 
 
 def _import_file(path: Path) -> ModuleType:

@@ -64,6 +64,7 @@ def _spec(
         module=module.eval(),
         example_inputs=inputs(generator),
         calibration_data=[inputs(generator) for _ in range(CALIBRATION_BATCHES)],
+        batch_dim=0,
     )
 
 

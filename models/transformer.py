@@ -89,4 +89,5 @@ def build() -> ModelSpec:
         example_inputs=(ids(),),
         # Random ids rather than the generic default, which would repeat the example.
         calibration_data=[(ids(),) for _ in range(4)],
+        batch_dim=0,
     )

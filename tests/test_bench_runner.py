@@ -52,7 +52,9 @@ def writer(tmp_path):
 
 def test_shards_partition_the_matrix_in_order():
     full = build_matrix(["a", "b", "c"], ["fp32", "bf16"])
-    assert full[:3] == [("a", "fp32"), ("a", "bf16"), ("b", "fp32")]
+    assert full[:3] == [("a", "fp32", None), ("a", "bf16", None), ("b", "fp32", None)]
+    swept = build_matrix(["a"], ["fp32", "bf16"], batch_sizes=[1, 8])
+    assert swept == [("a", "fp32", 1), ("a", "bf16", 1), ("a", "fp32", 8), ("a", "bf16", 8)]
     parts = [build_matrix(["a", "b", "c"], ["fp32", "bf16"], (i, 3)) for i in (1, 2, 3)]
     assert sorted(case for part in parts for case in part) == sorted(full)
     assert parts[1] == [full[1], full[4]]
@@ -87,7 +89,7 @@ def test_failed_cases_are_recorded_and_the_run_goes_on(tmp_path, writer):
     model_file.write_text(BROKEN_MODEL)
     broken = f"{model_file}:build"
     runner = BenchRunner(NoWeakTypingBackend(), cache_dir=tmp_path / "caches", settings=TINY)
-    matrix = [("digits", "fp32"), ("digits", "weak-fp16"), (broken, "fp32"), ("digits", "amp-bf16")]
+    matrix = [("digits", "fp32", None), ("digits", "weak-fp16", None), (broken, "fp32", None), ("digits", "amp-bf16", None)]
     seen: list[str] = []
     doc = runner.run(matrix, writer, progress=False, on_case=lambda c: seen.append(c["status"]))
 
@@ -170,7 +172,7 @@ def test_interrupt_keeps_finished_cases_marked_incomplete(tmp_path, writer, monk
     monkeypatch.setattr(runner_mod, "measure_latency", interrupting)
     runner = BenchRunner(CpuBackend(), cache_dir=tmp_path / "caches", settings=TINY)
     with pytest.raises(KeyboardInterrupt):
-        runner.run([("digits", "fp32"), ("digits", "bf16"), ("digits", "fp16")], writer, progress=False)
+        runner.run([("digits", "fp32", None), ("digits", "bf16", None), ("digits", "fp16", None)], writer, progress=False)
     doc = load_results(writer.path)
     assert doc["complete"] is False
     assert [(c["model"], c["mode"], c["status"]) for c in doc["cases"]] == [("digits", "fp32", "ok")]

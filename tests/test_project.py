@@ -156,3 +156,66 @@ def test_two_models_with_one_name_are_refused(project, capsys):
     (project / "other.py").write_text(USER_MODEL)
     assert main(["bench", "--no-progress", "--models", "net.py:make,other.py:make"]) == 2
     assert "both named 'make'" in capsys.readouterr().err
+
+
+BATCHED_MODEL = """
+import torch
+from torch import nn
+
+def make(batch_size=2):
+    return nn.Linear(4, 3), (torch.ones(batch_size, 4),)
+
+def fixed():
+    return nn.Linear(4, 3), (torch.ones(2, 4),)
+"""
+
+
+def test_a_batch_sweep_records_latency_and_throughput_per_size(tmp_path, monkeypatch, capsys):
+    from harness.bench.gate import gate
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HARNESS_MACHINE_ID", "sweep-test")
+    (tmp_path / "m.py").write_text(BATCHED_MODEL)
+    argv = ["bench", "--quick", "--no-progress", "--models", "m.py:make,digits", "--modes", "fp32,bf16",
+            "--batch-sizes", "1,4", "-o", "sweep.json"]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    doc = load_results(tmp_path / "sweep.json")
+    cases = {(c["model"], c["mode"], c["batch"]): c for c in doc["cases"]}
+    assert len(cases) == 8 and doc["settings"]["batch_sizes"] == [1, 4]
+    # the factory's own batch_size argument, and digits' declared batch dimension
+    assert cases["make", "fp32", 4]["latency"]["batch_size"] == 4
+    assert cases["digits", "fp32", 1]["latency"]["batch_size"] == 1
+    assert cases["digits", "fp32", 4]["task_accuracy"] is None  # its evaluation feeds its own batch size
+    four, one = cases["make", "fp32", 4]["latency"], cases["make", "fp32", 1]["latency"]
+    assert four["throughput_per_s"] == pytest.approx(4e9 / four["summary"]["mean"])
+    assert one["throughput_per_s"] == pytest.approx(1e9 / one["summary"]["mean"])
+    assert "batch" in out.splitlines()[2] and "items/s" in out
+    assert (tmp_path / "sweep-make-throughput.png").is_file()
+    assert {c["engine_fingerprint"] for k, c in cases.items() if k[:2] == ("make", "fp32")}.__len__() == 2
+    # keys carry the batch size: a sweep gates against a sweep
+    report = gate(doc, doc)
+    assert {v.key[3] for v in report.cases} == {1, 4} and "make/fp32/cpu/b4" in [
+        f"{v.key[0]}/{v.key[1]}/{v.key[2]}/b{v.key[3]}" for v in report.cases
+    ]
+
+
+def test_a_model_without_a_batch_dimension_is_refused_up_front(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "m.py").write_text(BATCHED_MODEL)
+    assert main(["bench", "--quick", "--no-progress", "--models", "m.py:fixed", "--batch-sizes", "2,8"]) == 2
+    assert "has no batch dimension to sweep" in capsys.readouterr().err
+    assert main(["bench", "--quick", "--no-progress", "--models", "digits", "--batch-sizes", "0"]) == 2
+    assert "'0' is not a positive integer" in capsys.readouterr().err
+
+
+def test_the_example_team_project_runs_as_the_readme_shows(tmp_path, monkeypatch, capsys):
+    example = Path(__file__).parents[1] / "examples" / "team_project" / "harness.toml"
+    monkeypatch.setenv("HARNESS_MACHINE_ID", "example")
+    assert main(["bench", "--config", str(example), "--quick", "--no-progress", "--no-plots",
+                 "--batch-sizes", "1,4", "--modes", "fp32,explicit", "-o", str(tmp_path / "run.json")]) == 0  # fmt: skip
+    doc = load_results(tmp_path / "run.json")
+    assert {(c["model"], c["mode"], c["batch"]) for c in doc["cases"]} == {
+        ("classifier", m, b) for m in ("fp32", "explicit") for b in (1, 4)
+    }
+    assert doc["settings"]["model_settings"]["classifier"]["autocast"]["data_max"] == 256.0

@@ -223,13 +223,50 @@ def plot_results(
         by_model.setdefault(case["model"], []).append(case)
     written = []
     for model, cases in sorted(by_model.items()):
+        sweep = _plot_throughput(model, cases)
+        if sweep is not None:
+            path = results.parent / f"{results.stem}-{_file_part(model)}-throughput.png"
+            _save(sweep, path)
+            written.append(path)
+        # the latency-vs-error plot compares modes at one batch size: the model's own
+        cases = [c for c in cases if c.get("batch") is None] or cases
         points, absent = _points(cases, error_metric)
         if not points and not any(a.median_ms is not None for a in absent):
             continue
         fig = _plot_model(model, points, absent, error_metric, f" on {doc['machine']['id']}")
         path = results.parent / f"{results.stem}-{_file_part(model)}.png"
-        buf = io.BytesIO()
-        fig.savefig(buf, format="png")
-        atomic_write_bytes(path, buf.getvalue())
+        _save(fig, path)
         written.append(path)
     return written
+
+
+def _save(fig: Figure, path: Path) -> None:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    atomic_write_bytes(path, buf.getvalue())
+
+
+def _plot_throughput(model: str, cases: list[Mapping[str, Any]]) -> Figure | None:
+    """Throughput against batch size, one line per mode (None unless the run swept batch sizes)."""
+    lines: dict[str, list[tuple[int, float]]] = {}
+    for c in cases:
+        if c["status"] == "failed" or c.get("batch") is None:
+            continue
+        label = f"{c['mode']} ({c['backend']})"
+        lines.setdefault(label, []).append((c["batch"], c["latency"]["throughput_per_s"]))
+    if not any(len(points) > 1 for points in lines.values()):
+        return None
+    fig = Figure(figsize=(7, 5), dpi=100)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    for label, points in sorted(lines.items()):
+        xs, ys = zip(*sorted(points), strict=True)
+        ax.plot(xs, ys, "o-", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("throughput (items/s, from the mean latency)")
+    ax.set_title(f"{model}: throughput against batch size")
+    ax.grid(True, which="major", alpha=0.3)
+    ax.legend(loc="best", fontsize=8)
+    fig.tight_layout()
+    return fig

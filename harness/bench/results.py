@@ -160,6 +160,7 @@ _CASE: dict[str, Any] = {
         "model": {"type": "string", "minLength": 1},
         "mode": {"type": "string", "minLength": 1},
         "backend": {"type": "string", "minLength": 1},
+        "batch": {"type": ["integer", "null"], "minimum": 1},
         "status": {"enum": list(STATUSES)},
         "error": _OPT_STR,
         "latency": {"anyOf": [_LATENCY, {"type": "null"}]},
@@ -222,16 +223,20 @@ RESULTS_SCHEMA: dict[str, Any] = {
     },
 }
 
-CaseKey = tuple[str, str, str]
+CaseKey = tuple[str, str, str, "int | None"]
 
 
 def case_key(case: Mapping[str, Any]) -> CaseKey:
-    """(model, mode, backend): what identifies a case within a run and across runs."""
-    return (case["model"], case["mode"], case["backend"])
+    """(model, mode, backend, batch): what identifies a case within a run and across runs.
+
+    ``batch`` is the batch size a sweep asked for, None for the model's own.
+    """
+    return (case["model"], case["mode"], case["backend"], case.get("batch"))
 
 
 def format_key(key: CaseKey) -> str:
-    return "/".join(key)
+    model, mode, backend, batch = key
+    return f"{model}/{mode}/{backend}" + ("" if batch is None else f"/b{batch}")
 
 
 @dataclass
@@ -242,6 +247,7 @@ class CaseResult:
     mode: str
     backend: str
     status: Literal["ok", "non-finite", "failed"] = "ok"
+    batch: int | None = None  # the batch size a sweep asked for; None: the model's own
     error: str | None = None
     latency: LatencyResult | None = None
     memory: MemoryReport | None = None
@@ -263,14 +269,15 @@ class CaseResult:
             self.status = "non-finite"  # outputs hold NaN/Inf: never shown as fine
 
     @classmethod
-    def failed(cls, model: str, mode: str, backend: str, error: str) -> CaseResult:
-        return cls(model=model, mode=mode, backend=backend, status="failed", error=error)
+    def failed(cls, model: str, mode: str, backend: str, error: str, batch: int | None = None) -> CaseResult:
+        return cls(model=model, mode=mode, backend=backend, status="failed", error=error, batch=batch)
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "model": self.model,
             "mode": self.mode,
             "backend": self.backend,
+            "batch": self.batch,
             "status": self.status,
             "error": self.error,
             "latency": self.latency.to_dict() if self.latency is not None else None,
@@ -476,8 +483,8 @@ class ResultsWriter:
     def doc(self) -> dict[str, Any]:
         return self._doc
 
-    def has(self, model: str, mode: str, backend: str) -> bool:
-        return any(case_key(c) == (model, mode, backend) for c in self._doc["cases"])
+    def has(self, model: str, mode: str, backend: str, batch: int | None = None) -> bool:
+        return any(case_key(c) == (model, mode, backend, batch) for c in self._doc["cases"])
 
     def add(self, case: CaseResult | Mapping[str, Any]) -> None:
         entry = case.to_dict() if isinstance(case, CaseResult) else dict(case)

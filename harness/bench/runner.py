@@ -104,11 +104,17 @@ def parse_shard(text: str) -> tuple[int, int]:
     return index, count
 
 
+Case = tuple[str, str, "int | None"]  # (model reference, mode, batch size or None: the model's own)
+
+
 def build_matrix(
-    models: Sequence[str], modes: Sequence[str], shard: tuple[int, int] | None = None
-) -> list[tuple[str, str]]:
-    """(model, mode) pairs in the deterministic order, restricted to ``shard`` if given."""
-    cases = [(model, mode) for model in models for mode in modes]
+    models: Sequence[str],
+    modes: Sequence[str],
+    shard: tuple[int, int] | None = None,
+    batch_sizes: Sequence[int | None] = (None,),
+) -> list[Case]:
+    """(model, mode, batch) in the deterministic order, restricted to ``shard`` if given."""
+    cases = [(model, mode, batch) for model in models for batch in batch_sizes for mode in modes]
     if shard is None:
         return cases
     index, count = shard
@@ -172,13 +178,13 @@ class _Reference:
 
 
 CaseHook = Callable[[dict[str, Any]], None]
-ModelLoader = Callable[[str], Any]
+ModelLoader = Callable[[str, "int | None"], Any]
 
 
-def _load_model(name: str) -> Any:
+def _load_model(name: str, batch_size: int | None = None) -> Any:
     import models
 
-    return models.load(name)
+    return models.load(name, batch_size)
 
 
 class BenchRunner:
@@ -201,22 +207,22 @@ class BenchRunner:
         self.load_model = load_model
         self.ignore_cache_mismatch = ignore_cache_mismatch
         self._overheads: dict[Timer, Summary] = {}
-        self._references: dict[str, _Reference] = {}
+        self._references: dict[tuple[str, int | None], _Reference] = {}
 
-    def reference(self, model: str) -> _Reference:
-        """fp32 eager outputs on the spec's fixed example inputs, once per model."""
-        if model not in self._references:
-            spec = self.load_model(model)
+    def reference(self, model: str, batch: int | None = None) -> _Reference:
+        """fp32 eager outputs on the spec's fixed example inputs, once per model and batch size."""
+        if (model, batch) not in self._references:
+            spec = self.load_model(model, batch)
             module = spec.module.float().eval()
             with torch.inference_mode():
                 outputs = module(*spec.example_inputs)
-            self._references[model] = _Reference(
+            self._references[model, batch] = _Reference(
                 outputs, _is_logits([t for _, t in tensor_paths(outputs, "reference")])
             )
-        return self._references[model]
+        return self._references[model, batch]
 
     @preserves_global_state
-    def run_case(self, model: str, mode: str) -> dict[str, Any]:
+    def run_case(self, model: str, mode: str, batch: int | None = None) -> dict[str, Any]:
         """One case as a results entry; any failure becomes a ``failed`` entry naming its stage.
 
         Peak RSS covers the whole case (build, accuracy runs and the timing
@@ -228,7 +234,7 @@ class BenchRunner:
         stage = ["load model"]
         try:
             (case, build), peaks = measure_memory(
-                lambda: self._measure_case(model, mode, stage), gpu_index=self._gpu_index()
+                lambda: self._measure_case(model, mode, batch, stage), gpu_index=self._gpu_index()
             )
             engine_memory = case.memory or MemoryReport()
             case.threads = self.settings.threads
@@ -242,12 +248,12 @@ class BenchRunner:
             return {**case.to_dict(), "build": build}
         except Exception as exc:  # recorded, and the matrix goes on; Ctrl-C is not an Exception
             name = self.name_of(model)
-            return CaseResult.failed(name, mode, self.backend.name, _error_text(stage[0], exc)).to_dict()
+            return CaseResult.failed(name, mode, self.backend.name, _error_text(stage[0], exc), batch).to_dict()
 
     def name_of(self, model: str) -> str:
         """The name results use for a model reference: its ModelSpec's name (never a file path)."""
         try:
-            return str(self.load_model(model).name)
+            return str(self.load_model(model, None).name)
         except Exception:  # noqa: BLE001 - a model that does not load is named by its reference
             return model
 
@@ -268,18 +274,19 @@ class BenchRunner:
         return int(torch.cuda.current_device())
 
     def _measure_case(
-        self, model: str, mode: str, stage: list[str]
+        self, model: str, mode: str, batch: int | None, stage: list[str]
     ) -> tuple[CaseResult, dict[str, Any]]:
         """The case (memory: the engine's parts only) and its build record.
 
         ``stage[0]`` names the step in progress, for the error of a failed case.
         """
-        spec = self.load_model(model)
+        spec = self.load_model(model, batch)
         stage[0] = "fp32 eager reference"
-        ref = self.reference(model)
+        ref = self.reference(model, batch)
         stage[0] = "build"
         config = self.config(model, mode)
-        cache_path = cache_file(self.cache_dir, spec.name, config, self.backend.name)
+        name = spec.name if batch is None else f"{spec.name}-b{batch}"
+        cache_path = cache_file(self.cache_dir, name, config, self.backend.name)
         self.cache_dir.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
         built = build_engine(spec, config, self.backend, cache_path)
@@ -293,11 +300,12 @@ class BenchRunner:
         accuracy = compare_outputs(outputs, ref.outputs, logits=ref.logits)
         task = self._task_accuracy(spec, engine)
         stage[0] = "latency"
-        latency, telemetry = self._latency(engine, inputs)
+        latency, telemetry = self._latency(engine, inputs, spec.batch_dim)
         stage[0] = "memory"
         return CaseResult(
             model=spec.name,
             mode=mode,
+            batch=batch,
             backend=self.backend.name,
             latency=latency,
             memory=MemoryReport(
@@ -332,7 +340,9 @@ class BenchRunner:
             self._overheads[timer] = measure_overhead(timer=timer)
         return self._overheads[timer]
 
-    def _latency(self, engine: Engine, inputs: tuple[torch.Tensor, ...]) -> tuple[Any, Any]:
+    def _latency(
+        self, engine: Engine, inputs: tuple[torch.Tensor, ...], batch_dim: int | None
+    ) -> tuple[Any, Any]:
         s = self.settings
         gpu = self._gpu_index()
         timer: Timer = "cpu" if gpu is None else "cuda"
@@ -349,7 +359,7 @@ class BenchRunner:
                 min_duration_s=s.min_duration_s,
                 max_iters=s.max_iters,
                 timer=timer,
-                batch_size=_batch_size(inputs),
+                batch_size=_batch_size(inputs, batch_dim),
                 overhead=self.overhead(timer),
                 spread_threshold=s.spread_threshold,
             )
@@ -357,7 +367,7 @@ class BenchRunner:
 
     def run(
         self,
-        matrix: Sequence[tuple[str, str]],
+        matrix: Sequence[Case],
         writer: ResultsWriter,
         *,
         progress: bool = True,
@@ -372,12 +382,12 @@ class BenchRunner:
         """
         from tqdm import tqdm
 
-        todo = [(m, mode) for m, mode in matrix if not writer.has(self.name_of(m), mode, self.backend.name)]
+        todo = [(m, mode, b) for m, mode, b in matrix if not writer.has(self.name_of(m), mode, self.backend.name, b)]
         bar = tqdm(todo, desc="bench", unit="case", file=sys.stderr, disable=not progress)
         try:
-            for model, mode in bar:
-                bar.set_postfix_str(f"{model} {mode}")
-                entry = self.run_case(model, mode)
+            for model, mode, batch in bar:
+                bar.set_postfix_str(f"{model} {mode}" + ("" if batch is None else f" b{batch}"))
+                entry = self.run_case(model, mode, batch)
                 writer.add(entry)
                 for line in case_messages(entry):
                     tqdm.write(line, file=sys.stderr)
@@ -412,8 +422,10 @@ def case_messages(case: Mapping[str, Any]) -> list[str]:
     return lines
 
 
-def _batch_size(inputs: tuple[torch.Tensor, ...]) -> int:
-    return int(inputs[0].shape[0]) if inputs and inputs[0].dim() > 0 else 1
+def _batch_size(inputs: tuple[torch.Tensor, ...], batch_dim: int | None) -> int:
+    """Items per call: the declared batch dimension's size (else the first dimension's)."""
+    dim = 0 if batch_dim is None else batch_dim
+    return int(inputs[0].shape[dim]) if inputs and inputs[0].dim() > dim else 1
 
 
 def _cache_digest(built: BuildResult) -> str | None:

@@ -74,16 +74,17 @@ def _spread(lat: Mapping[str, Any] | None) -> str:
 def results_rows(doc: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]:
     """Header and rows of the per-case table (model x mode x backend)."""
     reference_median = {
-        (c["model"], c["backend"]): c["latency"]["summary"]["median"]
+        (c["model"], c["backend"], c.get("batch")): c["latency"]["summary"]["median"]
         for c in doc["cases"]
         if c["mode"] == REFERENCE_MODE and c["status"] != "failed"
     }
+    sweep = any(c.get("batch") is not None for c in doc["cases"])
     header = [
-        "model", "mode", "backend", "median", "p95", "speed-up", "IQR/median",
-        "max abs err", "cosine", "top-1", "task acc", "weights", "engine", "peak RSS", "status",
+        "model", *(["batch"] if sweep else []), "mode", "backend", "median", "p95", "items/s", "speed-up",
+        "IQR/median", "max abs err", "cosine", "top-1", "task acc", "weights", "engine", "peak RSS", "status",
     ]  # fmt: skip
     rows = []
-    for c in sorted(doc["cases"], key=lambda c: (c["model"], c["backend"])):
+    for c in sorted(doc["cases"], key=lambda c: (c["model"], c["backend"], c.get("batch") or 0)):
         lat, acc, mem, task = (
             c.get("latency"),
             c.get("accuracy"),
@@ -91,14 +92,16 @@ def results_rows(doc: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]:
             c.get("task_accuracy"),
         )
         median = lat["summary"]["median"] if lat else None
-        ref = reference_median.get((c["model"], c["backend"]))
+        ref = reference_median.get((c["model"], c["backend"], c.get("batch")))
         rows.append(
             [
                 c["model"],
+                *([str(c.get("batch") or "own")] if sweep else []),
                 c["mode"],
                 c["backend"],
                 format_ns(median),
                 format_ns(lat["summary"]["p95"] if lat else None),
+                f"{lat['throughput_per_s']:.4g}" if lat else "",
                 _speedup(ref, median),
                 _spread(lat),
                 _num(acc["max_abs_error"] if acc else None, ".2e"),

@@ -48,6 +48,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    help="intra-op threads of every candidate, pinned for each case (1 gives stable "
                    f"numbers on a shared machine; more measures multi-core speed) (default: the project "
                    f"file's, else {DEFAULT_THREADS})")
+    p.add_argument("--batch-sizes", metavar="N,N,...",
+                   help="sweep the batch dimension (models that declare ModelSpec.batch_dim or whose factory "
+                   "takes batch_size) (default: the project file's, else each model's own)")
     p.add_argument("--ignore-mismatch", action="store_true",
                    help="use timing caches recorded for another configuration (read-only)")
     p.add_argument("--config", metavar="FILE",
@@ -199,18 +202,28 @@ def _output_path(args: argparse.Namespace, machine_id: str, shard: tuple[int, in
     return check_writable(output, "-o")
 
 
-def _check_caches(cache_dir: Path, matrix: list[tuple[str, str]], runner: Any) -> None:
+def _check_caches(cache_dir: Path, matrix: list[Any], runner: Any) -> None:
     """Every cache the run would read must load and fit this backend, before any case runs."""
     from harness.bench.runner import cache_file
     from harness.build import load_cache
 
     if cache_dir.exists() and not cache_dir.is_dir():
         raise HarnessError(f"--cache-dir {cache_dir}: is a file, not a directory")
-    for model, mode in matrix:
+    for model, mode, batch in matrix:
         config = runner.config(model, mode)
-        path = cache_file(cache_dir, runner.name_of(model), config, runner.backend.name)
+        name = runner.name_of(model) + ("" if batch is None else f"-b{batch}")
+        path = cache_file(cache_dir, name, config, runner.backend.name)
         if path.exists():
             load_cache(path, runner.backend, config)
+
+
+def _batch_sizes(text: str) -> list[int]:
+    sizes = []
+    for part in _split(text, "--batch-sizes"):
+        if not part.isdigit() or int(part) < 1:
+            raise HarnessError(f"--batch-sizes {text!r}: {part!r} is not a positive integer")
+        sizes.append(int(part))
+    return sizes
 
 
 def _plans(refs: list[str], project: Any, args: argparse.Namespace) -> dict[str, Any]:
@@ -253,6 +266,7 @@ def run_bench(args: argparse.Namespace) -> int:
     )
     from harness.fileio import check_writable
     from harness.project import load_project
+    from models import load as models_load
 
     # Everything that can be refused is refused here, before a file is written.
     project = load_project(args.config)
@@ -283,7 +297,11 @@ def run_bench(args: argparse.Namespace) -> int:
     machine = machine_info()
     output = _output_path(args, machine["id"], shard)
     cache_dir = Path(args.cache_dir or project.get("cache_dir") or output.parent / "caches")
-    matrix = build_matrix(refs, modes, shard)
+    batch_sizes = _batch_sizes(args.batch_sizes) if args.batch_sizes is not None else project.get("batch_sizes")
+    for ref in refs if batch_sizes else ():
+        for size in batch_sizes:
+            models_load(ref, size)  # a model that cannot sweep is refused now
+    matrix = build_matrix(refs, modes, shard, batch_sizes or (None,))
     runner = BenchRunner(
         backend, cache_dir=cache_dir, settings=measure, plans=plans, ignore_cache_mismatch=args.ignore_mismatch
     )
@@ -297,6 +315,7 @@ def run_bench(args: argparse.Namespace) -> int:
         "modes": modes,
         "quick": bool(args.quick),
         "threads": measure.threads,
+        "batch_sizes": batch_sizes,
         "measure": measure.to_dict(),
         "project_file": None if project.path is None else str(project.path),
         "model_settings": {
