@@ -28,7 +28,7 @@ from harness.globalstate import preserves_global_state
 
 if TYPE_CHECKING:
     from harness.autocast import CompiledGraph
-    from models import ModelSpec
+    from harness.models import ModelSpec
 
 BUILD_LOG_FILE = "build_log.json"
 

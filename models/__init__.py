@@ -1,6 +1,8 @@
-"""Model zoo: built-in models register themselves on import; see :mod:`models.registry`."""
+"""The model zoo, installed as ``harness.zoo``: each module registers its models on import.
 
-from models import digits, lenet, overflow, resnet, thirdparty, transformer  # noqa: F401  (registration)
-from models.registry import ModelSpec, available, load, register
+This folder is not importable as ``models`` from an installed harness (a user's own
+``import models`` must find the user's module); the harness finds the zoo through the
+``harness.models`` entry point. Model files use :mod:`harness.models`.
+"""
 
-__all__ = ["ModelSpec", "available", "load", "register"]
+from . import digits, lenet, overflow, resnet, thirdparty, transformer  # noqa: F401  (registration)

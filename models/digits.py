@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from harness.errors import HarnessError
-from models.registry import ModelSpec, register, seeded_init
+from harness.models import ModelSpec, register, seeded_init
 
 SEED = 5000
 BATCH = 64

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.registry import ModelSpec, default_calibration_data, register, seeded_init
+from harness.models import ModelSpec, default_calibration_data, register, seeded_init
 
 SEED = 2000
 WIDTHS = (32, 64, 128)

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from harness.errors import HarnessError
-from models.registry import ModelSpec, register
+from harness.models import ModelSpec, register
 
 SEQ = 16  # tokens per sequence
 VOCAB = 128

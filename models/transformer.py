@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.registry import ModelSpec, register, seeded_init
+from harness.models import ModelSpec, register, seeded_init
 
 SEED = 3000
 VOCAB = 1000

@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import models
+from harness import models
 from harness.autocast import compile
 from harness.errors import HarnessError
 from tests.helpers import assert_same_outputs

@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import models
+from harness import models
 from harness.autocast import AutocastSettings, compile
 from harness.autocast.rules import reduction_depth
 from harness.errors import HarnessError

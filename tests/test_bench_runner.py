@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import models
+from harness import models
 from harness.bench import runner as runner_mod
 from harness.bench.results import ResultsWriter, load_results
 from harness.bench.runner import BenchRunner, MeasureSettings, build_matrix, cache_file, parse_shard
@@ -14,7 +14,7 @@ from harness.engines.cpu import CpuBackend
 from harness.engines.modes import is_weak
 from harness.engines.protocol import BuildConfig
 from harness.errors import HarnessError
-from models import digits
+from harness.zoo import digits
 
 TINY = MeasureSettings(warmup_s=0.01, min_iters=5, min_duration_s=0.02, max_iters=50, telemetry_interval_s=0.02)
 

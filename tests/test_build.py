@@ -18,7 +18,7 @@ from harness.engines.modes import compile_for_mode, load_explicit
 from harness.engines.protocol import BuildConfig
 from harness.engines.registry import get_backend
 from harness.errors import HarnessError
-from models.registry import ModelSpec
+from harness.models import ModelSpec
 
 FAST = {"timing_runs": 3, "warmup_runs": 1}
 

@@ -284,7 +284,7 @@ def test_bad_flags_exit_2(model, tmp_path, capsys):
 
 
 def test_engine_from_cli_runs_like_the_model(model, built):
-    from models import load
+    from harness.models import load
 
     spec = load(model)
     engine = CpuEngine.load(built[0])

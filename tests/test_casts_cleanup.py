@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-import models
+from harness import models
 from harness.autocast import AutocastSettings, compile
 from harness.autocast.casts import is_cast
 from harness.autocast.cleanup import dedupe_casts, fold_cast_chains, remove_noop_casts

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-import models
+from harness import models
 from harness.build import build_engine, save_build
 from harness.cache.timing_cache import TimingCache
 from harness.engines.cpu import CpuBackend, CpuEngine

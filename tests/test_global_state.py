@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-import models
+from harness import models
 from harness.autocast import compile, jit
 from harness.bench.runner import QUICK, BenchRunner
 from harness.build import build_engine

@@ -119,7 +119,7 @@ def test_inplace_ops_on_activations_become_values():
 
 
 def test_fold_batch_norm_matches_unfolded_in_fp32():
-    import models
+    from harness import models
     from harness.lowering.fold_batch_norm import fold_batch_norm
 
     spec = models.load("resnet")
@@ -134,7 +134,7 @@ def test_fold_batch_norm_matches_unfolded_in_fp32():
 
 
 def test_conv_weights_channels_last_outside_the_exact_modes():
-    import models
+    from harness import models
     from harness.autocast import compile
 
     spec = models.load("resnet")

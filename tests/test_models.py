@@ -16,12 +16,13 @@ import torch
 import torch.nn.functional as F
 
 from harness.errors import HarnessError
-from models import ModelSpec, available, load, register, registry
-from models import digits as digits_model
-from models import overflow as overflow_model
-from models import resnet as resnet_model
-from models import transformer as transformer_model
-from models.thirdparty import THIRD_PARTY
+from harness import models as registry
+from harness.models import ModelSpec, available, load, register
+from harness.zoo import digits as digits_model
+from harness.zoo import overflow as overflow_model
+from harness.zoo import resnet as resnet_model
+from harness.zoo import transformer as transformer_model
+from harness.zoo.thirdparty import THIRD_PARTY
 
 ZOO = ["digits", "lenet", "overflow", "resnet", "transformer"]
 M = TypeVar("M", bound=torch.nn.Module)
@@ -29,7 +30,7 @@ M = TypeVar("M", bound=torch.nn.Module)
 
 def _factory(name: str) -> registry.Factory:
     """The uncached factory of a built-in model (load() memoizes)."""
-    return importlib.import_module(f"models.{name}").build
+    return importlib.import_module(f"harness.zoo.{name}").build
 
 
 def _typed(module: torch.nn.Module, cls: type[M]) -> M:
@@ -343,7 +344,7 @@ def test_load_file_factory_returning_modelspec(tmp_path: Path) -> None:
         tmp_path,
         """
         import torch
-        from models import ModelSpec
+        from harness.models import ModelSpec
 
         def spec():
             x = torch.ones(2, 3)
@@ -424,13 +425,13 @@ def test_bad_file_reference_names_the_culprit(
         ),
         ("def f(:\n", r"model file .*bad\.py failed to import: SyntaxError"),
         (
-            "import torch\nfrom models import ModelSpec\n"
+            "import torch\nfrom harness.models import ModelSpec\n"
             "def f():\n    x = torch.ones(2, 3)\n"
             "    return ModelSpec('m', 'd', torch.nn.Identity(), (x,), [(x.double(),)], None)\n",
             r"calibration batch 0 does not match example_inputs; expected a tuple of torch\.float32 \(2, 3\)",
         ),
         (
-            "import torch\nfrom models import ModelSpec\n"
+            "import torch\nfrom harness.models import ModelSpec\n"
             "def f():\n    return ModelSpec('m', 'd', torch.nn.Identity(), (), [], None)\n",
             r"example_inputs must be a non-empty tuple of tensors",
         ),
@@ -495,7 +496,7 @@ def test_a_random_factory_builds_the_same_model_in_every_process(tmp_path: Path)
     """Two fresh processes, with different amounts of RNG use before loading, get one model."""
     path = _write(tmp_path, RANDOM_FACTORY, name="rand_model.py")
     script = (
-        "import sys, torch, models\n"
+        "import sys, torch\nfrom harness import models\n"
         "from harness.weights import module_weights_digest\n"
         "torch.randn(int(sys.argv[2]))\n"
         "print(module_weights_digest(models.load(sys.argv[1]).module))\n"

@@ -17,7 +17,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-import models
+from harness import models
 from harness.autocast import CompiledGraph
 from harness.engines.modes import compile_for_mode
 from harness.engines.onnx_export import (

@@ -18,7 +18,7 @@ import onnx
 import pytest
 import torch
 
-import models
+from harness import models
 from harness.engines.modes import compile_for_mode
 from harness.engines.onnxruntime import OnnxRuntimeBackend, OnnxRuntimeEngine
 from harness.engines.onnxruntime.backend import MODEL_FILE, PLAN_FILE, TACTIC

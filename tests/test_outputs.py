@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-import models
+from harness import models
 from harness.autocast import compile
 from harness.build import build_engine
 from harness.engines.cpu import CpuBackend
@@ -22,7 +22,7 @@ from tests.helpers import assert_same_outputs
 
 @pytest.fixture(scope="module")
 def nested():
-    return models.registry._checked(nested_outputs(), "nested")
+    return models._checked(nested_outputs(), "nested")
 
 
 def test_compile_returns_the_eager_structure_and_run_the_flat_view(nested):

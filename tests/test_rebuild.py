@@ -11,7 +11,7 @@ from harness.cache.timing_cache import TimingCache
 from harness.engines.cpu import CpuBackend
 from harness.engines.protocol import BuildConfig
 from harness.errors import HarnessError
-from models.registry import ModelSpec
+from harness.models import ModelSpec
 
 
 class NearTied(nn.Module):

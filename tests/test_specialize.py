@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-import models
+from harness import models
 from harness.autocast import jit
 from tests.helpers import as_tuple, bits_equal
 

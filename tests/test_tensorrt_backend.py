@@ -24,7 +24,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import models
+from harness import models
 from harness.cache.operations import verify
 from harness.cache.timing_cache import CacheEntry, Candidate, Provenance, TimingCache
 from harness.engines.modes import compile_for_mode

@@ -182,7 +182,7 @@ ModelLoader = Callable[[str, "int | None"], Any]
 
 
 def _load_model(name: str, batch_size: int | None = None) -> Any:
-    import models
+    from harness import models
 
     return models.load(name, batch_size)
 

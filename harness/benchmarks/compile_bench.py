@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from tabulate import tabulate
 from torch import nn
 
-import models
+from harness import models
 from harness.autocast import AutocastSettings, compile
 from harness.bench.stats import bootstrap_ratio_ci
 from harness.outputs import flat_tensors

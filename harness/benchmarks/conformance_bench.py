@@ -24,13 +24,13 @@ from typing import Any
 
 import torch
 
-import models
+from harness import models
+from harness.models import THIRD_PARTY_PREFIX
 from harness.benchmarks.engine_bench import abs_errors, medians_alternating
 from harness.build import build_engine
 from harness.engines.cpu import CpuBackend
 from harness.engines.protocol import BuildConfig
 from harness.globalstate import preserved_global_state
-from models.thirdparty import THIRD_PARTY
 
 ENGINE_MODES = ("fp32", "bf16", "weak-bf16", "autocast-bf16", "amp-bf16")
 
@@ -94,7 +94,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--models", default=",".join(THIRD_PARTY), help="comma-separated zoo names")
+    parser.add_argument(
+        "--models",
+        default=",".join(m for m in models.available() if m.startswith(THIRD_PARTY_PREFIX)),
+        help="comma-separated zoo names (default: the third-party hf-* models)",
+    )
     parser.add_argument("--seconds", type=float, default=4.0, help="measuring time per model")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads, pinned")
     args = parser.parse_args(argv)

@@ -27,7 +27,8 @@ from typing import Any
 
 import torch
 
-import models
+from harness import models
+from harness.models import THIRD_PARTY_PREFIX
 from harness.bench.latency import measure_latency
 from harness.build import compile_graph
 from harness.cache.timing_cache import TimingCache
@@ -35,7 +36,6 @@ from harness.engines.cpu import CpuBackend
 from harness.engines.protocol import BuildConfig
 from harness.errors import HarnessError
 from harness.outputs import flat_tensors
-from models.thirdparty import THIRD_PARTY
 
 ROUNDS = 3
 
@@ -198,7 +198,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument(
         "--models",
-        default=",".join(m for m in models.available() if m not in THIRD_PARTY),
+        default=",".join(m for m in models.available() if not m.startswith(THIRD_PARTY_PREFIX)),
         help="comma-separated zoo names (the hf-* models: python -m harness.benchmarks.conformance_bench)",
     )
     parser.add_argument("--seconds", type=float, default=3.0, help="measuring time per ratio")

@@ -228,7 +228,7 @@ def _batch_sizes(text: str) -> list[int]:
 
 def _plans(refs: list[str], project: Any, args: argparse.Namespace) -> dict[str, Any]:
     """Per model: its autocast settings (defaults < project file < flags) and explicit file."""
-    import models
+    from harness import models
     from harness.autocast import options
     from harness.bench.runner import ModelPlan
     from harness.engines.modes import load_explicit
@@ -266,7 +266,7 @@ def run_bench(args: argparse.Namespace) -> int:
     )
     from harness.fileio import check_writable
     from harness.project import load_project
-    from models import load as models_load
+    from harness.models import load as models_load
 
     # Everything that can be refused is refused here, before a file is written.
     project = load_project(args.config)

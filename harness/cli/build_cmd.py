@@ -136,7 +136,7 @@ def _options(items: list[str]) -> dict[str, Any]:
 
 
 def run_build(args: argparse.Namespace) -> int:
-    import models
+    from harness import models
     from harness.build import build_engine, save_build
 
     model, config = _config(args)
@@ -177,7 +177,7 @@ def run_build(args: argparse.Namespace) -> int:
 
 
 def run_rebuild(args: argparse.Namespace) -> int:
-    import models
+    from harness import models
     from harness.build import rebuild
 
     model, config = _config(args)

@@ -23,7 +23,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 
 def run(args: argparse.Namespace) -> int:
-    import models
+    from harness import models
     from harness.autocast import compile
     from harness.project import load_project
 

@@ -21,7 +21,7 @@ from harness.fileio import read_json
 
 if TYPE_CHECKING:
     from harness.autocast import CompiledGraph
-    from models import ModelSpec
+    from harness.models import ModelSpec
 
 LOW_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 EXPLICIT_DTYPES = {"fp32": torch.float32, **LOW_DTYPES}

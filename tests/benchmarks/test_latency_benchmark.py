@@ -26,7 +26,7 @@ import os
 import pytest
 import torch
 
-import models
+from harness import models
 from harness.bench.accuracy import compare_outputs
 from harness.bench.runner import DEFAULT_MODELS, default_modes
 from harness.build import build_engine

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from models.registry import ModelSpec, default_calibration_data
+from harness.models import ModelSpec, default_calibration_data
 
 
 def _spec(name: str, module: nn.Module, *inputs: torch.Tensor) -> ModelSpec:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import models
+from harness import models
 from harness.autocast import compile, jit
 from harness.bench.accuracy import compare_outputs, output_digest
 from harness.bench.runner import QUICK, BenchRunner
@@ -22,7 +22,7 @@ from harness.engines.cpu import CpuBackend
 from harness.engines.protocol import PRECISION_MODES, BuildConfig
 from harness.globalstate import preserved_global_state
 from harness.outputs import tensor_paths
-from models.thirdparty import THIRD_PARTY
+from harness.zoo.thirdparty import THIRD_PARTY
 from tests.conformance.recreations import RECREATIONS
 from tests.helpers import assert_same_outputs
 

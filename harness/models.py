@@ -1,10 +1,15 @@
-"""Where the harness gets its models: built-in zoo names or a user's own file.
+"""Where the harness gets its models: zoo names or a user's own file.
 
 A model is more than an ``nn.Module``: calibration and benchmarks need example
 inputs, a few calibration batches shaped like them, and (where labelled data
 exist) a task metric. :class:`ModelSpec` bundles those so every stage sees the
 same inputs, and :func:`load` resolves either a registered name or
 ``path/to/file.py:factory`` into one.
+
+The zoo itself (the repository's ``models/`` folder, installed as
+``harness.zoo``) and any other collection of models register through the
+``harness.models`` entry-point group: this module never imports a zoo by
+name, so the zoo depends on the harness and never the reverse.
 
 Reproducibility is part of the contract: factories run with the caller's
 global RNG state saved and restored, build their weights from a local seeded
@@ -40,6 +45,8 @@ from harness.globalstate import preserved_global_state
 Factory = Callable[..., "ModelSpec"]
 
 _FACTORIES: dict[str, Factory] = {}
+# Zoo models of architectures this project did not write (transformers) are named hf-<name>.
+THIRD_PARTY_PREFIX = "hf-"
 
 _EXPECTED_RETURN = "a ModelSpec or a (torch.nn.Module, tuple of example input tensors) pair"
 
@@ -86,7 +93,17 @@ def register(name: str) -> Callable[[Factory], Factory]:
 
 def available() -> list[str]:
     """Registered model names, sorted."""
+    _load_zoos()
     return sorted(_FACTORIES)
+
+
+@functools.cache
+def _load_zoos() -> None:
+    """Import every installed zoo (entry points of group ``harness.models``); each registers its models."""
+    from importlib.metadata import entry_points
+
+    for entry in entry_points(group="harness.models"):
+        entry.load()
 
 
 def load(name_or_path: str, batch_size: int | None = None) -> ModelSpec:
@@ -105,7 +122,7 @@ def load(name_or_path: str, batch_size: int | None = None) -> ModelSpec:
         if ":" in name_or_path:
             path_text, _, factory_name = name_or_path.rpartition(":")
             spec = _built_from_file(*_file_key(path_text, factory_name, name_or_path), batch_size)
-        elif name_or_path in _FACTORIES:
+        elif name_or_path in available():
             spec = _built_registered(name_or_path, batch_size)
         else:
             valid = ", ".join(available()) or "(none registered)"
