@@ -92,6 +92,7 @@ SCHEMA: dict[str, Any] = {
                 "task_accuracy_drop": _NONNEG,
                 "fail_on_unstable": {"type": "boolean"},
                 "allow_missing": {"type": "boolean"},
+                "ignore_isa": {"type": "boolean"},
             },
         },
     },

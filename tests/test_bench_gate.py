@@ -21,13 +21,19 @@ from harness.errors import HarnessError
 WEIGHTS = "sha256:" + "a" * 64
 
 
-def make_doc(cases: list[dict[str, Any]], machine_id: str = "box", complete: bool = True, **settings: Any) -> dict[str, Any]:
+def make_doc(
+    cases: list[dict[str, Any]],
+    machine_id: str = "box",
+    complete: bool = True,
+    isa: tuple[str, ...] = ("avx2", "avx512f"),
+    **settings: Any,
+) -> dict[str, Any]:
     return sealed(
         {
             "schema_version": SCHEMA_VERSION,
             "created": "2025-01-01T00:00:00Z",
             "complete": complete,
-            "machine": {"id": machine_id},
+            "machine": {"id": machine_id, "cpu": {"isa_flags": list(isa)}, "gpu": {"devices": []}},
             "git": {"commit": None, "dirty": None},
             "settings": settings,
             "cases": cases,
@@ -230,6 +236,16 @@ def test_gate_refuses_other_machines_and_notes_settings() -> None:
         gate(a, make_doc([case([1, 2, 3])], machine_id="other"))
     report = gate(a, make_doc([case([1, 2, 3])], warmup_s=2.0))
     assert report.notes == ["settings differ: warmup_s"] and report.to_dict()["exit_code"] == 0
+
+
+def test_gate_refuses_a_cpu_baseline_with_other_isa_under_one_machine_id() -> None:
+    # One VM model name covered CPUs with and without AMX (bf16 9x apart):
+    # an id set by HARNESS_MACHINE_ID, or an old baseline, must not hide that.
+    amx = make_doc([case([1, 2, 3])], isa=("amx_bf16", "avx512f"))
+    plain = make_doc([case([1, 2, 3])], isa=("avx512f",))
+    with pytest.raises(HarnessError, match="only in the baseline: amx_bf16; only in the run: -.*--ignore-isa"):
+        gate(amx, plain)
+    assert gate(amx, plain, GateSettings(ignore_isa=True)).exit_code == 0
 
 
 def test_other_thread_counts_are_not_compared_for_latency() -> None:

@@ -406,8 +406,15 @@ def test_cpu_info_from_cpuinfo_text(tmp_path: Path) -> None:
 def test_machine_id_and_slug(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(MACHINE_ID_ENV, raising=False)
     assert slug("Intel(R) Xeon(R) Platinum 8480+") == "intel-xeon-platinum-8480"
-    cpu = {"model": "AMD EPYC 7763 64-Core Processor", "logical_cores": 16}
-    assert machine_id(cpu, {"devices": []}) == "amd-epyc-7763-64-core-processor-16c"
+    cpu = {"model": "AMD EPYC 7763 64-Core Processor", "logical_cores": 16, "isa_flags": ["avx2", "avx512_bf16"]}
+    assert machine_id(cpu, {"devices": []}) == "amd-epyc-7763-64-core-processor-16c-avx512bf16"
+    # A VM's generic model name, with and without AMX: two machine classes.
+    vm = {"model": "Intel(R) Xeon(R) Processor", "logical_cores": 2}
+    amx = ["amx_bf16", "amx_tile", "avx512_bf16", "avx512_fp16", "avx512f"]
+    assert machine_id({**vm, "isa_flags": amx}, {}) == "intel-xeon-processor-2c-amxbf16-avx512fp16-avx512bf16"
+    assert machine_id({**vm, "isa_flags": amx[2:]}, {}) == "intel-xeon-processor-2c-avx512fp16-avx512bf16"
+    assert machine_id({**vm, "isa_flags": ["avx2", "avx512f"]}, {}) == "intel-xeon-processor-2c-avx512"
+    assert machine_id({**vm, "isa_flags": []}, {}) == "intel-xeon-processor-2c-base"
     gpus = {"devices": [{"name": "NVIDIA A100-SXM4-40GB"}, {"name": "NVIDIA A100-SXM4-40GB"}]}
     assert machine_id(cpu, gpus) == "nvidia-a100-sxm4-40gb-x2"
     monkeypatch.setenv(MACHINE_ID_ENV, "ci-l4")

@@ -163,6 +163,8 @@ class GateSettings:
     tolerances: AccuracyTolerances = AccuracyTolerances()
     fail_on_unstable: bool = False
     allow_missing: bool = False
+    # Gate a CPU run against a baseline whose CPU has other ISA extensions.
+    ignore_isa: bool = False
     bootstrap_resamples: int = 1000
 
     def __post_init__(self) -> None:
@@ -286,6 +288,15 @@ def gate(
             f"baseline is from machine {base_id!r} but the run is from {cur_id!r}; "
             "gate a run against the baseline of its own machine"
         )
+    if not _has_gpu(baseline_doc) and not _has_gpu(current_doc):
+        base_isa, cur_isa = (set(doc["machine"]["cpu"]["isa_flags"]) for doc in (baseline_doc, current_doc))
+        if base_isa != cur_isa and not s.ignore_isa:
+            raise HarnessError(
+                f"baseline and run share machine id {cur_id!r} but not the CPU's ISA (only in the baseline: "
+                f"{', '.join(sorted(base_isa - cur_isa)) or '-'}; only in the run: "
+                f"{', '.join(sorted(cur_isa - base_isa)) or '-'}); CPU latencies of different ISAs are not "
+                "comparable. Promote a baseline on this CPU, or pass --ignore-isa"
+            )
     base_cases = {case_key(c): c for c in baseline_doc["cases"]}
     cur_cases = {case_key(c): c for c in current_doc["cases"]}
     if not base_cases.keys() & cur_cases.keys():
@@ -319,3 +330,7 @@ def gate(
     ]
     verdicts.sort(key=lambda v: v.key)
     return GateReport(cases=verdicts, notes=notes, problems=problems, settings={**asdict(s)})
+
+
+def _has_gpu(doc: Mapping[str, Any]) -> bool:
+    return bool(doc["machine"]["gpu"].get("devices"))

@@ -6,7 +6,8 @@ and commit that produced them, so every results file carries this record
 
 The machine id names the directory that holds a machine's runs and its
 baseline (``results/<id>/baseline.json``). It is deliberately built from the
-hardware class (GPU name, or CPU model and core count) and not from the
+hardware class (GPU name, or CPU model, core count and the ISA features
+that decide low-precision kernels) and not from the
 hostname: CI runners and containers get a fresh hostname on every job, and
 a baseline recorded on one runner must apply to every runner of the same
 type. ``HARNESS_MACHINE_ID`` overrides it, e.g. to separate two machines of
@@ -155,8 +156,30 @@ def check_machine_id(machine_id: str) -> str:
     return machine_id
 
 
+# The ISA features that change which low-precision kernels a CPU has, most
+# capable first, with the tag each adds to a CPU machine id.
+_PRECISION_ISA = (("amx_fp16", "amxfp16"), ("amx_bf16", "amxbf16"), ("avx512_fp16", "avx512fp16"),
+                  ("avx512_bf16", "avx512bf16"))
+# Without any of those, the widest SIMD names the class.
+_SIMD_ISA = (("avx512f", "avx512"), ("avx2", "avx2"))
+
+
+def isa_tag(flags: list[str]) -> str:
+    """The part of a CPU machine id that tells kernel-relevant ISAs apart.
+
+    Virtual machines often report a generic model name ("Intel(R) Xeon(R)
+    Processor") for CPUs with and without AMX, where bf16 runs 9x apart, so
+    the model name alone would file both under one baseline.
+    """
+    present = set(flags)
+    tags = [tag for flag, tag in _PRECISION_ISA if flag in present]
+    if not tags:
+        tags = [next((tag for flag, tag in _SIMD_ISA if flag in present), "base")]
+    return "-".join(tags)
+
+
 def machine_id(cpu: dict[str, Any], gpus: dict[str, Any]) -> str:
-    """Stable hardware-class id: first GPU's name (with count), else CPU model and cores."""
+    """Stable hardware-class id: first GPU's name (with count), else CPU model, cores and ISA."""
     override = os.environ.get(MACHINE_ID_ENV)
     if override:
         return check_machine_id(override)
@@ -164,7 +187,7 @@ def machine_id(cpu: dict[str, Any], gpus: dict[str, Any]) -> str:
     if devices:
         suffix = f"-x{len(devices)}" if len(devices) > 1 else ""
         return slug(devices[0]["name"]) + suffix
-    return f"{slug(cpu['model'])}-{cpu['logical_cores']}c"
+    return f"{slug(cpu['model'])}-{cpu['logical_cores']}c-{isa_tag(cpu.get('isa_flags', []))}"
 
 
 def machine_info() -> dict[str, Any]:

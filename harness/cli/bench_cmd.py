@@ -117,6 +117,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    help="an unstable current case fails the gate")
     g.add_argument("--allow-missing", action="store_true", default=None,
                    help="a baseline case this run lacks does not fail the gate (a subset run)")
+    g.add_argument("--ignore-isa", action="store_true", default=None,
+                   help="gate a CPU run against a baseline whose CPU has other ISA extensions")
     g.add_argument("--config", metavar="FILE",
                    help="project file whose [gate] table sets these (flags win)")
     g.add_argument("--summary-md", default=None, metavar="FILE", help="also write the gate table as Markdown")
@@ -506,6 +508,7 @@ def run_gate(args: argparse.Namespace) -> int:
         tolerances=AccuracyTolerances(**values),
         fail_on_unstable=bool(chosen.get("fail_on_unstable", False)),
         allow_missing=bool(chosen.get("allow_missing", False)),
+        ignore_isa=bool(chosen.get("ignore_isa", False)),
     )
     if args.summary_md is not None:
         check_writable(args.summary_md, "--summary-md")
