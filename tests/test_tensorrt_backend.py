@@ -5,7 +5,11 @@ Without a GPU the decisions made around TensorRT are tested against a thin
 stand-in for the ``tensorrt`` module (version string, flag enums whose integer
 values differ between the fake 10.x and 11.x, a base ``ILogger``, and for
 :func:`run_builder` a builder that only logs and edits its timing cache), fed
-with real recorded TensorRT output (tests/data/trt). The real bindings of each
+with real recorded TensorRT output (tests/data/trt). Whole builds
+(``TensorRTBackend.build``, ``harness build``) run the real code with doubles
+only where a GPU would be: the CUDA device queries, the builder (it replays a
+recorded log) and the runtime (its engine answers the inspector with recorded
+layers). The real bindings of each
 TensorRT version are exercised in test_trt_real_bindings.py; every real call is
 type-checked by mypy against the tensorrt-stubs (``nox -s lint``). The ``gpu``
 tests build real engines and skip, here only, when there is no CUDA device or
@@ -14,21 +18,27 @@ no TensorRT.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
 import re
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
+import onnx
 import pytest
 import torch
 
 from harness import models
-from harness.cache.operations import verify
+from harness.cache.operations import pin, verify
 from harness.cache.timing_cache import CacheEntry, Candidate, Provenance, TimingCache
+from harness.cli import build_cmd
+from harness.cli.main import main
 from harness.engines.modes import compile_for_mode
 from harness.engines.protocol import BuildConfig
+from harness.engines.tensorrt import backend as trt_backend
 from harness.engines.tensorrt.backend import (
     AutotunedOp,
     TensorRTBackend,
@@ -45,11 +55,16 @@ from harness.engines.tensorrt.builder import (
     set_builder_flags,
 )
 from harness.engines.tensorrt.cache_bridge import UNKNOWN_LAYER
-from harness.engines.tensorrt.inspector import read_engine_information
+from harness.engines.tensorrt.inspector import (
+    oneline_document,
+    parse_engine_information,
+    read_engine_information,
+)
 from harness.engines.tensorrt.join import join_ops, layer_keys
 from harness.engines.tensorrt.log_parser import ParsedLog, parse_log
 from harness.engines.tensorrt.versions import TrtVersion, load_tensorrt
 from harness.errors import HarnessError
+from tests.test_trt_bridge import cookbook_11x
 
 DATA = Path(__file__).parent / "data" / "trt"
 EDITABLE = DATA / "editable_10.8_sample_readme.log"
@@ -267,7 +282,8 @@ _SEVERITIES = {"V": "VERBOSE", "I": "INFO", "W": "WARNING", "E": "ERROR"}
 
 def replay(logger, path: Path) -> None:
     """Feed a recorded log to a logger as TensorRT would: severity + bare message. Lines without
-    a prefix continue the previous message (TensorRT logs the layer list as one message)."""
+    a prefix continue the previous message (TensorRT logs the layer list as one message); a
+    recording without prefixes (the sample's README) is one VERBOSE message."""
     messages: list[list] = []
     for line in path.read_text().split("\n"):
         match = _PREFIX.match(line)
@@ -275,6 +291,8 @@ def replay(logger, path: Path) -> None:
             messages.append([_SEVERITIES[match["a"] or match["b"]], line[match.end() :]])
         elif messages:
             messages[-1][1] += "\n" + line
+        else:
+            messages.append(["VERBOSE", line])
     for severity, message in messages:
         logger.log(SimpleNamespace(name=severity), message)
 
@@ -323,20 +341,81 @@ def test_the_editable_sample_joins_by_name_and_carries_its_key_to_the_layer():
     assert layer_keys(joined) == ({"matMul1_myl0_0": KEY_MATMUL1}, [])
 
 
-def test_the_prefix_fallback_and_unjoinable_ops_are_reported_by_name():
-    layers = read_engine_information(COOKBOOK.read_text(), "cookbook").layers
+def cookbook_layers():
+    return read_engine_information(COOKBOOK.read_text(), "cookbook").layers
+
+
+FUSED_CONV = ("node_conv2d + node_relu", "node_conv2d + node_relu [profile 1]")
+
+
+@pytest.mark.parametrize("nodes", [(), ("node_conv2d",)], ids=["name-only", "onnx-nodes"])
+def test_the_issues_node_conv2d_joins_its_fused_layer(nodes):
+    """The issue's example: the log's ``node_conv2d`` is the engine's ``node_conv2d + node_relu``
+    (real cookbook layers). With its ONNX node it is part of that layer's nodes; without, its
+    name ends at the layer name's " + " boundary. The profile-1 copy is the same base layer."""
+    (joined,), problems = join_ops([AutotunedOp("node_conv2d", KEY_MATMUL1, nodes)], cookbook_layers())
+    assert problems == []
+    assert (joined.layers, joined.how) == (FUSED_CONV, "onnx-subset" if nodes else "prefix")
+    keys, _ = layer_keys([joined])
+    assert keys == dict.fromkeys(FUSED_CONV, KEY_MATMUL1)  # never node_conv2d_1 + node_relu_1
+
+
+def test_a_prefix_counts_only_at_a_name_boundary():
+    """``matMul1`` is not ``matMul10``, ``node_conv2d`` not ``node_conv2d_1 + node_relu_1``,
+    ``node_linear_1`` not ``node_linear_1_2``: the name must be followed by " + ", "_myl",
+    " [profile" or nothing. The sample's real layer is ``matMul1_myl0_0``; ``matMul10_myl0_1``
+    is that layer renamed (no recording has a tenth matMul)."""
+    sample = read_engine_information(EDITABLE.read_text(), "sample").layers[0]
+    ten = replace(sample, name="matMul10_myl0_1")
+    op = AutotunedOp("matMul1", KEY_MATMUL1, ())
+    joined, problems = join_ops([op], [ten])
+    assert joined[0].layers == () and problems == [
+        "autotuned op 'matMul1' matches no engine layer by its ONNX nodes (none in the log) or its name"
+    ]
+    joined, problems = join_ops([op], [ten, sample])
+    assert (joined[0].layers, joined[0].how, problems) == (("matMul1_myl0_0",), "name", [])
+    layers = cookbook_layers()
+    second_conv = [layer for layer in layers if layer.name.startswith("node_conv2d_1 + node_relu_1")]
+    joined, _ = join_ops([AutotunedOp("node_conv2d", KEY_MATMUL1, ())], second_conv)
+    assert joined[0].layers == ()
+    joined, problems = join_ops([AutotunedOp("node_linear_1", KEY_MATMUL1, ())], layers)
+    assert joined[0].layers == () and "matches no engine layer" in problems[0]
+
+
+def test_an_op_is_joined_to_one_base_layer_or_reported_by_name():
+    layers = cookbook_layers()
     ops = [
-        AutotunedOp("node_linear_1", KEY_MATMUL1, ()),  # prefix of node_linear_1_2_myl7_2 only
-        AutotunedOp("node_lin", KEY_MATMUL2, ()),  # prefix of two ops' layers
+        AutotunedOp("node_lin", KEY_MATMUL2, ()),  # no boundary after it in any layer name
         AutotunedOp("matMul9", KEY_MATMUL2, ("matMul9",)),
+        AutotunedOp("node_softmax", KEY_MATMUL1, ("node_softmax",)),  # exact: MaxrSubExpSum
+        AutotunedOp("node_argmax", KEY_MATMUL1, ("node_argmax",)),  # part of DivMulTopk's nodes
     ]
     joined, problems = join_ops(ops, layers)
-    assert (joined[0].layers, joined[0].how) == (("node_linear_1_2_myl7_2", "node_linear_1_2 [profile 1]_myl15_2"), "prefix")
-    assert joined[1].layers == () and joined[2].layers == ()
-    assert problems[0].startswith("autotuned op 'node_lin' cannot be joined to an engine layer: its name is a prefix")
-    assert problems[1] == (
-        "autotuned op 'matMul9' matches no engine layer by its ONNX nodes ([ONNX Layer: matMul9]) or its name"
+    assert [(item.layers, item.how) for item in joined] == [
+        ((), ""),
+        ((), ""),
+        (("__myl_MaxrSubExpSum_myl7_3", "__myl_MaxrSubExpSum_myl15_3"), "onnx-layers"),
+        (("__myl_DivMulTopk_myl7_4", "__myl_DivMulTopk_myl15_4"), "onnx-subset"),
+    ]
+    assert problems == [
+        "autotuned op 'node_lin' matches no engine layer by its ONNX nodes (none in the log) or its name",
+        "autotuned op 'matMul9' matches no engine layer by its ONNX nodes ([ONNX Layer: matMul9]) or its name",
+    ]
+    # Real 10.1 AlexNet layers: "/classifier/classifier.1/Gemm" is part of two different layers'
+    # nodes (the Gemm and the Flatten + reshape before it). Its name settles it; a name that
+    # does not is an ambiguity, reported, never guessed.
+    alexnet = parse_engine_information((DATA / "inspector_10.1_alexnet.json").read_text()).layers
+    gemm = ("/classifier/classifier.1/Gemm",)
+    joined, problems = join_ops([AutotunedOp(gemm[0], KEY_MATMUL1, gemm), AutotunedOp("gemm_1", KEY_MATMUL2, gemm)], alexnet)
+    assert (joined[0].layers, joined[0].how) == (
+        ("/classifier/classifier.1/Gemm + (Unnamed Layer* 25) [ElementWise] + /classifier/classifier.2/Relu",),
+        "prefix",
     )
+    assert joined[1].layers == () and problems == [
+        "autotuned op 'gemm_1' cannot be joined to one engine layer: its ONNX nodes are part of several "
+        "layers ('/Flatten + reshape_before_/classifier/classifier.1/Gemm', '/classifier/classifier.1/Gemm + "
+        "(Unnamed Layer* 25) [ElementWise] + /classifier/classifier.2/Relu')"
+    ]
     twice = [AutotunedOp("node_linear", KEY_MATMUL1, ("node_linear", "node_relu_2")), AutotunedOp("node_linear_myl7_1", KEY_MATMUL2, ())]
     keys, claimed = layer_keys(join_ops(twice, layers)[0])
     assert keys["node_linear_myl7_1"] == KEY_MATMUL1
@@ -344,6 +423,35 @@ def test_the_prefix_fallback_and_unjoinable_ops_are_reported_by_name():
         f"engine layer 'node_linear_myl7_1' joins several keyed ops; its key is {KEY_MATMUL1}, not "
         f"{KEY_MATMUL2} (op 'node_linear_myl7_1')"
     ]
+
+
+def test_on_an_11x_engine_every_op_of_the_real_log_joins_its_myl_layers():
+    """The real 10.16 log against the same build as a TensorRT 11 engine would print it
+    (tests.test_trt_bridge.as_11x: every layer ``<op>_myl<k>_<n>``, no TacticValue)."""
+    layers = parse_engine_information(cookbook_11x()).layers
+    parsed = parse_log(COOKBOOK.read_text())
+    joined, problems = join_ops(parsed.layers, layers)
+    assert problems == [] and all(item.layers for item in joined)
+    by_op = {item.op.layer: (item.layers, item.how) for item in joined}
+    assert by_op["node_conv2d + node_relu"] == (
+        ("node_conv2d + node_relu_myl0_1", "node_conv2d + node_relu [profile 1]_myl1_14"),
+        "name",
+    )
+    assert by_op["node_conv2d + node_relu [profile 1]"] == (("node_conv2d + node_relu [profile 1]_myl1_14",), "prefix")
+    assert by_op["node_linear"][1] == "onnx-layers"
+    # Myelin-style op names (the first ONNX node) join the renamed fused layer as well.
+    (conv,), problems = join_ops([AutotunedOp("node_conv2d", KEY_MATMUL1, ("node_conv2d", "node_relu"))], layers)
+    assert conv.layers == ("node_conv2d + node_relu_myl0_1", "node_conv2d + node_relu [profile 1]_myl1_14")
+    # No TacticValue: each Cask-like layer's hash is that of the one measured candidate of
+    # its kernel name; the Myelin gemms' names are shared, so their hash stays unknown.
+    timings = {t.layer: t for t in layer_timings(parsed, [], set(), joined, layers, set())}
+    _, ten_layers, ten_joined, _ = cookbook_join()
+    ten_x = {t.layer: t for t in layer_timings(parsed, [], set(), ten_joined, ten_layers, set())}
+    assert {name: (t.chosen, t.chosen_hash) for name, t in timings.items()} == {
+        name: (t.chosen, t.chosen_hash) for name, t in ten_x.items()
+    }
+    assert timings["node_conv2d + node_relu"].chosen_hash == "0xcf8ea142095f02d2"
+    assert timings["node_linear"].chosen_hash == ""
 
 
 def test_keyless_ops_become_timings_with_the_engines_tactic_never_a_guessed_hash():
@@ -414,15 +522,29 @@ class TimingCacheDouble:
         return repr(sorted(self.values.items())).encode()
 
 
-def builder_trt(retime: dict[str, int]):
-    """A stand-in for TensorRT whose build logs through the logger it was given and then
-    re-times keys as TensorRT 11.0 did despite ERROR_ON_TIMING_CACHE_MISS."""
+SAMPLE_CACHE = {KEY_MATMUL1: (0x665DED9ABBF88, 0.011264), KEY_MATMUL2: (0x665DED9ABBF88, 0.0113)}
+
+
+def builder_trt(
+    retime: dict[str, int] | None = None,
+    *,
+    build_log: Path | None = None,
+    cache: dict[str, tuple[int, float]] | None = None,
+    layers: str = '{"Layers": [], "Bindings": []}',
+):
+    """TensorRT 11.0 where a GPU would be: a builder that logs through the logger it was given
+    (the recorded ``build_log`` replayed as TensorRT would log it, else one line), starts
+    from ``cache`` (default: the sample's two keys) and re-times ``retime`` as TensorRT 11.0
+    did despite ERROR_ON_TIMING_CACHE_MISS; a runtime whose engine has the parsed ONNX
+    model's I/O tensors and answers the inspector with ``layers``. Each member only returns
+    what the test gave it; flag enums and the logger base are :func:`fake_trt`'s."""
     trt = fake_trt("11.0.0")
     loggers = []
+    parsed: dict[str, bytes] = {}
 
     class Config(ConfigDouble):
         def create_timing_cache(self, data):
-            self.cache = TimingCacheDouble({KEY_MATMUL1: (0x665DED9ABBF88, 0.011264), KEY_MATMUL2: (0x665DED9ABBF88, 0.0113)})
+            self.cache = TimingCacheDouble(SAMPLE_CACHE if cache is None else cache)
             return self.cache
 
         def set_timing_cache(self, cache, ignore_mismatch):
@@ -443,8 +565,11 @@ def builder_trt(retime: dict[str, int]):
             return Config()
 
         def build_serialized_network(self, network, config):
-            self.logger.log(VERBOSE, "building")
-            config.cache.values.update({k: (v, 0.01) for k, v in retime.items()})
+            if build_log is None:
+                self.logger.log(VERBOSE, "building")
+            else:
+                replay(self.logger, build_log)
+            config.cache.values.update({k: (v, 0.01) for k, v in (retime or {}).items()})
             return b"plan"
 
     class OnnxParser:
@@ -452,11 +577,40 @@ def builder_trt(retime: dict[str, int]):
             loggers.append(logger)
 
         def parse(self, data):
+            parsed["model"] = data
             return True
 
-    trt.Builder, trt.OnnxParser, trt.TimingCacheValue = Builder, OnnxParser, SimpleNamespace
+    class Engine:
+        def __init__(self):
+            graph = onnx.load_from_string(parsed["model"]).graph  # the model the builder was given
+            self.inputs = [t.name for t in graph.input]
+            self.names = self.inputs + [t.name for t in graph.output]
+            self.num_io_tensors = len(self.names)
+
+        def get_tensor_name(self, index):
+            return self.names[index]
+
+        def get_tensor_mode(self, name):
+            return trt.TensorIOMode.INPUT if name in self.inputs else trt.TensorIOMode.OUTPUT
+
+        def create_engine_inspector(self):
+            return SimpleNamespace(get_engine_information=lambda fmt: layers)
+
+        def create_execution_context(self):
+            return SimpleNamespace()
+
+    class Runtime:
+        def __init__(self, logger):
+            loggers.append(logger)
+
+        def deserialize_cuda_engine(self, plan):
+            return Engine()
+
+    trt.Builder, trt.OnnxParser, trt.Runtime = Builder, OnnxParser, Runtime
     trt.TimingCacheKey = SimpleNamespace(parse=str)
     trt.TimingCacheValue = lambda tactic_hash, time_ms: SimpleNamespace(tacticHash=tactic_hash, timingMSec=time_ms)
+    trt.TensorIOMode = SimpleNamespace(INPUT="input", OUTPUT="output")
+    trt.LayerInformationFormat = SimpleNamespace(JSON="json")
     return trt, loggers
 
 
@@ -491,6 +645,102 @@ def test_a_pinned_build_whose_tactics_moved_fails_naming_the_layer():
     # Without error-on-miss a new key is a layer timed afresh, which is allowed.
     lenient = build_settings(TrtVersion(11, 0), "fp16", {}, timing_cache=True, editable=True, error_on_cache_miss=False)
     assert run_builder(trt, b"onnx", lenient, base_cache=b"", pins=pins(), ignore_mismatch=False).plan == b"plan"
+    # A pinned key TensorRT's cache lacks: update() refuses it, and nothing says it was used.
+    trt, _ = builder_trt(cache={KEY_MATMUL1: SAMPLE_CACHE[KEY_MATMUL1]})
+    with pytest.raises(HarnessError, match=f"key {KEY_MATMUL2}\\): pinned .*but the built cache has no such key"):
+        run_builder(trt, b"onnx", lenient, base_cache=b"", pins=pins(), ignore_mismatch=False)
+
+
+# --- whole builds, with doubles only where the GPU would be -----------------------------------
+
+
+@pytest.fixture
+def gpu_double(monkeypatch):
+    """The CUDA queries a build makes, answered as on an H100 (with :func:`builder_trt` for
+    TensorRT's builder and runtime). The rest of the build is the real code: ONNX export,
+    settings, log capture and parsing, pinning, the join, cache export, the plan record."""
+    monkeypatch.setattr(trt_backend, "require_cuda", lambda: None)
+    monkeypatch.setattr(trt_backend, "device_identity", lambda: ("NVIDIA H100 80GB HBM3 (sm_90)", {"capability": "9.0"}))
+
+
+def lenet_fp16():
+    return compile_for_mode(models.load("lenet"), "fp16", None)
+
+
+# The real cookbook build's log against an engine whose inspector lists other layers (the
+# real 10.4 AlexNet build's): no op of the log can be joined, and the log has no keys.
+UNJOINABLE = {"build_log": COOKBOOK, "cache": {}, "layers": (DATA / "trtexec_10.4_alexnet_fp16_layers.json").read_text()}
+
+
+def test_join_and_keyless_log_problems_reach_the_build_log(gpu_double):
+    trt, _ = builder_trt(**UNJOINABLE)
+    _, log = TensorRTBackend(trt).build(lenet_fp16(), BuildConfig("fp16"), None)
+    assert log.messages[0].startswith("none of the log's 10 autotuned op(s) carries a timing-cache key")
+    unjoined = [m for m in log.messages if m.startswith("autotuned op ")]
+    assert [m.split("'")[1] for m in unjoined] == [op.layer for op in parse_log(COOKBOOK.read_text()).layers]
+    assert unjoined[0] == (
+        "autotuned op 'node_conv2d + node_relu' matches no engine layer by its ONNX nodes (none in the log) or its name"
+    )
+    assert log.to_json()["messages"] == log.messages  # what build_log.json keeps
+
+
+def sample_engine_layers() -> str:
+    """The sample's real engine layer (its ONELINE line, ``matMul1_myl0_0``) as inspector JSON."""
+    return json.dumps({**oneline_document(EDITABLE.read_text(), "sample"), "Bindings": []})
+
+
+def test_a_pinned_build_is_checked_against_the_kernel_the_engine_runs(gpu_double):
+    """Whether a layer TensorRT 11.0 re-timed despite the cache shows up in get_timing_cache()
+    is unconfirmed; here it does not: the cache keeps the pinned hash, while the engine's real
+    layer runs the kernel the sample's build selected. The inspector's TacticName tells."""
+    sample = {KEY_MATMUL1: SAMPLE_CACHE[KEY_MATMUL1]}
+    kept = TimingCache(PROV, parse_log(EDITABLE.read_text()).entries())
+    trt, _ = builder_trt(build_log=EDITABLE, cache=sample, layers=sample_engine_layers())
+    engine, log = TensorRTBackend(trt).build(lenet_fp16(), BuildConfig("fp16", error_on_cache_miss=True), kept)
+    (layer,) = engine.layers()
+    assert (layer.name, layer.key, layer.tactic_hash) == ("matMul1_myl0_0", KEY_MATMUL1, "0x665ded9abbf88")
+    assert log.messages[0].startswith("key discovery: a first build recorded 1 autotuned layer key(s)")
+
+    moved = TimingCache(PROV, kept.entries())
+    pin(moved, "matMul1", "0x393e4ef8ad243")
+    trt, _ = builder_trt(build_log=EDITABLE, cache=sample, layers=sample_engine_layers())
+    with pytest.raises(HarnessError) as exc:
+        TensorRTBackend(trt).build(lenet_fp16(), BuildConfig("fp16", error_on_cache_miss=True), moved)
+    assert str(exc.value) == (
+        "TensorRT did not keep the pinned tactics (fp16); the engine is discarded:\n"
+        f"  layer 'matMul1_myl0_0' (key {KEY_MATMUL1}): pinned sm80_xmma_gemm_f32f32_tf32f32_f32_nn_n_"
+        "tilesize64x32x64_stage4_warpsize2x1x2_tensor16x8x8 (0x393e4ef8ad243), the engine runs "
+        "sm80_xmma_gemm_f32f32_tf32f32_f32_nn_n_tilesize32x32x64_stage3_warpsize2x1x2_tensor16x8x8"
+    )
+
+
+def test_harness_build_prints_the_build_messages_as_notes(gpu_double, monkeypatch, tmp_path, capsys):
+    trt, _ = builder_trt(**UNJOINABLE)
+    monkeypatch.setattr(build_cmd, "get_backend", lambda name: TensorRTBackend(trt))
+    assert main(["build", "--model", "lenet", "--mode", "fp16", "--backend", "tensorrt", "-o", str(tmp_path / "e")]) == 0
+    out = capsys.readouterr().out
+    notes = [line for line in out.splitlines() if line.startswith("note: ")]
+    saved = json.loads((tmp_path / "e" / "build_log.json").read_text())["messages"]
+    assert notes == [f"note: {m}" for m in saved] and len(notes) == 11
+    assert notes[1].startswith("note: autotuned op 'node_conv2d + node_relu' matches no engine layer")
+
+
+def test_harness_rebuild_prints_every_builds_messages_once(capsys):
+    """Each build of a rebuild reports the same messages; they are shown once. A rebuild runs
+    every engine, which TensorRT cannot do without a GPU: the CPU backend's build, whose
+    lowering reports its fusions, shows the (backend-neutral) printing."""
+    argv = ["rebuild", "--model", "lenet", "--mode", "fp32", "--backend", "cpu", "--times", "2",
+            "--option", "timing_runs=1", "--option", "warmup_runs=0"]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert [line for line in out.splitlines() if line.startswith("note: ")] == [
+        "note: fused activation relu into conv2d",
+        "note: fused activation relu_1 into conv2d_1",
+    ]
+    assert main([*argv, "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["builds"] == 2  # stdout stays one JSON document
+    assert err.splitlines() == ["note: fused activation relu into conv2d", "note: fused activation relu_1 into conv2d_1"]
 
 
 # --- JSON cache bookkeeping ------------------------------------------------------------------

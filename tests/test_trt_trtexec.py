@@ -4,15 +4,20 @@ recorded artifacts (tests/data/trt/README.md), and compared with ``harness cache
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from harness.cache.timing_cache import TimingCache
+from harness.cache.operations import diff
+from harness.cache.timing_cache import UNKNOWN_HASH, CacheEntry, Candidate, Provenance, TimingCache
 from harness.cli.main import main
+from harness.errors import HarnessError
+from tests.test_trt_bridge import cookbook_11x
 
 DATA = Path(__file__).parent / "data" / "trt"
 COOKBOOK = DATA / "cookbook_10.16.2_detailed_build.log"  # the log holds its own ONELINE layer list
+COOKBOOK_RUN2 = DATA / "cookbook_10.16.2_detailed_build_run2.log"  # the same build, another real run
 TRTEXEC_LOG = DATA / "trtexec_10.4_alexnet_fp16_verbose_excerpt.log"
 TRTEXEC_JSON = DATA / "trtexec_10.4_alexnet_fp16_layers.json"
 
@@ -85,22 +90,78 @@ def test_an_editable_build_shows_key_and_selection(capsys, tmp_path):
     assert cache.provenance.backend == "tensorrt" and cache.provenance.device_details["source"] == "trtexec"
 
 
-def test_cache_diff_compares_two_trtexec_builds(capsys, tmp_path):
+def test_cache_diff_compares_two_real_builds_of_one_model(capsys, tmp_path):
+    """Two real runs of the same cookbook build (TensorRT 10.16.2, sm_90): the pooling layers
+    picked other kernels the second time. Without the editable cache the Myelin gemms' hash
+    is unknown (their kernel name is shared by several measured variants): they are entered
+    with the kernel name and compared by it, never missing from the diff."""
     a, b = tmp_path / "a.json", tmp_path / "b.json"
-    report = inspect_json(capsys, COOKBOOK, COOKBOOK, "--save-cache", str(a))
-    # Myelin layers: their kernel name is shared by several measured candidates, so the hash
-    # (and so an entry) is unknown without the editable cache; they are named, not guessed.
-    assert [line.split(" (layer")[0] for line in report["left_out_of_cache"]] == ["op 'node_linear'", "op 'node_linear_1_2'"]
-    assert main(["cache", "diff", str(a), str(a), "--json"]) == 0
-    same = json.loads(capsys.readouterr().out)
-    assert [row["status"] for row in same["layers"]] == ["same"] * 8
-    # The same log with the layer information of another (FP16) build of the model: the
-    # layers whose kernel differs show up as changed.
-    inspect_json(capsys, COOKBOOK, DATA / "inspector_10.16_cookbook_oneline.log", "--save-cache", str(b))
+    first = inspect_json(capsys, COOKBOOK, COOKBOOK, "--save-cache", str(a))
+    second = inspect_json(capsys, COOKBOOK_RUN2, COOKBOOK_RUN2, "--save-cache", str(b))
+    assert first["left_out_of_cache"] == [] == second["left_out_of_cache"]
+    linear = TimingCache.load(a).query("op:node_linear")
+    assert (linear.tactic, linear.tactic_hash, linear.hash_known) == (
+        "sm80_xmma_gemm_f32f32_tf32f32_f32_tn_n_tilesize32x32x64_stage3_warpsize2x1x2_tensor16x8x8", UNKNOWN_HASH, False
+    )
     assert main(["cache", "diff", str(a), str(b), "--json"]) == 0
-    rows = {row["key"]: row for row in json.loads(capsys.readouterr().out)["layers"]}
-    conv = rows["op:node_conv2d + node_relu"]
-    assert (conv["status"], conv["tactic_hash_a"], conv["tactic_hash_b"]) == ("changed", "0xcf8ea142095f02d2", "0x5b8bf1b8028629d9")
+    report = json.loads(capsys.readouterr().out)
+    assert report["provenance"] == []  # same TensorRT, same GPU class
+    rows = {row["key"]: row for row in report["layers"]}
+    assert len(rows) == 10
+    assert {key for key, row in rows.items() if row["status"] == "changed"} == {
+        "op:node_max_pool2d", "op:node_max_pool2d_1", "op:node_max_pool2d [profile 1]", "op:node_max_pool2d_1 [profile 1]",
+    }  # fmt: skip
+    pool = rows["op:node_max_pool2d"]
+    assert (pool["tactic_hash_a"], pool["tactic_hash_b"]) == ("0x8382d5c464539e87", "0xaec8628e8180bced")
+    assert rows["op:node_linear"]["status"] == "same" and rows["op:node_linear"]["tactic_hash_a"] == UNKNOWN_HASH
+    assert main(["cache", "diff", str(a), str(b)]) == 0
+    assert "op:node_linear_1_2" in capsys.readouterr().out
+
+
+def test_an_unknown_hash_is_compared_by_kernel_name():
+    """Where either side's hash is unknown the kernel name decides; an empty hash is never
+    read as the hash 0x0."""
+    prov = Provenance("tensorrt", "10.16.2", "unknown (sm_90)")
+    kernel = "sm80_xmma_gemm_f32f32_tf32f32_f32_tn_n_tilesize32x32x64_stage3_warpsize2x1x2_tensor16x8x8"
+    unknown = CacheEntry("op:node_linear", "node_linear", kernel, UNKNOWN_HASH, 0.0125)
+    same_kernel_known = replace(unknown, tactic_hash="0x2c80ce2f5c4a6")
+    other_kernel = replace(unknown, tactic="sm90_other", tactic_hash="0x0")
+    rows = [diff(TimingCache(prov, [unknown]), TimingCache(prov, [other]))[0].status for other in (unknown, same_kernel_known, other_kernel)]
+    assert rows == ["same", "same", "changed"]
+
+
+def test_the_cache_schema_takes_an_unknown_hash_only_where_it_means_something(tmp_path):
+    """An entry may have an unknown ("") hash; a candidate never (it was measured, so its hash
+    was printed). Files written before remain valid: the allowed hashes only grew."""
+    prov = Provenance("tensorrt", "10.16.2", "unknown (sm_90)")
+    entry = CacheEntry("op:node_linear", "node_linear", "k", UNKNOWN_HASH, 0.01, (Candidate("k", "0x1", 0.01),))
+    TimingCache(prov, [entry]).save(tmp_path / "c.json")
+    assert TimingCache.load(tmp_path / "c.json").query("op:node_linear") == entry
+    for field, value, where in (("tactic_hash", "zz", "entries/0/tactic_hash"), ("candidates", [{"tactic": "k", "tactic_hash": "", "time_ms": 0.01}], "entries/0/candidates/0/tactic_hash")):
+        obj = TimingCache(prov, [entry]).to_json()
+        obj["entries"][0][field] = value
+        with pytest.raises(HarnessError, match=where):
+            TimingCache.from_json(obj, "c.json")
+
+
+def test_an_11x_engine_of_a_real_build_is_read_joined_and_cached(capsys, tmp_path):
+    """The real 10.16 log with the same build as a TensorRT 11 engine (tests.test_trt_bridge.
+    as_11x): no TacticValue, ``_myl`` names. Every op joins; the Cask-like layers' hashes come
+    from the one measured candidate of their kernel name, so the cache says what 10.x's does."""
+    layers = tmp_path / "layers_11x.json"
+    layers.write_text(json.dumps(cookbook_11x()))
+    eleven = inspect_json(capsys, COOKBOOK, layers, "--save-cache", str(tmp_path / "11.json"))
+    ten = inspect_json(capsys, COOKBOOK, COOKBOOK, "--save-cache", str(tmp_path / "10.json"))
+    assert (eleven["inspector_layout"], eleven["unjoined_ops"], eleven["left_out_of_cache"]) == ("11.x", [], [])
+    assert all(layer["tactic_value"] is None for layer in eleven["layers"])
+    ops = {layer["name"]: [(op["op"], op["joined_by"]) for op in layer["ops"]] for layer in eleven["layers"]}
+    assert ops["node_conv2d + node_relu [profile 1]_myl1_14"] == [
+        ("node_conv2d + node_relu", "name"), ("node_conv2d + node_relu [profile 1]", "prefix")
+    ]
+    assert ops["node_linear_myl7_1"] == [("node_linear", "onnx-layers")]
+    a, b = TimingCache.load(tmp_path / "10.json"), TimingCache.load(tmp_path / "11.json")
+    assert [(e.key, e.tactic, e.tactic_hash) for e in b.entries()] == [(e.key, e.tactic, e.tactic_hash) for e in a.entries()]
+    assert ten["problems"] == eleven["problems"]
 
 
 @pytest.mark.parametrize(

@@ -33,8 +33,10 @@ _MAX_LISTED = 40
 
 @dataclass(frozen=True)
 class LayerDiff:
-    """One key compared across two caches. ``same`` means the same tactic hash;
-    timings are expected to differ between runs and do not count."""
+    """One key compared across two caches. ``same`` means the same tactic hash or, where
+    a side knows its kernel by name only (an unknown hash: a keyless TensorRT layer whose
+    kernel name several measured variants share), the same kernel name. Timings are
+    expected to differ between runs and do not count."""
 
     layer: str
     key: str
@@ -54,7 +56,7 @@ def diff(a: TimingCache, b: TimingCache) -> list[LayerDiff]:
         eb = b.query(ea.key)
         if eb is None:
             status: DiffStatus = "only-a"
-        elif normalize_hash(ea.tactic_hash) == normalize_hash(eb.tactic_hash):
+        elif same_decision(ea, eb):
             status = "same"
         else:
             status = "changed"
@@ -65,6 +67,14 @@ def diff(a: TimingCache, b: TimingCache) -> list[LayerDiff]:
         if a.query(eb.key) is None
     ]
     return rows
+
+
+def same_decision(a: CacheEntry, b: CacheEntry) -> bool:
+    """The same tactic hash; by kernel name where either hash is unknown (never "0", which
+    is what an empty hash would normalize to)."""
+    if a.hash_known and b.hash_known:
+        return normalize_hash(a.tactic_hash) == normalize_hash(b.tactic_hash)
+    return a.tactic == b.tactic
 
 
 def _side(entry: CacheEntry | None) -> tuple[str | None, str | None, float | None]:
@@ -222,7 +232,11 @@ def verify(cache: TimingCache, engine_layers: Iterable[tuple[str, str, str]]) ->
 def _same_tactic(entry: CacheEntry, tactic: str) -> bool:
     if tactic == entry.tactic:
         return True
-    return _looks_like_hash(tactic) and normalize_hash(tactic) == normalize_hash(entry.tactic_hash)
+    return (
+        entry.hash_known
+        and _looks_like_hash(tactic)
+        and normalize_hash(tactic) == normalize_hash(entry.tactic_hash)
+    )
 
 
 def load_engine_layers(path: str | os.PathLike[str]) -> tuple[str, list[tuple[str, str, str]]]:

@@ -29,6 +29,12 @@ SCHEMA_VERSION = 1
 SUPPORTED_SCHEMA_VERSIONS = (1,)
 
 _HASH_PATTERN = "^(0x)?[0-9a-fA-F]{1,64}$"
+# An entry's (never a candidate's) hash may be UNKNOWN_HASH: the builder's log named the
+# kernel an engine layer runs but not which of its measured variants (TensorRT's Myelin
+# kernels share names), so the entry can be compared by kernel name, never pinned. Every
+# file written before this was allowed still matches, so schema_version stays 1.
+UNKNOWN_HASH = ""
+_ENTRY_HASH_PATTERN = "^((0x)?[0-9a-fA-F]{1,64})?$"
 _TIME = {"type": "number", "minimum": 0}
 
 SCHEMA: dict[str, Any] = {
@@ -76,7 +82,7 @@ SCHEMA: dict[str, Any] = {
                     "key": {"type": "string", "minLength": 1},
                     "layer": {"type": "string"},
                     "tactic": {"type": "string", "minLength": 1},
-                    "tactic_hash": {"type": "string", "pattern": _HASH_PATTERN},
+                    "tactic_hash": {"type": "string", "pattern": _ENTRY_HASH_PATTERN},
                     "time_ms": _TIME,
                     "pinned": {"type": "boolean"},
                     "candidates": {
@@ -145,6 +151,12 @@ class CacheEntry:
         _check_time(self.time_ms, f"layer {self.layer!r} (key {self.key})")
         # Callers may pass a list; a tuple keeps the entry immutable and hashable-by-value.
         object.__setattr__(self, "candidates", tuple(self.candidates))
+
+    @property
+    def hash_known(self) -> bool:
+        """False for an entry known by kernel name only (:data:`UNKNOWN_HASH`): such an entry
+        is compared by that name, and can be neither pinned nor written into a backend."""
+        return self.tactic_hash != UNKNOWN_HASH
 
     def to_json(self) -> dict[str, Any]:
         return {

@@ -10,15 +10,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections import Counter
-from typing import Any
+from typing import TYPE_CHECKING, Any, TextIO
 
 from harness.autocast import options
-from harness.engines.protocol import PRECISION_MODES, BuildConfig
+from harness.cache.timing_cache import TimingCache
+from harness.engines.protocol import PRECISION_MODES, Backend, BuildConfig, BuildLog, Engine
 from harness.engines.registry import BACKEND_NAMES, get_backend
 from harness.engines.saved import engine_directory, plan_backend
 from harness.errors import HarnessError
 from harness.fileio import check_writable
+
+if TYPE_CHECKING:
+    from harness.autocast import CompiledGraph
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -173,7 +178,35 @@ def run_build(args: argparse.Namespace) -> int:
             state = "not written: no layer was timed"
         print(f"cache: {result.cache_path} ({state})")
     print(f"engine: {out}")
+    _print_notes(result.log.messages)
     return 0
+
+
+def _print_notes(messages: list[str], file: TextIO | None = None) -> None:
+    """What a build reports but does not fail on (an op joined to no layer, a log without
+    timing-cache keys, ...): ``build_log.json`` keeps it, and the user must see it too."""
+    for message in dict.fromkeys(messages):
+        print(f"note: {message}", file=file)
+
+
+class _NotingBackend:
+    """``backend``, keeping every build's messages: ``rebuild`` reports fingerprints and
+    tactics, not build logs, yet what a build could not join or record must be shown."""
+
+    def __init__(self, backend: Backend) -> None:
+        self._backend = backend
+        self.name = backend.name
+        self.messages: list[str] = []
+
+    def __getattr__(self, attr: str) -> Any:  # all but build(): the backend's own
+        return getattr(self._backend, attr)
+
+    def build(
+        self, graph: CompiledGraph, config: BuildConfig, cache: TimingCache | None
+    ) -> tuple[Engine, BuildLog]:
+        engine, log = self._backend.build(graph, config, cache)
+        self.messages += log.messages
+        return engine, log
 
 
 def run_rebuild(args: argparse.Namespace) -> int:
@@ -181,11 +214,12 @@ def run_rebuild(args: argparse.Namespace) -> int:
     from harness.build import rebuild
 
     model, config = _config(args)
-    backend = get_backend(args.backend)
+    backend = _NotingBackend(get_backend(args.backend))
     spec = models.load(model)
     report = rebuild(spec, config, backend, args.times, args.cache)
     if args.json:
         print(json.dumps(report.to_json(), indent=2))
+        _print_notes(backend.messages, sys.stderr)  # stdout stays one JSON document
         return 0
     distinct = report.distinct_fingerprints
     print(
@@ -211,6 +245,7 @@ def run_rebuild(args: argparse.Namespace) -> int:
         print(
             f"outputs on the example inputs: differ from build 0 in builds {report.output_mismatches}"
         )
+    _print_notes(backend.messages)
     return 0
 
 

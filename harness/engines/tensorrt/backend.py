@@ -20,14 +20,19 @@ says (:func:`~harness.engines.tensorrt.builder.run_builder`) and the real
 build runs with it (``ERROR_ON_TIMING_CACHE_MISS`` when asked). The binary
 cache of each build is remembered per network for the life of the backend
 object, so repeated builds (``harness rebuild``) discover keys once.
-After a pinned build every key's tactic is compared with its pin, and a build
-whose tactics moved fails (``ERROR_ON_TIMING_CACHE_MISS`` has not stopped
-re-timing on every TensorRT version). The binary cache joined with the VERBOSE
-log (op names, candidates) then updates the JSON cache in place; entries whose
-tactic did not change are left untouched, so a fully pinned rebuild leaves the
-file as it was. The log's ops are joined to the inspector's engine layers by
-the ONNX nodes both list (:mod:`harness.engines.tensorrt.join`), which gives
-each engine layer its key and tactic hash.
+After a pinned build every key's tactic in the built cache is compared with
+its pin, a pinned key the built cache lacks is an error, and every keyed
+layer's kernel (the inspector's ``TacticName``) is compared with the pinned
+kernel where both are known; a build whose tactics moved fails
+(``ERROR_ON_TIMING_CACHE_MISS`` has not stopped re-timing on every TensorRT
+version, and whether a re-time shows in the built cache is unconfirmed). The
+binary cache joined with the VERBOSE log (op names, candidates) then updates
+the JSON cache in place; entries whose tactic did not change are left
+untouched, so a fully pinned rebuild leaves the file as it was. The log's ops
+are joined to the inspector's engine layers by the ONNX nodes both list, by
+name, or by a prefix at a name boundary (:mod:`harness.engines.tensorrt.join`),
+which gives each engine layer its key and tactic hash. What the join cannot
+place, and a log without keys, reach the build log's messages.
 
 Engines are saved as a directory with ``engine.plan`` (TensorRT's serialized
 engine, opaque and specific to the GPU model and TensorRT version) and
@@ -86,7 +91,12 @@ from harness.engines.tensorrt.builder import (
     process_logger,
     run_builder,
 )
-from harness.engines.tensorrt.cache_bridge import UNKNOWN_LAYER, export_trt_cache
+from harness.engines.tensorrt.cache_bridge import (
+    UNKNOWN_LAYER,
+    export_trt_cache,
+    moved_kernels,
+    pins_not_kept,
+)
 from harness.engines.tensorrt.inspector import (
     InspectedLayer,
     engine_information_json,
@@ -455,6 +465,11 @@ class TensorRTBackend:
             compiler_settings=config.autocast_digest(),
         )
         engine = TensorRTEngine(run.plan, record, self._trt_module)
+        if pins is not None:
+            keyed_layers = [(layer.name, layer.key, layer.tactic) for layer in engine.layers() if layer.key]
+            moved = moved_kernels(pins, keyed_layers)
+            if moved:
+                raise pins_not_kept(config.mode, moved)
         joined, join_problems = join_ops(parsed.layers, engine.inspected_layers)
         messages = list(dict.fromkeys([*messages, *join_problems, *engine.join_problems]))
         known = {key.lower() for key in pins.query_keys()} if pins is not None else set()

@@ -23,7 +23,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from harness.cache.timing_cache import CacheEntry, TimingCache
 from harness.engines.protocol import LayerTiming
-from harness.engines.tensorrt.cache_bridge import apply_pins, built_tactics, moved_pins
+from harness.engines.tensorrt.cache_bridge import (
+    apply_pins,
+    built_tactics,
+    moved_pins,
+    pins_not_kept,
+)
 from harness.engines.tensorrt.inspector import InspectedLayer
 from harness.engines.tensorrt.join import Joined
 from harness.engines.tensorrt.log_parser import ParsedLayer, ParsedLog
@@ -292,7 +297,9 @@ def run_builder(
     the JSON lacks is deleted (a NaN time deletes), so such layers are timed
     again, or fail the build under ``ERROR_ON_TIMING_CACHE_MISS``. After a
     pinned build every key's tactic is checked against its pin, since the flag
-    has not stopped re-timing on every TensorRT version (:func:`moved_pins`).
+    has not stopped re-timing on every TensorRT version (:func:`moved_pins`);
+    the engine's kernels are checked too, once it is inspected
+    (:func:`~harness.engines.tensorrt.cache_bridge.moved_kernels`).
     """
     with capture_log(trt) as capture:
         logger = process_logger(trt)
@@ -328,10 +335,7 @@ def run_builder(
             built_tactics(final_cache), pins, error_on_miss=ERROR_ON_TIMING_CACHE_MISS in settings.builder_flags
         )
         if moved:
-            raise HarnessError(
-                f"TensorRT did not keep the pinned tactics ({settings.mode}); the engine is discarded:\n  "
-                + "\n  ".join(moved)
-            )
+            raise pins_not_kept(settings.mode, moved)
     cache_bytes = bytes(final_cache.serialize()) if final_cache is not None else b""
     return BuilderRun(bytes(host_plan), final_cache, cache_bytes, capture, pin_messages)
 

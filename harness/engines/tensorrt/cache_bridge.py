@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from harness.cache.timing_cache import CacheEntry, Provenance, TimingCache, normalize_hash
@@ -102,6 +103,9 @@ def apply_pins(
         if not _KEY.match(entry.key):
             errors.append(f"{where}: not a TensorRT cache key (expected 0x and 32 hex digits)")
             continue
+        if not entry.hash_known:
+            errors.append(f"{where}: its kernel {entry.tactic} is known by name only, so it cannot be pinned")
+            continue
         key = trt.TimingCacheKey.parse(entry.key)
         value = trt.TimingCacheValue(int(entry.tactic_hash, 16), entry.time_ms)
         if not trt_cache.update(key, value):
@@ -113,22 +117,27 @@ def apply_pins(
 
 
 def moved_pins(built: dict[str, str], pins: TimingCache, *, error_on_miss: bool) -> list[str]:
-    """One line per pinned key whose tactic the build changed, and (``error_on_miss``) per new key.
+    """One line per pinned key whose tactic the build changed or that the built cache lacks,
+    and (``error_on_miss``) per key the pins lack.
 
     ``built`` is :func:`built_tactics` of the cache after the build. TensorRT
     11.0 re-timed layers despite ``ERROR_ON_TIMING_CACHE_MISS`` (NVIDIA's
     TensorRT-Model-Connect, PR #449), so the flag alone proves nothing: the
     tactics the build ended with are compared with the pinned ones, key by key.
+    A pinned key the built cache lacks was never applied (``update`` refuses a
+    key TensorRT's cache does not hold), so nothing says the build used the pin.
+    Entries that are no TensorRT key (``op:`` entries of a trtexec build) can
+    never be applied and are reported by :func:`apply_pins` instead.
     """
     lines = []
     pinned = {entry.key.lower(): entry for entry in pins.entries()}
     for key, entry in pinned.items():
         actual = built.get(key)
-        if actual is not None and normalize_hash(actual) != normalize_hash(entry.tactic_hash):
-            lines.append(
-                f"layer {entry.layer!r} (key {entry.key}): pinned {entry.tactic} ({entry.tactic_hash}), "
-                f"built {actual}"
-            )
+        where = f"layer {entry.layer!r} (key {entry.key}): pinned {entry.tactic} ({entry.tactic_hash})"
+        if actual is None and _KEY.match(key):
+            lines.append(f"{where}, but the built cache has no such key, so the pin was never applied")
+        elif actual is not None and normalize_hash(actual) != normalize_hash(entry.tactic_hash):
+            lines.append(f"{where}, built {actual}")
     if error_on_miss:
         lines += [
             f"key {key}: not in the pinned cache, yet the build timed and kept tactic {tactic}"
@@ -136,3 +145,46 @@ def moved_pins(built: dict[str, str], pins: TimingCache, *, error_on_miss: bool)
             if key not in pinned
         ]
     return lines
+
+
+def _pinned_kernel(entry: CacheEntry) -> str | None:
+    """The kernel name of a pinned entry, when its candidates tell it (else it is a bare hash)."""
+    names = {c.tactic for c in entry.candidates}
+    if entry.tactic in names:
+        return entry.tactic
+    wanted = normalize_hash(entry.tactic_hash)
+    by_hash = {c.tactic for c in entry.candidates if normalize_hash(c.tactic_hash) == wanted}
+    return by_hash.pop() if len(by_hash) == 1 else None
+
+
+def moved_kernels(pins: TimingCache, keyed_layers: Iterable[tuple[str, str, str]]) -> list[str]:
+    """One line per engine layer whose kernel (the inspector's ``TacticName``) is not its pin's.
+
+    ``keyed_layers`` are (layer, key, kernel) of the built engine's keyed
+    layers. This does not rely on the timing cache, which :func:`moved_pins`
+    does: whether a layer TensorRT re-timed shows up in ``get_timing_cache()``
+    is unconfirmed on TensorRT 11. A layer is compared only where both sides
+    are known: the pin names its kernel, and the layer's kernel is one of that
+    key's measured candidates (a layer joined to a key may also run kernels no
+    table lists, such as Myelin's generated ``__myl_*`` kernels). Variants that
+    share a kernel name cannot be told apart here.
+    """
+    pinned = {entry.key.lower(): entry for entry in pins.entries()}
+    lines = []
+    for layer, key, kernel in keyed_layers:
+        entry = pinned.get(key.lower())
+        if entry is None or not kernel:
+            continue
+        wanted = _pinned_kernel(entry)
+        if wanted is not None and kernel != wanted and kernel in {c.tactic for c in entry.candidates}:
+            lines.append(
+                f"layer {layer!r} (key {entry.key}): pinned {wanted} ({entry.tactic_hash}), the engine runs {kernel}"
+            )
+    return lines
+
+
+def pins_not_kept(mode: str, lines: list[str]) -> HarnessError:
+    """The error of a pinned build whose tactics moved: its engine must not be used."""
+    return HarnessError(
+        f"TensorRT did not keep the pinned tactics ({mode}); the engine is discarded:\n  " + "\n  ".join(lines)
+    )

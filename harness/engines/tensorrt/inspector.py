@@ -54,6 +54,7 @@ _DTYPES = {
     "int32": "int32",
     "int64": "int64",
     "bool": "bool",
+    "e8m0": "e8m0",
 }
 
 
@@ -101,8 +102,17 @@ class EngineInformation:
     io_tensors: tuple[str, ...]
 
 
+_ENUM_MEMBER = re.compile(r"k[A-Z0-9_]+")
+
+
 def _canonical_dtype(text: str) -> str:
-    return _DTYPES.get(text.strip().lower(), text.strip())
+    """"FP16", "Half", and the enum spellings "kHALF", "DataType.HALF" -> "float16"; an
+    unknown spelling is kept as written. Which spelling TensorRT 11 writes in a layer
+    tensor's ``Datatype`` is unconfirmed (tests/data/trt/README.md), hence the latitude."""
+    word = text.strip().rsplit("::", 1)[-1].rsplit(".", 1)[-1]
+    if _ENUM_MEMBER.fullmatch(word):
+        word = word[1:]
+    return _DTYPES.get(word.lower(), text.strip())
 
 
 def _dtype_from_combined(text: str) -> str:
@@ -220,7 +230,7 @@ def _oneline_tensors(text: str) -> list[dict[str, Any]]:
     return tensors
 
 
-def _oneline_document(text: str, where: str) -> dict[str, Any]:
+def oneline_document(text: str, where: str) -> dict[str, Any]:
     """The ONELINE lines of ``text`` as the JSON document they abbreviate."""
     layers: list[dict[str, Any]] = []
     for line in log_lines(text):
@@ -255,7 +265,7 @@ def read_engine_information(text: str, where: str) -> EngineInformation:
     """Inspector output as JSON (either layout) or as ONELINE lines, e.g. inside a build log."""
     if text.lstrip().startswith("{"):
         return parse_engine_information(text, where)
-    return parse_engine_information(_oneline_document(text, where), where)
+    return parse_engine_information(oneline_document(text, where), where)
 
 
 def engine_information_json(engine: tensorrt.ICudaEngine, trt_module: TrtApi | None = None) -> str:

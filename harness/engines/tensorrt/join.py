@@ -2,20 +2,31 @@
 
 The two never name things alike: the log's ``matMul1`` is the engine's
 ``matMul1_myl0_0``, ``node_linear`` is ``node_linear_myl4_0`` (every layer of a
-TensorRT 11 engine is ``<op>_myl<k>_<n>``), a second optimization profile adds
+TensorRT 11 engine is ``<op>_myl<k>_<n>``), ``node_conv2d`` is the fused
+``node_conv2d + node_relu``, a second optimization profile adds
 `` [profile 1]``. What both carry is the list of ONNX nodes: the log prints it
 on Myelin op lines (``Autotuning op node_linear: [ONNX Layer: node_linear][ONNX
 Layer: node_relu_2]``) and the inspector in each layer's ``Metadata``. So an
-op is joined
+op is joined, by the first rule that finds layers:
 
-1. to the layers whose ONNX nodes are exactly the op's, else
-2. to the layer of exactly its name (Cask layers: ``node_conv2d + node_relu``
-   is timed and named alike), else to the layers whose name without the
-   Myelin and profile suffixes is the op's name, else
-3. by prefix, as NVIDIA's sampleEditableTimingCache does, when every layer the
-   op's name is a prefix of is one op's (the same name up to the suffixes).
+1. ``onnx-layers``: the layers whose ONNX nodes are exactly the op's;
+2. ``name``: the layer of exactly its name (Cask layers: ``node_conv2d +
+   node_relu`` is timed and named alike), else the layers whose name without
+   the Myelin and profile suffixes is the op's name;
+3. ``onnx-subset``: the layers whose ONNX nodes include all of the op's (an
+   op that is part of a fusion), when they are copies of one base layer;
+4. ``prefix``: the layers whose name starts with the op's name *at a name
+   boundary* (followed by `` + ``, ``_myl``, `` [profile`` or nothing), as
+   NVIDIA's sampleEditableTimingCache matches names, when they are copies of
+   one base layer.
 
-An op that joins no layer, or whose prefix is ambiguous, is reported by name.
+"Copies of one base layer" means one name once the Myelin and profile
+suffixes are removed: a layer and its ``[profile N]`` copies (and the Myelin
+layers of one op) are one layer to the join. The boundary keeps ``matMul1``
+off ``matMul10_myl0_0`` and ``node_conv2d`` off ``node_conv2d_1 +
+node_relu_1``. Several base layers for rules 3 and 4 is ambiguous: the op is
+then joined to none rather than guessed. An op that joins no layer is reported
+by name, with why.
 """
 
 from __future__ import annotations
@@ -29,6 +40,9 @@ from harness.engines.tensorrt.inspector import InspectedLayer
 
 _MYELIN_SUFFIX = re.compile(r"_myl\d+_\d+$")
 _PROFILE_SUFFIX = re.compile(r" \[profile \d+\]$")
+# What TensorRT appends to an op's name in a layer's name: a fused op (" + "), the Myelin
+# graph and index ("_myl4_0"), an optimization profile (" [profile 1]").
+_NAME_BOUNDARIES = (" + ", "_myl", " [profile")
 
 
 class JoinableOp(Protocol):
@@ -47,6 +61,17 @@ def base_name(layer_name: str) -> str:
     return _PROFILE_SUFFIX.sub("", _MYELIN_SUFFIX.sub("", layer_name))
 
 
+def continues_name(layer_name: str, op_name: str) -> bool:
+    """Whether ``layer_name`` is ``op_name``, or ``op_name`` followed by a name boundary.
+
+    A bare ``startswith`` would join ``matMul1`` to ``matMul10_myl0_0``.
+    """
+    if not layer_name.startswith(op_name):
+        return False
+    rest = layer_name[len(op_name) :]
+    return not rest or rest.startswith(_NAME_BOUNDARIES)
+
+
 @dataclass(frozen=True)
 class Joined(Generic[OpT]):
     """One op and the engine layers it was joined to (empty: none); ``how`` says by what."""
@@ -56,17 +81,40 @@ class Joined(Generic[OpT]):
     how: str
 
 
-def _by_name(name: str, layers: Sequence[InspectedLayer]) -> tuple[list[str], str]:
-    exact = [layer.name for layer in layers if layer.name == name]
-    if exact:
-        return exact, "name"
-    based = [layer.name for layer in layers if base_name(layer.name) == name]
-    if based:
-        return based, "name"
-    prefixed = [layer.name for layer in layers if layer.name.startswith(name)]
-    if prefixed and len({base_name(n) for n in prefixed}) == 1:
-        return prefixed, "prefix"
-    return prefixed, "ambiguous" if prefixed else ""
+def _one_base(names: Sequence[str]) -> bool:
+    return len({base_name(name) for name in names}) == 1
+
+
+def _listed(names: Sequence[str]) -> str:
+    return ", ".join(repr(name) for name in names)
+
+
+def _join(op: JoinableOp, layers: Sequence[InspectedLayer]) -> tuple[list[str], str, str]:
+    """(layer names, how, why not): the first rule that finds layers wins; ``why not`` says,
+    for an op that joins none, what was tried and found ambiguous."""
+    nodes = set(op.onnx_layers)
+    if nodes:
+        same = [layer.name for layer in layers if layer.onnx_layers == op.onnx_layers]
+        if same:
+            return same, "onnx-layers", ""
+    named = [layer.name for layer in layers if layer.name == op.layer] or [
+        layer.name for layer in layers if base_name(layer.name) == op.layer
+    ]
+    if named:
+        return named, "name", ""
+    ambiguous = []
+    if nodes:
+        containing = [layer.name for layer in layers if nodes <= set(layer.onnx_layers)]
+        if containing and _one_base(containing):
+            return containing, "onnx-subset", ""
+        if containing:
+            ambiguous.append(f"its ONNX nodes are part of several layers ({_listed(containing)})")
+    prefixed = [layer.name for layer in layers if continues_name(layer.name, op.layer)]
+    if prefixed and _one_base(prefixed):
+        return prefixed, "prefix", ""
+    if prefixed:
+        ambiguous.append(f"its name begins several layers' names ({_listed(prefixed)})")
+    return [], "", "; ".join(ambiguous)
 
 
 def join_ops(
@@ -76,19 +124,9 @@ def join_ops(
     joined: list[Joined[OpT]] = []
     problems: list[str] = []
     for op in ops:
-        names: list[str] = []
-        how = ""
-        if op.onnx_layers:
-            names = [layer.name for layer in layers if layer.onnx_layers == op.onnx_layers]
-            how = "onnx-layers" if names else ""
-        if not names:
-            names, how = _by_name(op.layer, layers)
-        if how == "ambiguous":
-            problems.append(
-                f"autotuned op {op.layer!r} cannot be joined to an engine layer: its name is a "
-                f"prefix of several layers' ({', '.join(names)}) and no layer has its ONNX nodes"
-            )
-            names, how = [], ""
+        names, how, ambiguous = _join(op, layers)
+        if ambiguous:
+            problems.append(f"autotuned op {op.layer!r} cannot be joined to one engine layer: {ambiguous}")
         elif not names:
             nodes = "".join(f"[ONNX Layer: {n}]" for n in op.onnx_layers) or "none in the log"
             problems.append(

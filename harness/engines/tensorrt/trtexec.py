@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.cache.timing_cache import (
+    UNKNOWN_HASH,
     CacheEntry,
     Candidate,
     Provenance,
@@ -153,9 +154,14 @@ class TrtexecBuild:
         """The build as a timing cache, and a line for each joined op left out of it.
 
         An op with a key and a selection is its own entry. An op without a key
-        is entered under ``op:<name>`` with the tactic its engine layer uses,
-        timed as the log measured that tactic; one whose kernel the log did not
-        measure (or whose hash is ambiguous) is left out and named.
+        is entered under ``op:<name>`` with the kernel its engine layer runs,
+        timed as the log measured that kernel. Where the hash of that kernel is
+        unknown (no ``TacticValue``, as on Myelin layers and every TensorRT 11
+        layer, and several measured variants share the kernel's name) the entry
+        still says the kernel, with :data:`UNKNOWN_HASH` and the fastest time
+        measured under that name, so ``harness cache diff`` compares it by name
+        rather than missing the layer. Only an op whose kernel the log did not
+        measure (or whose layer names no kernel) is left out, and named.
         """
         provenance = Provenance(
             BACKEND,
@@ -174,24 +180,34 @@ class TrtexecBuild:
             if op.key is not None or not item.layers:
                 continue  # reported as a problem already (cut-off block, or unjoined)
             tactic, tactic_hash = kept_tactic(op, layers[item.layers[0]])
-            times = [
-                c.time_ms
-                for c in op.candidates
-                if tactic_hash and normalize_hash(c.tactic_hash) == normalize_hash(tactic_hash)
-            ]
-            if not times:
-                shared = sum(c.tactic == tactic for c in op.candidates)
+            measured = _measured_as(op, tactic, tactic_hash)
+            if not measured:
                 why = (
-                    f"its kernel {tactic} is the name of {shared} measured candidates, so its hash is unknown"
-                    if shared > 1
-                    else f"the log measured no candidate with its tactic ({tactic or 'unnamed'} {tactic_hash})"
+                    f"the log measured no candidate with its tactic ({tactic} {tactic_hash or 'hash unknown'})"
+                    if tactic
+                    else "its engine layer names no kernel"
                 )
                 skipped.append(f"op {op.layer!r} (layer {item.layers[0]!r}) is not in the cache: {why}")
                 continue
             cache.update(
-                CacheEntry(KEYLESS_PREFIX + op.layer, op.layer, tactic, tactic_hash, min(times), op.candidates)
+                CacheEntry(
+                    KEYLESS_PREFIX + op.layer,
+                    op.layer,
+                    tactic,
+                    tactic_hash or UNKNOWN_HASH,
+                    min(c.time_ms for c in measured),
+                    op.candidates,
+                )
             )
         return cache, skipped
+
+
+def _measured_as(op: ParsedLayer, tactic: str, tactic_hash: str) -> list[Candidate]:
+    """The op's measured candidates that are the engine's kernel: by hash where it is known,
+    else every variant of that kernel name (one of which the engine runs)."""
+    if tactic_hash:
+        return [c for c in op.candidates if normalize_hash(c.tactic_hash) == normalize_hash(tactic_hash)]
+    return [c for c in op.candidates if tactic and c.tactic == tactic]
 
 
 def read_trtexec_build(
