@@ -229,7 +229,7 @@ def test_backend_registry(tmp_path):
     assert get_backend("auto").name == ("tensorrt" if torch.cuda.is_available() else "cpu")
     with pytest.raises(
         HarnessError,
-        match="unknown backend 'gpu'; valid backends: cpu, onnxruntime, tensorrt, auto",
+        match="unknown backend 'gpu'; valid backends: cpu, onnxruntime, openvino, tensorrt, auto",
     ):
         get_backend("gpu")
 

@@ -16,7 +16,10 @@ import os
 import sys
 from collections.abc import Sequence
 
-SUBCOMMAND_MODULES = ("harness.cli.compile_cmd", "harness.cli.cache_cmd", "harness.cli.build_cmd", "harness.cli.bench_cmd")
+SUBCOMMAND_MODULES = (
+    "harness.cli.compile_cmd", "harness.cli.cache_cmd", "harness.cli.build_cmd", "harness.cli.bench_cmd",
+    "harness.cli.debug_cmd",
+)
 
 
 class HelpFormatter(argparse.HelpFormatter):

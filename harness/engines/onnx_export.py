@@ -523,3 +523,57 @@ def _verify(record: OnnxExport, placed: dict[str, torch.dtype], weights: dict[st
         raise HarnessError(
             "the ONNX export does not hold the typed graph's precisions: " + "; ".join(problems)
         )
+
+
+# What every backend that runs the exported file reports alike: the build notes
+# on the hand-off and the graph its engine fingerprints cover.
+
+LISTED = 12  # names shown per build note before "..."
+
+
+def listed(names: list[str]) -> str:
+    """The first :data:`LISTED` of ``names`` and a count of the rest: build notes stay one line."""
+    shown = ", ".join(names[:LISTED])
+    return shown + (f", ... ({len(names) - LISTED} more)" if len(names) > LISTED else "")
+
+
+def export_notes(exported: OnnxExport) -> list[str]:
+    """Build-log lines saying who placed the file's casts (exporter casts are listed, not hidden)."""
+    notes = [
+        f"ONNX opset {exported.opset}: {len(exported.compiler_casts)} cast(s) placed by the compiler, "
+        f"{len(exported.exporter_casts)} by the exporter"
+    ]
+    if exported.exporter_casts:
+        names = listed([f"{c.node} ({c.source}->{c.target})" for c in exported.exporter_casts])
+        notes.append(f"exporter casts make PyTorch's implicit type promotion explicit: {names}")
+    return notes
+
+
+def graph_description(model: onnx.ModelProto) -> dict[str, Any]:
+    """The model's graph without weight values: what engine fingerprints cover.
+
+    Weights are left out (a fingerprint names the plan, not its values); the
+    saved model's digest guards them.
+    """
+    graph = model.graph
+
+    def io(values: Any) -> list[Any]:
+        return [[v.name, onnx.helper.printable_type(v.type)] for v in values]
+
+    return {
+        "opsets": sorted([o.domain, o.version] for o in model.opset_import),
+        "inputs": io(graph.input),
+        "outputs": io(graph.output),
+        "initializers": sorted([t.name, t.data_type, list(t.dims)] for t in graph.initializer),
+        "nodes": [
+            [
+                n.name,
+                n.domain,
+                n.op_type,
+                list(n.input),
+                list(n.output),
+                sorted(onnx.helper.printable_attribute(a) for a in n.attribute),
+            ]
+            for n in graph.node
+        ],
+    }

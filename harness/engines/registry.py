@@ -18,6 +18,8 @@ from harness.errors import HarnessError
 _BACKENDS = {
     "cpu": ("harness.engines.cpu", "CpuBackend"),
     "onnxruntime": ("harness.engines.onnxruntime.backend", "OnnxRuntimeBackend"),
+    # optional: the ``openvino`` extra (its ImportError names it)
+    "openvino": ("harness.engines.openvino.backend", "OpenVinoBackend"),
     "tensorrt": ("harness.engines.tensorrt.backend", "TensorRTBackend"),
 }
 BACKEND_NAMES = (*_BACKENDS, "auto")

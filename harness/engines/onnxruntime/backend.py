@@ -54,12 +54,14 @@ from harness.engines.onnx_export import (
     CAST_SCHEMA,
     TENSOR_SPEC_SCHEMA,
     CastRecord,
-    OnnxExport,
     TensorSpec,
     check_inputs,
+    export_notes,
     export_onnx,
+    graph_description,
     initializer_bytes_by_dtype,
     initializers_digest,
+    listed,
     onnx_dtype_name,
 )
 from harness.engines.protocol import (
@@ -83,7 +85,7 @@ PROVIDER = "CPUExecutionProvider"
 TACTIC = "ort-default"
 TACTIC_HASH = "0x" + hashlib.sha256(f"{PROVIDER}/{TACTIC}".encode()).hexdigest()[:16]
 PLAN_FORMAT = "harness-onnxruntime-engine"
-PLAN_VERSION = 2
+PLAN_VERSION = 3  # 3: compiler_settings holds the settings themselves, not their digest
 MODEL_FILE = "model.onnx"
 
 OPTIMIZATION_LEVELS = {
@@ -105,7 +107,6 @@ _ORT_ERRORS = (
 _NO_KERNEL = re.compile(
     r"Could not find an implementation for (?P<op>[\w.]+)\((?P<version>\d+)\) node with name '(?P<node>[^']*)'"
 )
-_LISTED = 12  # names shown per build note before "..."
 
 
 @dataclass(frozen=True)
@@ -166,7 +167,7 @@ class EngineRecord:
     casts: tuple[CastRecord, ...]
     settings: SessionSettings
     structure: OutputSpec
-    compiler_settings: str | None  # digest of the autocast settings (None: they did not apply)
+    compiler_settings: dict[str, Any] | None  # the autocast settings as JSON (None: they did not apply)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -198,7 +199,7 @@ class OnnxRuntimeEngine(EngineBase):
                     "backend": BACKEND,
                     "provider": PROVIDER,
                     **record.to_json(),
-                    "graph": _graph_description(self._model),
+                    "graph": graph_description(self._model),
                     "layers": [layer.to_json() for layer in self._layers],
                 }
             )
@@ -230,6 +231,9 @@ class OnnxRuntimeEngine(EngineBase):
 
     def device_memory_bytes(self) -> int | None:
         return None  # host engine: its memory is in the run's peak RSS
+
+    def compiler_settings(self) -> dict[str, Any] | None:
+        return self.record.compiler_settings
 
     def weight_bytes_by_dtype(self) -> dict[str, int]:
         return initializer_bytes_by_dtype(self._model)
@@ -344,12 +348,12 @@ class OnnxRuntimeBackend:
                 )
         record = EngineRecord(
             config.mode, exported.inputs, exported.outputs, exported.casts, settings, graph.outputs,
-            config.autocast_digest(),
+            config.compiler_settings(),
         )
         engine = OnnxRuntimeEngine(model_bytes, record)
         engine(*graph.example_inputs)  # a first run surfaces kernels that fail only when executed
         messages = [
-            *_export_notes(exported),
+            *export_notes(exported),
             *engine.notes,
             "onnxruntime does not autotune: nothing was timed and no timing cache was read or written",
         ]
@@ -421,11 +425,6 @@ def _layers(executed: onnx.ModelProto) -> list[LayerInfo]:
     return layers
 
 
-def _listed(names: list[str]) -> str:
-    shown = ", ".join(names[:_LISTED])
-    return shown + (f", ... ({len(names) - _LISTED} more)" if len(names) > _LISTED else "")
-
-
 def _precision_notes(
     model: onnx.ModelProto, executed: onnx.ModelProto, casts: tuple[CastRecord, ...]
 ) -> list[str]:
@@ -446,55 +445,18 @@ def _precision_notes(
     if changed:
         notes.append(
             f"onnxruntime runs {len(changed)} node(s) in another precision than the ONNX model "
-            f"states (no {PROVIDER} kernel for their dtype): {_listed(changed)}"
+            f"states (no {PROVIDER} kernel for their dtype): {listed(changed)}"
         )
     removed = [c.node for c in casts if c.node not in executed_names]
     if removed:
         notes.append(
             f"onnxruntime removed {len(removed)} cast(s) of the ONNX model as redundant around "
-            f"its fp32 fallbacks: {_listed(removed)}"
+            f"its fp32 fallbacks: {listed(removed)}"
         )
     inserted = [n.name for n in executed.graph.node if n.op_type == "Cast" and n.name not in original]
     if inserted:
         notes.append(f"onnxruntime inserted {len(inserted)} cast(s) of its own for those fallbacks")
     return notes
-
-
-def _export_notes(exported: OnnxExport) -> list[str]:
-    notes = [
-        f"ONNX opset {exported.opset}: {len(exported.compiler_casts)} cast(s) placed by the compiler, "
-        f"{len(exported.exporter_casts)} by the exporter"
-    ]
-    if exported.exporter_casts:
-        listed = _listed([f"{c.node} ({c.source}->{c.target})" for c in exported.exporter_casts])
-        notes.append(f"exporter casts make PyTorch's implicit type promotion explicit: {listed}")
-    return notes
-
-
-def _graph_description(model: onnx.ModelProto) -> dict[str, Any]:
-    """The model's graph without weight values: what the fingerprint covers."""
-    graph = model.graph
-
-    def io(values: Any) -> list[Any]:
-        return [[v.name, onnx.helper.printable_type(v.type)] for v in values]
-
-    return {
-        "opsets": sorted([o.domain, o.version] for o in model.opset_import),
-        "inputs": io(graph.input),
-        "outputs": io(graph.output),
-        "initializers": sorted([t.name, t.data_type, list(t.dims)] for t in graph.initializer),
-        "nodes": [
-            [
-                n.name,
-                n.domain,
-                n.op_type,
-                list(n.input),
-                list(n.output),
-                sorted(onnx.helper.printable_attribute(a) for a in n.attribute),
-            ]
-            for n in graph.node
-        ],
-    }
 
 
 PLAN_SCHEMA: dict[str, Any] = {
@@ -538,7 +500,7 @@ PLAN_SCHEMA: dict[str, Any] = {
         "outputs": {"type": "array", "items": TENSOR_SPEC_SCHEMA},
         "casts": {"type": "array", "items": CAST_SCHEMA},
         "output_structure": {"type": "string"},
-        "compiler_settings": {"type": ["string", "null"]},
+        "compiler_settings": {"type": ["object", "null"]},
         "model_file": {"const": MODEL_FILE},
         "model_digest": {"type": "string", "pattern": "^sha256:[0-9a-f]{64}$"},
         "layers": {"type": "array", "items": LAYER_SCHEMA},
