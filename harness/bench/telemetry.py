@@ -20,29 +20,24 @@ from typing import Any
 
 import psutil
 
-# NVML clock-event ("throttle") reason bits, part of the NVML ABI
-# (nvmlClocksEventReason* in nvml.h / pynvml).
-CLOCK_EVENT_REASONS: dict[str, int] = {
-    "GpuIdle": 0x1,
-    "ApplicationsClocksSetting": 0x2,
-    "SwPowerCap": 0x4,
-    "HwSlowdown": 0x8,
-    "SyncBoost": 0x10,
-    "SwThermalSlowdown": 0x20,
-    "HwThermalSlowdown": 0x40,
-    "HwPowerBrakeSlowdown": 0x80,
-    "DisplayClockSetting": 0x100,
-}
+# NVML clock-event ("throttle") reasons by name; their bits come from the NVML
+# module itself (pynvml's nvmlClocksEventReason<name>), never from a copied table.
+CLOCK_EVENT_REASONS: tuple[str, ...] = (
+    "GpuIdle",
+    "ApplicationsClocksSetting",
+    "SwPowerCap",
+    "HwSlowdown",
+    "SyncBoost",
+    "SwThermalSlowdown",
+    "HwThermalSlowdown",
+    "HwPowerBrakeSlowdown",
+    "DisplayClockSetting",
+)
 # Reasons that mean the GPU ran slower than it was asked to. Idle, application
 # clocks, sync boost and display clocks are configuration, not throttling.
 THROTTLE_REASONS = frozenset(
     {"SwPowerCap", "HwSlowdown", "SwThermalSlowdown", "HwThermalSlowdown", "HwPowerBrakeSlowdown"}
 )
-
-_NVML_TEMPERATURE_GPU = 0
-_NVML_CLOCK_SM = 1
-_NVML_CLOCK_MEM = 2
-
 
 class NvmlUnavailable(Exception):
     """NVML cannot be used here; the message is the reason."""
@@ -82,10 +77,12 @@ class Nvml:
             "mem_total_bytes": mem.total if mem is not None else None,
             "power_mw": self._query("nvmlDeviceGetPowerUsage"),
             "energy_mj": self._query("nvmlDeviceGetTotalEnergyConsumption"),
-            "temp_c": self._query("nvmlDeviceGetTemperature", _NVML_TEMPERATURE_GPU),
-            "sm_clock_mhz": self._query("nvmlDeviceGetClockInfo", _NVML_CLOCK_SM),
-            "mem_clock_mhz": self._query("nvmlDeviceGetClockInfo", _NVML_CLOCK_MEM),
-            "clock_event_reasons": clock_event_names(reasons) if reasons is not None else None,
+            "temp_c": self._query("nvmlDeviceGetTemperature", self.module.NVML_TEMPERATURE_GPU),
+            "sm_clock_mhz": self._query("nvmlDeviceGetClockInfo", self.module.NVML_CLOCK_SM),
+            "mem_clock_mhz": self._query("nvmlDeviceGetClockInfo", self.module.NVML_CLOCK_MEM),
+            "clock_event_reasons": (
+                clock_event_names(reasons, self.module) if reasons is not None else None
+            ),
         }
 
     def close(self) -> None:
@@ -117,8 +114,9 @@ def open_nvml(device_index: int = 0, module: Any = None) -> Nvml:
     return Nvml(module=module, handle=handle, index=device_index)
 
 
-def clock_event_names(mask: int) -> list[str]:
-    return [name for name, bit in CLOCK_EVENT_REASONS.items() if mask & bit]
+def clock_event_names(mask: int, module: Any) -> list[str]:
+    """The reasons set in ``mask``, with bits read from the NVML ``module`` in use."""
+    return [name for name in CLOCK_EVENT_REASONS if mask & getattr(module, f"nvmlClocksEventReason{name}")]
 
 
 def _cpu_temperature() -> float | None:
