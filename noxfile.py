@@ -8,6 +8,7 @@ build). GPU machines (``nvidia-smi`` on PATH) get the default CUDA build;
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import shutil
@@ -23,10 +24,23 @@ CPU_TORCH = "torch==2.13.0"
 
 
 def _install(session: nox.Session, *extras: str) -> None:
+    """Install torch, then the project (editable) with ``extras``, unless nothing changed.
+
+    A stamp in the virtualenv records what was installed (the torch requirement, the
+    extras and pyproject.toml's contents): a re-run with the same stamp skips pip,
+    which otherwise re-resolves every dependency each time.
+    """
     torch_req = os.environ.get("HARNESS_TORCH") or ("torch" if shutil.which("nvidia-smi") else CPU_TORCH)
-    session.install(torch_req)
     spec = f".[{','.join(extras)}]" if extras else "."
+    pyproject = Path(__file__).with_name("pyproject.toml").read_bytes()
+    wanted = hashlib.sha256(b"\0".join([torch_req.encode(), spec.encode(), pyproject])).hexdigest()
+    stamp = Path(session.virtualenv.location) / ".harness-install-stamp"
+    if stamp.is_file() and stamp.read_text(encoding="utf-8") == wanted:
+        session.log(f"install skipped: {torch_req} and {spec} unchanged since the last run")
+        return
+    session.install(torch_req)
     session.install("-e", spec)
+    stamp.write_text(wanted, encoding="utf-8")
 
 
 @nox.session
