@@ -21,6 +21,7 @@ nox.options.reuse_existing_virtualenvs = True
 nox.options.sessions = ["tests", "lint"]
 
 CPU_TORCH = "torch==2.13.0"
+GPU_TORCH = "torch>=2.13,<2.14"  # pyproject.toml's tested range; PyPI's default build is CUDA
 
 
 def _install(session: nox.Session, *extras: str) -> None:
@@ -30,7 +31,7 @@ def _install(session: nox.Session, *extras: str) -> None:
     extras and pyproject.toml's contents): a re-run with the same stamp skips pip,
     which otherwise re-resolves every dependency each time.
     """
-    torch_req = os.environ.get("HARNESS_TORCH") or ("torch" if shutil.which("nvidia-smi") else CPU_TORCH)
+    torch_req = os.environ.get("HARNESS_TORCH") or (GPU_TORCH if shutil.which("nvidia-smi") else CPU_TORCH)
     spec = f".[{','.join(extras)}]" if extras else "."
     pyproject = Path(__file__).with_name("pyproject.toml").read_bytes()
     wanted = hashlib.sha256(b"\0".join([torch_req.encode(), spec.encode(), pyproject])).hexdigest()
