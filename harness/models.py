@@ -11,8 +11,9 @@ The zoo itself (the repository's ``models/`` folder, installed as
 ``harness.models`` entry-point group: this module never imports a zoo by
 name, so the zoo depends on the harness and never the reverse.
 
-Reproducibility is part of the contract: factories run with the caller's
-global RNG state saved and restored, build their weights from a local seeded
+Reproducibility is part of the contract: factories, and the module-level code
+of a user's model file, run on global generators seeded with ``FACTORY_SEED``
+and restored afterwards; zoo factories build their weights from a local seeded
 generator (:func:`seeded_init`), and each :func:`load` hands out a private copy
 of a memoized spec so a caller converting the module in place (``.half()``)
 cannot change what the next caller gets.
@@ -29,7 +30,8 @@ import inspect
 import math
 import random
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -163,21 +165,33 @@ def _bound(weight: torch.Tensor, gain: float) -> float:
 FACTORY_SEED = 0
 
 
+@contextmanager
+def _seeded_generators() -> Iterator[None]:
+    """Seed torch's, Python's and NumPy's global generators with ``FACTORY_SEED``; restore them after.
+
+    User code that draws random numbers, in a factory or while its file is
+    imported, then builds the same model in every process, and the caller's
+    generators (and the rest of its global state) are as they were.
+    """
+    py_state, np_state = random.getstate(), np.random.get_state()
+    try:
+        with torch.random.fork_rng(devices=[]), preserved_global_state():
+            torch.manual_seed(FACTORY_SEED)
+            random.seed(FACTORY_SEED)
+            np.random.seed(FACTORY_SEED)
+            yield
+    finally:
+        random.setstate(py_state)
+        np.random.set_state(np_state)
+
+
 def _rng_isolated(factory: Factory) -> Factory:
     """Run ``factory`` on freshly seeded global generators, restoring the caller's afterwards."""
 
     @functools.wraps(factory)
     def wrapper(**kwargs: Any) -> ModelSpec:
-        py_state, np_state = random.getstate(), np.random.get_state()
-        try:
-            with torch.random.fork_rng(devices=[]), preserved_global_state():
-                torch.manual_seed(FACTORY_SEED)
-                random.seed(FACTORY_SEED)
-                np.random.seed(FACTORY_SEED)
-                return factory(**kwargs)
-        finally:
-            random.setstate(py_state)
-            np.random.set_state(np_state)
+        with _seeded_generators():
+            return factory(**kwargs)
 
     return wrapper
 
@@ -288,7 +302,9 @@ def _import_file(path: Path) -> ModuleType:
     # cls.__module__) in the user's file look their module up in sys.modules.
     sys.modules[module_name] = module
     try:
-        with preserved_global_state():
+        # Module-level code runs seeded too: a file drawing its weights at import time
+        # (``W = torch.randn(...)``) builds the same model in every process.
+        with _seeded_generators():
             import_spec.loader.exec_module(module)
     except SystemExit as exc:
         del sys.modules[module_name]

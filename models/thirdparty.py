@@ -9,6 +9,17 @@ the conformance suite's subjects and can be benchmarked like any zoo model
 
 ``transformers`` is an optional dependency (the ``hf`` extra); it is imported
 only when one of these models is built.
+
+Two of them are here for the patterns that once broke the harness on
+third-party code (issue 7), and :data:`EXERCISES` says where each occurs; the
+conformance suite checks every such claim against the exported graph, so a
+``transformers`` release that rewrites the code is noticed instead of silently
+leaving the pattern untested (as happened to Swin's mask and LLaMA's rotary
+embedding, which no longer write through views or disable grad):
+- ``hf-bart``: ``shift_tokens_right`` builds the decoder inputs by slice
+  assignment into a fresh tensor (``copy_`` on a slice, ``fill_`` on a select);
+- ``hf-trocr``: the sinusoidal position embedding's ``forward`` is
+  ``@torch.no_grad()``, exported as ``wrap_with_set_grad_enabled``.
 """
 
 from __future__ import annotations
@@ -73,6 +84,16 @@ _SMALL = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "
 _TOKENS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 
 
+# Model -> (pattern, where) claims checked by tests/conformance/test_patterns.py. Patterns:
+# "write-through-view" (an in-place write into a view of another tensor) and "set-grad-region"
+# (a grad-mode switch, exported as a higher-order op); "where" is a module class or a
+# function named in the source location export records for the node.
+EXERCISES: dict[str, tuple[tuple[str, str], ...]] = {
+    "hf-bart": (("write-through-view", "shift_tokens_right"),),
+    "hf-trocr": (("set-grad-region", "TrOCRSinusoidalPositionalEmbedding"),),
+}
+
+
 @register("hf-bert")
 def bert() -> ModelSpec:
     t = _transformers()
@@ -121,8 +142,9 @@ def llama() -> ModelSpec:
         use_cache=False,
         **_TOKENS,
     )
-    # LlamaRotaryEmbedding.forward is decorated @torch.no_grad(): exported with
-    # grad enabled, it arrives as a wrap_with_set_grad_enabled higher-order op.
+    # RMSNorm, rotary position embeddings, grouped-query attention (2 key/value heads
+    # for 4 query heads), a SiLU-gated MLP. Its rotary embedding is no longer
+    # @torch.no_grad() in current transformers: hf-trocr covers that pattern.
     return _spec("hf-llama", "LlamaForCausalLM", t.LlamaForCausalLM(config), _token_ids)
 
 
@@ -167,8 +189,52 @@ def swin() -> ModelSpec:
     config = t.SwinConfig(
         image_size=IMAGE, patch_size=2, embed_dim=16, depths=[2, 2], num_heads=[2, 4], window_size=4
     )
-    # Shifted windows: the attention mask is built by slice assignment into a buffer.
+    # Shifted windows: torch.roll, window partition by view/permute, patch merging, and a
+    # shifted-window attention mask. Current transformers computes that mask arithmetically
+    # (no slice assignment any more): hf-bart covers writes through views.
     return _spec("hf-swin", "SwinModel", t.SwinModel(config), _images)
+
+
+@register("hf-bart")
+def bart() -> ModelSpec:
+    t = _transformers()
+    config = t.BartConfig(
+        vocab_size=VOCAB,
+        d_model=32,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        max_position_embeddings=64,
+        use_cache=False,
+        decoder_start_token_id=2,
+        **_TOKENS,
+    )
+    # Encoder-decoder with cross-attention; given only input ids, the model builds its
+    # decoder inputs with shift_tokens_right, by slice assignment into new_zeros.
+    return _spec("hf-bart", "BartModel", t.BartModel(config), _token_ids)
+
+
+@register("hf-trocr")
+def trocr() -> ModelSpec:
+    t = _transformers()
+    config = t.TrOCRConfig(
+        vocab_size=VOCAB,
+        d_model=32,
+        decoder_layers=2,
+        decoder_attention_heads=4,
+        decoder_ffn_dim=64,
+        max_position_embeddings=64,
+        use_learned_position_embeddings=False,
+        use_cache=False,
+        **_TOKENS,
+    )
+    # The TrOCR text decoder as a causal LM. With sinusoidal positions, the position
+    # embedding's forward is decorated @torch.no_grad() (and reads a plain tensor
+    # attribute, which export lifts as a constant).
+    return _spec("hf-trocr", "TrOCRForCausalLM", t.TrOCRForCausalLM(config), _token_ids)
 
 
 THIRD_PARTY = (
@@ -181,4 +247,6 @@ THIRD_PARTY = (
     "hf-vit",
     "hf-clip-vision",
     "hf-swin",
+    "hf-bart",
+    "hf-trocr",
 )

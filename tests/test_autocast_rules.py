@@ -238,3 +238,46 @@ def test_overflow_model_full_fp16_nonfinite_rule_mode_accurate():
     assert torch.isfinite(rule).all()
     cos = F.cosine_similarity(rule.double().flatten(), ref.double().flatten(), dim=0)
     assert cos >= 0.999
+
+
+class _BigTable(nn.Module):
+    """A ``@torch.no_grad()`` method reading a buffer beyond fp16's range."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("table", torch.full((3,), 1e6))
+
+    @torch.no_grad()
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.table
+
+
+class _WithBigTable(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.big = _BigTable()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.big(x) + 1
+
+
+def test_init_max_looks_past_a_get_attr_that_is_not_a_tensor():
+    """Before inlining, a higher-order op takes its body as a get_attr of a submodule.
+
+    InitMax must skip it (no float values to bound) and still judge the
+    tensors beside it, instead of failing on ``.abs()`` of a module.
+    """
+    from harness.autocast.rules import Context, InitMax
+    from harness.frontend.export import load_graph
+
+    with torch.random.fork_rng():
+        module = _WithBigTable().eval()
+    gm = load_graph(module, (torch.ones(2, 3),))  # not inlined: the op is still there
+    (hop,) = [n for n in gm.graph.nodes if isinstance(n.target, torch._ops.HigherOrderOperator)]
+    body, table = [a for a in hop.args if isinstance(a, torch.fx.Node) and a.op == "get_attr"]
+    assert isinstance(getattr(gm, body.target), torch.nn.Module)
+    ctx = Context(gm, "cpu", torch.float16, AutocastSettings())
+    assert ctx.weight_absmax(body) == 0.0
+    decision = InitMax()(hop, ctx)
+    assert decision is not None and decision.dtype == torch.float32
+    assert decision.reason == "weight big.table absmax 1e+06 > init_max 65504"

@@ -43,7 +43,7 @@ def test_bad_flags_exit_2(argv, message, capsys):
 
 def test_unknown_model_and_unexportable_model_exit_2(tmp_path, capsys):
     assert main(["compile", "--model", "nosuch"]) == 2
-    assert "valid names: digits, hf-bert" in capsys.readouterr().err
+    assert "valid names: digits, hf-bart, hf-bert" in capsys.readouterr().err
     f = tmp_path / "dyn.py"
     f.write_text(
         "import torch\n"

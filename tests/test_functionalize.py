@@ -104,3 +104,64 @@ def test_the_pass_leaves_a_pure_graph_alone():
     before = [(n.op, n.target) for n in gm.graph.nodes]
     functionalize_inplace(gm)
     assert [(n.op, n.target) for n in gm.graph.nodes] == before
+
+
+class WritesIntoItsBuffer(nn.Module):
+    """``self.buf[1:3] += x``: eager changes the model's buffer on every call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("buf", torch.zeros(4, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.buf[1:3] += x
+        return self.buf * 2
+
+
+class WritesIntoItsBufferDirectly(WritesIntoItsBuffer):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.buf.add_(x.sum())
+        return self.buf * 2
+
+
+class WritesIntoAConstantAttribute(nn.Module):
+    """A plain tensor attribute (exported as a constant) written through a view: model state too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = torch.zeros(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.table[1:3] = x
+        return self.table * 2
+
+
+@pytest.mark.parametrize(
+    ("module", "node", "weight"),
+    [
+        (WritesIntoItsBuffer, "add_", "buf"),
+        (WritesIntoItsBufferDirectly, "add_", "buf"),
+        (WritesIntoAConstantAttribute, "copy_", "table"),
+    ],
+)
+def test_a_write_into_a_weight_or_buffer_is_refused_whether_direct_or_through_a_view(module, node, weight):
+    x = torch.ones(2, 4) if module is not WritesIntoAConstantAttribute else torch.ones(2)
+    message = rf"node {node} \(aten\.\w+_\.\w+\) updates {weight} in place"
+    with pytest.raises(HarnessError, match=message):
+        compile(module().eval(), (x,), mode="fp32")
+    with pytest.raises(HarnessError, match=message):
+        functionalize_inplace(load_graph(module().eval(), (x,)))
+
+
+class WritesIntoAFreshTensor(nn.Module):
+    """``torch.tensor`` in forward is a fresh copy of a constant: writing into it is allowed."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+        t[0] = x
+        t[1] += x.detach()
+        return t * 2
+
+
+def test_a_write_into_a_copy_of_a_constant_is_not_a_write_into_the_constant():
+    _check_fp32_and_amp(WritesIntoAFreshTensor(), torch.randn(2))

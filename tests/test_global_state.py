@@ -8,6 +8,7 @@ requires every setting back as it was, the CPU RNG included.
 from __future__ import annotations
 
 import textwrap
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from harness.build import build_engine
 from harness.engines.cpu import CpuBackend
 from harness.engines.protocol import BuildConfig
 from harness.errors import HarnessError
+from harness.frontend.export import export_program, load_graph
 from harness.globalstate import GlobalState
 
 
@@ -41,7 +43,7 @@ def _rand(*shape: int) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(0))
 
 
-def _built(cls: type[nn.Module]) -> nn.Module:
+def _built(cls: Callable[[], nn.Module]) -> nn.Module:
     with torch.random.fork_rng():  # module constructors draw from the global RNG
         return cls().eval()
 
@@ -131,3 +133,71 @@ def test_engine_builds_and_bench_cases_restore_the_state(unchanged, tmp_path):
     runner = BenchRunner(CpuBackend(), cache_dir=tmp_path, settings=QUICK)
     assert runner.run_case("digits", "fp32")["status"] == "ok"
     assert runner.run_case("digits", "no-such-mode")["status"] == "failed"
+
+
+class SideEffects(nn.Module):
+    """A forward that reseeds the global RNG, pins the thread count and turns grad mode off.
+
+    With ``fail`` it then branches on a value, which torch.export cannot trace:
+    the side effects happen, then the export fails.
+    """
+
+    def __init__(self, fail: bool = False) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.fail = fail
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        torch.manual_seed(123)
+        torch.set_num_threads(1)
+        torch.set_grad_enabled(False)
+        y = self.linear(x)
+        if self.fail and y.sum() > 0:
+            return y * 2
+        return y
+
+
+def _training(module: nn.Module) -> dict[str, bool]:
+    return {name: m.training for name, m in module.named_modules()}
+
+
+ENTRY_POINTS = {
+    "jit": lambda module, inputs: jit(module, inputs),
+    "export_program": export_program,
+    "load_graph": load_graph,
+}
+
+
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
+def test_an_entry_point_whose_forward_meddles_restores_the_state(unchanged, entry):
+    module = _built(SideEffects).train()
+    ENTRY_POINTS[entry](module, (_rand(2, 4),))
+    assert all(_training(module).values()), "the caller's training flags must survive"
+
+
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
+def test_an_entry_point_failing_after_its_forward_meddled_restores_the_state(unchanged, entry):
+    module = _built(lambda: SideEffects(fail=True))
+    module.train()
+    module.linear.eval()  # a mixed tree: every flag comes back as it was
+    before = _training(module)
+    with pytest.raises(HarnessError, match="failed to export"):
+        ENTRY_POINTS[entry](module, (_rand(2, 4),))
+    assert _training(module) == before
+
+
+def test_export_still_traces_the_inference_graph_of_a_training_module(unchanged):
+    class Dropping(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.drop = nn.Dropout(0.5)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.drop(x) * 2
+
+    module = _built(Dropping).train()
+    x = _rand(4, 8)
+    gm = load_graph(module, (x,))
+    assert module.training and module.drop.training
+    with torch.inference_mode():
+        torch.testing.assert_close(gm(x)[0], x * 2, rtol=0, atol=0)

@@ -66,6 +66,33 @@ def test_decomposition_table_enable_disable():
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(lin(*X), m(*X)))
 
 
+class Softmaxes(nn.Module):
+    def forward(self, x):
+        return torch.softmax(x, dim=-1) * 2, torch.log_softmax(x, dim=0)
+
+
+def test_a_bare_name_enables_the_functional_overloads_that_have_a_decomposition():
+    # aten.softmax also has an out= overload (softmax.int_out), which no table decomposes;
+    # softmax.int is a C++ composite of _softmax, which torch's table decomposes further.
+    table = DecompositionTable(frozenset()).enable(["aten.softmax", "aten._softmax"])
+    assert table.ops == {"aten.softmax.int", "aten._softmax.default"}
+    fns = table.functions()
+    assert torch.ops.aten.softmax.int in fns and torch.ops.aten._softmax.default in fns
+    x = torch.randn(3, 5)
+    gm = decompose(load_graph(Softmaxes(), (x,)), table)
+    targets = _targets(gm)
+    assert torch.ops.aten.softmax.int not in targets and torch.ops.aten._softmax.default not in targets
+    assert torch.ops.aten.exp.default in targets and torch.ops.aten.log_softmax.int in targets
+    for got, want in zip(gm(x), Softmaxes()(x), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert table.disable(["aten.softmax"]).ops == {"aten._softmax.default"}
+
+
+def test_a_bare_name_without_any_decomposition_is_refused_by_name():
+    with pytest.raises(HarnessError, match=r"no decomposition is known for any functional overload of aten\.relu_"):
+        DecompositionTable(frozenset()).enable(["aten.relu_"])
+
+
 @pytest.mark.parametrize("name, match", [
     ("conv2d", "not of the form aten.NAME"),
     ("aten.nope", "no operator 'nope'"),
@@ -150,3 +177,30 @@ def test_conv_weights_channels_last_outside_the_exact_modes():
     assert all(w.is_contiguous() for w in conv_weights(amp))
     ref = spec.module(*spec.example_inputs)
     assert torch.allclose(rule(*spec.example_inputs), ref, atol=0.05)
+
+
+class StridedAfterConv(nn.Module):
+    """``as_strided`` of a convolution's output, directly and through a transposed view of it."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+
+    def forward(self, x):
+        h = self.conv(x)
+        return h.as_strided((8, 3, 4), (16, 4, 1), 2), h.transpose(2, 3).as_strided((4, 6), (5, 3), 7)
+
+
+@pytest.mark.parametrize("mode", ["fp32", "rule"])
+def test_as_strided_reads_eager_memory_order_even_after_channels_last_weights(mode):
+    from harness.autocast import compile
+
+    module, x = StridedAfterConv().eval(), torch.randn(1, 3, 4, 4)
+    # rule mode stores the convolution weight channels-last, so the convolution's output is
+    # channels-last too: as_strided on it directly would read other elements than eager's.
+    compiled = compile(module, (x,), mode=mode, low_precision_type=torch.bfloat16)
+    clones = [n for n in compiled.graph_module.graph.nodes if n.target is torch.ops.aten.clone.default]
+    assert len(clones) == 1  # both read the convolution's memory: one compact copy of it
+    tolerance = {"rtol": 0, "atol": 0} if mode == "fp32" else {"rtol": 2e-2, "atol": 2e-2}
+    for got, want in zip(compiled(x), module(x), strict=True):
+        torch.testing.assert_close(got.float(), want, **tolerance)

@@ -14,17 +14,17 @@ from typing import TypeVar
 import pytest
 import torch
 import torch.nn.functional as F
-
-from harness.errors import HarnessError
-from harness import models as registry
-from harness.models import ModelSpec, available, load, register
 from harness.zoo import digits as digits_model
 from harness.zoo import overflow as overflow_model
 from harness.zoo import resnet as resnet_model
 from harness.zoo import transformer as transformer_model
 from harness.zoo.thirdparty import THIRD_PARTY
 
-ZOO = ["digits", "lenet", "overflow", "resnet", "transformer"]
+from harness import models as registry
+from harness.errors import HarnessError
+from harness.models import ModelSpec, available, load, register
+
+ZOO = ["digits", "lenet", "mobilenet", "overflow", "resnet", "transformer"]
 M = TypeVar("M", bound=torch.nn.Module)
 
 
@@ -491,14 +491,31 @@ def make():
     return torch.nn.Linear(4, 3), (torch.ones(1, 4),)
 """
 
+RANDOM_AT_IMPORT = """
+import random
 
-def test_a_random_factory_builds_the_same_model_in_every_process(tmp_path: Path) -> None:
+import numpy as np
+import torch
+
+# Drawn while the file is imported, before any factory runs.
+INIT = torch.randn(3, 4) + random.random() + float(np.random.rand())
+
+def make():
+    linear = torch.nn.Linear(4, 3)
+    with torch.no_grad():
+        linear.weight.copy_(INIT)
+    return linear, (torch.ones(1, 4),)
+"""
+
+
+@pytest.mark.parametrize("body", [RANDOM_FACTORY, RANDOM_AT_IMPORT], ids=["in-factory", "at-import"])
+def test_a_random_model_file_builds_the_same_model_in_every_process(tmp_path: Path, body: str) -> None:
     """Two fresh processes, with different amounts of RNG use before loading, get one model."""
-    path = _write(tmp_path, RANDOM_FACTORY, name="rand_model.py")
+    path = _write(tmp_path, body, name="rand_model.py")
     script = (
-        "import sys, torch\nfrom harness import models\n"
+        "import random, sys, numpy, torch\nfrom harness import models\n"
         "from harness.weights import module_weights_digest\n"
-        "torch.randn(int(sys.argv[2]))\n"
+        "n = int(sys.argv[2]); torch.randn(n); random.random(); numpy.random.rand(n)\n"
         "print(module_weights_digest(models.load(sys.argv[1]).module))\n"
     )
     digests = {
@@ -509,6 +526,23 @@ def test_a_random_factory_builds_the_same_model_in_every_process(tmp_path: Path)
         for n in (1, 1000)
     }
     assert len(digests) == 1 and next(iter(digests)).startswith("sha256:")
+
+
+def test_importing_a_model_file_leaves_the_callers_generators_alone(tmp_path: Path) -> None:
+    import random
+
+    import numpy as np
+
+    path = _write(tmp_path, RANDOM_AT_IMPORT, name="rand_import.py")
+    torch.manual_seed(5)
+    random.seed(5)
+    np.random.seed(5)
+    expected = (torch.rand(1), random.random(), np.random.rand())
+    torch.manual_seed(5)
+    random.seed(5)
+    np.random.seed(5)
+    load(f"{path}:make")
+    assert (torch.rand(1), random.random(), np.random.rand()) == expected
 
 
 def test_module_weights_digest_sees_values_names_and_dtypes() -> None:

@@ -23,6 +23,9 @@ StateKey = tuple[bool, torch.dtype | None]
 
 
 class AutocastModule(torch.nn.Module):
+    # Export runs the model's forward, which may reseed, pin threads or switch
+    # grad mode: construction leaves the caller's process as it found it.
+    @preserves_global_state
     def __init__(self, module: torch.nn.Module, example_inputs: Sequence[torch.Tensor], device: str = "cpu") -> None:
         super().__init__()
         with torch.autocast(device, enabled=False):
@@ -56,5 +59,9 @@ class AutocastModule(torch.nn.Module):
 
 
 def jit(module: torch.nn.Module, example_inputs: Sequence[torch.Tensor], device: str = "cpu") -> AutocastModule:
-    """Wrap ``module`` so that it follows the caller's autocast state exactly."""
+    """Wrap ``module`` so that it follows the caller's autocast state exactly.
+
+    Neither wrapping nor calling changes the caller's global state or the
+    module's ``training`` flags (see :class:`AutocastModule`).
+    """
     return AutocastModule(module, example_inputs, device)

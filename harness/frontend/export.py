@@ -25,6 +25,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 from torch.overrides import TorchFunctionMode
 
 from harness.errors import HarnessError
+from harness.globalstate import preserves_global_state
 
 _log = logging.getLogger(__name__)
 
@@ -75,8 +76,31 @@ def _torch_output_captured() -> Iterator[io.StringIO]:
         logging.disable(previous)
 
 
+@contextmanager
+def _in_eval_mode(module: torch.nn.Module) -> Iterator[None]:
+    """Trace the inference graph, then give every submodule its own ``training`` flag back.
+
+    ``module.eval()`` is what export needs (dropout off, batch norm on running
+    statistics), but the module is the caller's: one still training must not
+    come back switched to eval mode, on success or on failure.
+    """
+    flags = [(m, m.training) for m in module.modules()]
+    module.eval()
+    try:
+        yield
+    finally:
+        for m, training in flags:
+            m.training = training
+
+
+@preserves_global_state
 def export_program(module: torch.nn.Module, example_inputs: Sequence[Any]) -> ExportedProgram:
-    """``torch.export.export`` with failures turned into one clear error."""
+    """``torch.export.export`` with failures turned into one clear error.
+
+    Export runs the model's Python ``forward``: whatever it does to the process
+    (reseeding, thread count, grad mode) is undone, and the module keeps its
+    ``training`` flags.
+    """
     if not isinstance(module, torch.nn.Module):
         raise HarnessError(f"expected a torch.nn.Module or ExportedProgram, got {type(module).__name__}")
     args = tuple(example_inputs)
@@ -84,11 +108,11 @@ def export_program(module: torch.nn.Module, example_inputs: Sequence[Any]) -> Ex
         kinds = ", ".join(type(a).__name__ for a in args) or "nothing"
         raise HarnessError(f"example inputs must be a non-empty tuple of tensors (got {kinds})")
     try:
-        with _CastsCopy(), warnings.catch_warnings(), _torch_output_captured() as captured:
+        with _in_eval_mode(module), _CastsCopy(), warnings.catch_warnings(), _torch_output_captured() as captured:
             # A torch.autocast(cpu, float32) region is recorded as disabled; the
             # precision report says so per node, so PyTorch's warning is noise here.
             warnings.filterwarnings("ignore", "In CPU autocast, but the target dtype is not supported")
-            return torch.export.export(module.eval(), args)
+            return torch.export.export(module, args)
     except Exception as exc:  # export raises many unrelated types; the user needs the text
         _log.debug("torch.export output before the failure:\n%s", captured.getvalue())
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -154,17 +178,31 @@ def standalone_graph(ep: ExportedProgram) -> torch.fx.GraphModule:
         if node.op == "call_function" and isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable:
             for arg, a in zip(target._schema.arguments, node.args, strict=False):
                 if arg.is_write and isinstance(a, torch.fx.Node) and a.op == "get_attr":
-                    raise HarnessError(
-                        f"node {node.name} ({target}) updates {a.meta.get('weight_name', a.target)} in place; "
-                        "an inference graph must not mutate its weights or buffers (call model.eval())"
-                    )
+                    raise weight_write_error(node, a)
     gm.graph.lint()
     gm.recompile()
     return gm
 
 
+def weight_write_error(node: torch.fx.Node, weight: torch.fx.Node, through: torch.fx.Node | None = None) -> HarnessError:
+    """The one refusal of a node that writes into a weight, buffer or tensor attribute.
+
+    Eager would change the model itself on every call (the next call sees
+    other values), which no typed graph or engine reproduces. Used here for
+    direct writes and by the functionalization pass for writes through views
+    (``self.buf[1:3] += x``), so both read alike.
+    """
+    view = f" through the view {through.name}" if through is not None else ""
+    return HarnessError(
+        f"node {node.name} ({node.target}) updates {weight.meta.get('weight_name', weight.target)} in place{view}; "
+        "an inference graph must not mutate its weights or buffers (call model.eval(), or write into a copy "
+        "such as .clone())"
+    )
+
+
+@preserves_global_state
 def load_graph(model: torch.nn.Module | ExportedProgram, example_inputs: Sequence[Any] | None) -> torch.fx.GraphModule:
-    """Accept an ``nn.Module`` with example inputs, or an ``ExportedProgram``."""
+    """Accept an ``nn.Module`` with example inputs, or an ``ExportedProgram`` (global state preserved)."""
     if isinstance(model, ExportedProgram):
         return standalone_graph(model)
     if example_inputs is None:

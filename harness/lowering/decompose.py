@@ -61,14 +61,56 @@ def resolve_op_names(names: Iterable[str]) -> set[str]:
     return out
 
 
+def _composite(op: torch._ops.OpOverload) -> bool:
+    """Eager runs ``op`` as a C++ composite of other ATen ops, which is then its decomposition."""
+    return torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd")
+
+
+def _functional(op: torch._ops.OpOverload) -> bool:
+    """Neither in-place nor out=: the only kind of op a decomposition can replace in a pure graph."""
+    return not op._schema.is_mutable and not any(a.name == "out" for a in op._schema.arguments)
+
+
+def decomposable_op_names(names: Iterable[str]) -> set[str]:
+    """Op names to decompose, canonical; a bare name means its functional overloads with a decomposition.
+
+    A bare name such as ``aten.softmax`` also covers ``softmax.int_out``, and
+    in-place or out= overloads have no decomposition (and never occur in the
+    functional graphs decomposition sees), so expanding to every overload
+    would make the table fail on an overload the user never meant.
+    """
+    out: set[str] = set()
+    for name in names:
+        packet, parts = _packet(name)
+        if len(parts) == 3:
+            out.add(op_name(resolve_op(name)))
+            continue
+        overloads = [getattr(packet, o) for o in packet.overloads()]
+        functional = [op for op in overloads if _functional(op)]
+        known = get_decompositions(functional)
+        chosen = sorted(op_name(op) for op in functional if op in known or _composite(op))
+        if not chosen:
+            raise HarnessError(
+                f"no decomposition is known for any functional overload of {name} "
+                f"(overloads: {', '.join(sorted(packet.overloads()))}); remove it from the decomposition table"
+            )
+        out.update(chosen)
+    return out
+
+
 @dataclass(frozen=True)
 class DecompositionTable:
-    """Which ops are decomposed; ``enable``/``disable`` return adjusted copies."""
+    """Which ops are decomposed; ``enable``/``disable`` return adjusted copies.
 
-    ops: frozenset[str] = field(default_factory=lambda: frozenset(resolve_op_names(DEFAULT_DECOMPOSITIONS)))
+    ``enable`` takes a bare name to mean the functional overloads that have a
+    decomposition (:func:`decomposable_op_names`); ``disable`` takes it to mean
+    every overload, since removing a name the table does not hold is harmless.
+    """
+
+    ops: frozenset[str] = field(default_factory=lambda: frozenset(decomposable_op_names(DEFAULT_DECOMPOSITIONS)))
 
     def enable(self, names: Iterable[str]) -> DecompositionTable:
-        return DecompositionTable(self.ops | resolve_op_names(names))
+        return DecompositionTable(self.ops | decomposable_op_names(names))
 
     def disable(self, names: Iterable[str]) -> DecompositionTable:
         return DecompositionTable(self.ops - resolve_op_names(names))
@@ -78,7 +120,7 @@ class DecompositionTable:
         overloads = [resolve_op(n) for n in sorted(self.ops)]
         table: dict[Any, Callable[..., Any]] = dict(get_decompositions(overloads))
         for op in overloads:
-            if torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd"):
+            if _composite(op):
                 table[op] = op.decompose
             elif op not in table:
                 raise HarnessError(f"no decomposition is known for {op_name(op)}; remove it from the decomposition table")

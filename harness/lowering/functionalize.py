@@ -23,7 +23,11 @@ over the latter). Storage is tracked per *base* tensor:
   value: views created before the write are replayed on the new base.
 
 A write through a view with no inverse (``expand``, ``unfold``) and a mutating
-op with no functional twin are refused, naming the node.
+op with no functional twin are refused, naming the node. So is a write whose
+base is a weight, buffer or tensor attribute (a ``get_attr``), whether direct
+or through a view (``self.buf[1:3] += x``): eager changes the model on every
+call, which a typed graph cannot reproduce, and making it a value would hide
+that. The refusal is the one :func:`standalone_graph` gives for direct writes.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from harness.errors import HarnessError
+from harness.frontend.export import weight_write_error
 from harness.fxutil import fake_mode_of, op_name
 from harness.lowering.pass_manager import register_pass
 
@@ -50,7 +55,7 @@ _RESHAPING_VIEWS = {
     aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.unsqueeze.default,
     aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.flatten.using_ints,
     aten.unflatten.int, aten.view_as.default, aten.reshape_as.default, aten.alias.default,
-    aten.contiguous.default, aten.view.dtype,
+    aten.contiguous.default, aten.view.dtype, aten.detach.default,
 }  # fmt: skip
 
 
@@ -73,7 +78,7 @@ def _is_multi_view(op: object) -> bool:
     )
 
 
-def _is_view(node: Node) -> bool:
+def is_view(node: Node) -> bool:
     """Whether ``node``'s result shares its first input's memory when it runs.
 
     The schema only says *may* alias: ``reshape`` of a transposed tensor, or
@@ -186,6 +191,7 @@ def _split_dim(node: Node) -> int:
 class _Storage:
     """One base tensor's memory: the node holding its value now, and how often it was written."""
 
+    origin: Node  # the node that allocated it (a get_attr is the model's own state)
     current: Node
     version: int = 0
     # (version, origins of the view steps) -> that view of the current value
@@ -240,7 +246,7 @@ class _Functionalizer:
                 continue
             if _is_multi_view(node.target) and isinstance(node.args[0], Node):
                 self.multi_views[node] = (node.args[0], 0)
-            elif _is_view(node):
+            elif is_view(node):
                 self._record_view(node, self._step(node))
             elif node.target is operator.getitem and self._is_piece(node):
                 self._record_view(node, _piece_step(node, node.args[0]))
@@ -302,7 +308,7 @@ class _Functionalizer:
         alias = self.aliases.get(node)
         if alias is not None:
             return alias.storage, alias.chain
-        storage = self.storages.setdefault(node, _Storage(node))
+        storage = self.storages.setdefault(node, _Storage(node, node))
         return storage, ()
 
     def _record_view(self, node: Node, step: ViewStep) -> None:
@@ -325,8 +331,10 @@ class _Functionalizer:
             )
         target = node.args[0]
         assert isinstance(target, Node)
-        value = self.g.call(twin, node.args, node.kwargs, node, "value")
         storage, chain = self._base_of(target)
+        if storage.origin.op == "get_attr":
+            raise weight_write_error(node, storage.origin, target if chain else None)
+        value = self.g.call(twin, node.args, node.kwargs, node, "value")
         for depth in range(len(chain), 0, -1):
             parent = self._prefix(storage, chain, depth - 1)
             value = chain[depth - 1].scatter(self.g, parent, value)

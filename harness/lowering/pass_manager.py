@@ -65,7 +65,11 @@ class PassManager:
         return gm
 
 
-DEFAULT_PASSES = ("remove_asserts", "remove_dropout", "remove_detach", "functionalize_inplace")
+# functionalize_inplace runs before remove_detach: the latter drops lift_fresh_copy, after
+# which a write into a fresh copy of a constant (``t = torch.tensor(...); t[0] = x``) would
+# look like a write into the constant itself, which functionalization refuses.
+# pin_strided_layouts runs after functionalize_inplace, which emits as_strided_scatter.
+DEFAULT_PASSES = ("remove_asserts", "remove_dropout", "functionalize_inplace", "remove_detach", "pin_strided_layouts")
 
 
 # Passes that change the last bits (never run in the exact modes amp / fp32).

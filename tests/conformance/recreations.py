@@ -129,3 +129,16 @@ def engine_ops() -> ModelSpec:
 
 
 RECREATIONS = ("shifted_window_mask", "no_grad_rotary", "nested_outputs", "engine_ops")
+
+# What each re-creation is for, in the form of models/thirdparty.py's EXERCISES (checked by
+# test_patterns.py), plus "nested-output" (a tensor at least two containers deep under that
+# key) and "aten-op" (the op is in the exported graph, not decomposed away by export).
+EXERCISES: dict[str, tuple[tuple[str, str], ...]] = {
+    "shifted_window_mask": (("write-through-view", "ShiftedWindowAttention"),),
+    "no_grad_rotary": (("set-grad-region", "Rotary"),),
+    "nested_outputs": (("nested-output", "hidden"),),
+    "engine_ops": tuple(
+        ("aten-op", op)
+        for op in ("new_zeros", "new_ones", "__and__", "diff", "sin", "cos", "expand_as", "addcmul", "reshape_as")
+    ),
+}
