@@ -6,7 +6,10 @@ written), and written back atomically only when the build added entries.
 :func:`rebuild` is ``harness rebuild``: the same build N times, reporting what
 moved between builds (fingerprints, per-layer tactics, output bits). Without a
 cache every build times from scratch, as two independent builds would; with a
-pinned cache and error-on-miss every build must come out identical.
+cache holding every key and error-on-miss, every build takes each tactic from
+the cache and must come out identical. (Every entry of a cache is a selection a
+build keeps; "pinned" is only the mark ``harness cache pin`` leaves on an entry
+a user chose by hand.)
 """
 
 from __future__ import annotations
@@ -22,9 +25,9 @@ from harness.cache.timing_cache import TimingCache, check_compatible
 from harness.engines.modes import compile_for_mode
 from harness.engines.protocol import Backend, BuildConfig, BuildLog, Engine
 from harness.engines.saved import write_engine_dir
-from harness.errors import HarnessError
 from harness.fileio import check_writable, json_bytes, locked
 from harness.globalstate import preserves_global_state
+from harness.limits import MAX_REBUILDS, check_int
 
 if TYPE_CHECKING:
     from harness.autocast import CompiledGraph
@@ -183,8 +186,7 @@ def rebuild(
     ``cache_path``) and none writes it, so nothing one build times leaks into
     the next.
     """
-    if times < 2:
-        raise HarnessError(f"--times {times}: a rebuild comparison needs at least 2 builds")
+    check_int(times, "--times", 2, MAX_REBUILDS)  # a comparison needs 2 builds; each is a full build
     backend.check_mode(config.mode)
     if config.threads is not None:
         torch.set_num_threads(config.threads)

@@ -39,12 +39,32 @@ def current_umask() -> int:
     return mask
 
 
+def write_target(path: str | os.PathLike[str], what: str = "output") -> Path:
+    """The file a write of ``path`` replaces: ``path`` itself, or a symlink's existing target.
+
+    A symlink is followed so that its target is replaced and the link stays a
+    link. A dangling link is refused: following it would create its target's
+    directories wherever it points (anywhere on the machine), and replacing
+    the link instead would silently cut the user's indirection.
+    """
+    p = Path(path)
+    if not p.is_symlink():
+        return p
+    if not p.exists():
+        raise HarnessError(
+            f"{what} {p}: is a symbolic link to {os.readlink(p)}, which does not exist; "
+            "create the target's directory or remove the link"
+        )
+    return Path(os.path.realpath(p))
+
+
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
     """Replace ``path`` with ``data`` atomically (same-directory temp file + rename).
 
-    A symlink is followed: its target is replaced and the link stays a link.
+    A symlink is followed: its target is replaced and the link stays a link
+    (a dangling one is refused, see :func:`write_target`).
     """
-    target = Path(os.path.realpath(path)) if Path(path).is_symlink() else Path(path)
+    target = write_target(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     try:
@@ -82,6 +102,9 @@ def atomic_write_json(path: str | os.PathLike[str], obj: Any) -> None:
 MAX_JSON_BYTES = 256 << 20
 MAX_JSON_DEPTH = 64
 MAX_INT_DIGITS = 20  # 2**64 has 20 digits: nothing the harness writes is larger
+# Engine payloads (weights, ONNX models, TensorRT plans) are read whole into memory;
+# a file larger than any engine this harness builds is refused before it is read.
+MAX_PAYLOAD_BYTES = 16 << 30
 
 
 def read_regular_file(path: str | os.PathLike[str], what: str, limit: int = MAX_JSON_BYTES) -> bytes:
@@ -101,9 +124,21 @@ def read_regular_file(path: str | os.PathLike[str], what: str, limit: int = MAX_
         raise HarnessError(f"{what} {p}: {info.st_size} bytes is more than the {limit} this harness reads")
     try:
         with p.open("rb") as fh:
-            return fh.read(limit + 1)
+            data = fh.read(limit + 1)
     except OSError as exc:
         raise HarnessError(f"{what} {p}: cannot read ({exc.strerror or exc})") from None
+    if len(data) > limit:  # it grew after the size check
+        raise HarnessError(f"{what} {p}: more than the {limit} bytes this harness reads")
+    return data
+
+
+def read_text_file(path: str | os.PathLike[str], what: str, limit: int = MAX_JSON_BYTES) -> str:
+    """A text file (logs, layer listings) through :func:`read_regular_file`; bad bytes become U+FFFD.
+
+    Logs of other tools may hold stray non-UTF-8 bytes (a device name, a
+    truncated line); they are shown, never fatal.
+    """
+    return read_regular_file(path, what, limit).decode("utf-8", errors="replace")
 
 
 def _no_constant(name: str) -> Any:
@@ -121,6 +156,15 @@ def _bounded_int(text: str) -> int:
     if len(text.lstrip("-")) > MAX_INT_DIGITS:
         raise ValueError(f"integer literal of {len(text)} digits is larger than any the harness writes")
     return int(text)
+
+
+class JsonSyntaxError(HarnessError):
+    """Text that is not JSON at all (as opposed to JSON the harness refuses).
+
+    Callers that accept "JSON or else a plain string" (``--option KEY=VALUE``)
+    catch this one only: JSON that is too deep, too large or non-finite is
+    still an error.
+    """
 
 
 def parse_json(text: str | bytes, where: str) -> Any:
@@ -141,7 +185,7 @@ def parse_json(text: str | bytes, where: str) -> Any:
     try:
         obj = json.loads(text, parse_constant=_no_constant, parse_float=_finite_float, parse_int=_bounded_int)
     except json.JSONDecodeError as exc:
-        raise HarnessError(
+        raise JsonSyntaxError(
             f"{where}: not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg}); "
             "the file may be truncated or corrupt and was left untouched"
         ) from None
@@ -185,6 +229,10 @@ def validate(obj: Any, schema: dict[str, Any], where: str) -> None:
     if err is not None:
         field = "/".join(str(p) for p in err.absolute_path) or "(top level)"
         message = err.message if len(err.message) <= 300 else err.message[:297] + "..."
+        bounds = err.schema if isinstance(err.schema, dict) else {}
+        if err.validator in ("minimum", "maximum") and "minimum" in bounds and "maximum" in bounds:
+            low, high = (f"{v:g}" if isinstance(v, float) else str(v) for v in (bounds["minimum"], bounds["maximum"]))
+            message += f" (valid: {low}..{high})"
         raise HarnessError(f"{where}: invalid at {field}: {message}")
 
 
@@ -196,18 +244,46 @@ def check_writable(path: str | os.PathLike[str], what: str) -> Path:
     cannot write to: each is named, instead of a traceback after a long run.
     """
     p = Path(path)
-    if p.is_dir():
+    target = write_target(p, what)
+    if target.is_dir():
         raise HarnessError(f"{what} {p}: is a directory; give a file path")
-    if p.exists() and not p.is_file():
+    if target.exists() and not target.is_file():
         raise HarnessError(f"{what} {p}: exists and is not a regular file")
-    parent = p.parent
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir():
-        raise HarnessError(f"{what} {p}: {parent} is a file, so nothing can be written below it")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise HarnessError(f"{what} {p}: directory {parent} is not writable")
+    _check_ancestors(target.parent, p, what)
     return p
+
+
+def check_writable_dir(path: str | os.PathLike[str], what: str, *, replaced_whole: bool = False) -> Path:
+    """Refuse, before any work, a directory path that cannot be created or written into.
+
+    The counterpart of :func:`check_writable` for output directories (engine
+    directories, ``--cache-dir``): a file in its place or anywhere on its
+    parent chain, a dangling symlink, or a nearest existing directory the user
+    cannot write to is named now, not as a traceback after the work. A
+    directory ``replaced_whole`` (an engine: a sibling is written, then
+    renamed into place) needs its parent writable rather than itself.
+    """
+    p = Path(path)
+    target = write_target(p, what)
+    if target.exists() and not target.is_dir():
+        raise HarnessError(f"{what} {p}: exists and is not a directory")
+    _check_ancestors(target.parent if replaced_whole else target, p, what)
+    return p
+
+
+def _check_ancestors(start: Path, given: Path, what: str) -> None:
+    """The nearest existing one of ``start`` and its ancestors is a writable directory."""
+    existing = start
+    while not existing.exists() and not existing.is_symlink():
+        existing = existing.parent
+    if existing.is_symlink() and not existing.exists():
+        raise HarnessError(
+            f"{what} {given}: {existing} is a symbolic link to {os.readlink(existing)}, which does not exist"
+        )
+    if not existing.is_dir():
+        raise HarnessError(f"{what} {given}: {existing} is a file, so nothing can be written below it")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise HarnessError(f"{what} {given}: directory {existing} is not writable")
 
 
 @contextmanager
@@ -220,7 +296,7 @@ def locked(path: str | os.PathLike[str]) -> Iterator[None]:
     short (read, change, write one file), so sharing the directory's lock costs
     nothing noticeable.
     """
-    directory = Path(os.path.realpath(path)).parent
+    directory = Path(os.path.realpath(write_target(path))).parent
     directory.mkdir(parents=True, exist_ok=True)
     try:
         fd = os.open(directory, os.O_RDONLY)
@@ -247,3 +323,8 @@ def parse_toml_file(path: str | os.PathLike[str], what: str) -> Any:
         raise HarnessError(f"{what} {p}: not UTF-8 text") from None
     except tomllib.TOMLDecodeError as exc:
         raise HarnessError(f"{what} {p}: not valid TOML ({exc})") from None
+    except RecursionError:  # tomllib recurses per nesting level: [[[[...]]]] exhausts the stack
+        raise HarnessError(f"{what} {p}: nested deeper than any project file needs") from None
+    except ValueError as exc:  # an integer beyond int()'s digit limit
+        first = str(exc).split(";")[0].strip() or type(exc).__name__
+        raise HarnessError(f"{what} {p}: a value TOML cannot hold here ({first})") from None

@@ -60,8 +60,20 @@ def op_name(target: Any) -> str:
     return getattr(target, "__name__", str(target))
 
 
-def trace_call(node: torch.fx.Node, fn: Callable[..., Any], fake_mode: FakeTensorMode) -> torch.fx.GraphModule:
-    """Trace ``fn(*node.args, **node.kwargs)`` on the node's fake inputs into ATen ops."""
+def trace_call(
+    node: torch.fx.Node,
+    fn: Callable[..., Any],
+    fake_mode: FakeTensorMode,
+    decomposition_table: dict[Any, Callable[..., Any]] | None = None,
+    pre_dispatch: bool = False,
+) -> torch.fx.GraphModule:
+    """Trace ``fn(*node.args, **node.kwargs)`` on the node's fake inputs into ATen ops.
+
+    ``decomposition_table`` and ``pre_dispatch`` are make_fx's: an op the table
+    maps is traced through its function instead of being recorded whole, and a
+    pre-dispatch trace records ops as export does (``linear`` stays ``linear``)
+    rather than their decompositions.
+    """
     flat, spec = pytree.tree_flatten((node.args, node.kwargs))
     positions = [i for i, a in enumerate(flat) if isinstance(a, torch.fx.Node)]
 
@@ -73,7 +85,7 @@ def trace_call(node: torch.fx.Node, fn: Callable[..., Any], fake_mode: FakeTenso
         return fn(*args, **kwargs)
 
     with fake_mode:
-        return make_fx(call)(*[flat[i].meta["val"] for i in positions])
+        return make_fx(call, decomposition_table=decomposition_table, pre_dispatch=pre_dispatch)(*[flat[i].meta["val"] for i in positions])
 
 
 def fresh_attr(owner: torch.nn.Module, base: str) -> str:

@@ -19,6 +19,8 @@ from typing import ParamSpec, TypeVar
 
 import torch
 
+from harness.errors import HarnessError
+
 AUTOCAST_DEVICES = ("cpu", "cuda")
 
 P = ParamSpec("P")
@@ -73,6 +75,21 @@ def preserved_global_state() -> Iterator[None]:
         state.restore()
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
+
+
+@contextmanager
+def pinned_threads(threads: int) -> Iterator[None]:
+    """torch's intra-op thread count fixed at ``threads`` inside; the caller's state restored after.
+
+    What a benchmark needs for every candidate it times (eager, engines,
+    builds) to run at one count: PyTorch's default (all cores) on a shared
+    machine lets another process decide the latency for seconds at a time.
+    """
+    if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= 1024:
+        raise HarnessError(f"threads {threads!r}: expected an integer from 1 to 1024")
+    with preserved_global_state():
+        torch.set_num_threads(threads)
+        yield
 
 
 def preserves_global_state(fn: Callable[P, R]) -> Callable[P, R]:

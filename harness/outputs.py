@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -33,6 +33,7 @@ class OutputSpec:
     """How the flat outputs of a graph nest in the model's own return value."""
 
     spec: pytree.TreeSpec
+    _bare: bool = field(init=False, repr=False, compare=False)
 
     @classmethod
     def flat(cls, count: int) -> OutputSpec:
@@ -43,7 +44,15 @@ class OutputSpec:
     def count(self) -> int:
         return self.spec.num_leaves
 
+    def __post_init__(self) -> None:
+        # A model returning one bare tensor (most do): unflatten hands it back without
+        # rebuilding a tree, which costs about 0.4 µs per engine call, a few percent
+        # of a 10 µs model's latency.
+        object.__setattr__(self, "_bare", self.spec.is_leaf())
+
     def unflatten(self, flat: Sequence[Any]) -> Any:
+        if self._bare and len(flat) == 1:
+            return flat[0]
         if len(flat) != self.count:
             raise HarnessError(f"expected {self.count} outputs for {self.describe()}, got {len(flat)}")
         return pytree.tree_unflatten(list(flat), self.spec)

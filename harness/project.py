@@ -13,6 +13,7 @@ Example (``harness.toml``; the same keys go under ``[tool.harness]``)::
     backend = "cpu"
     threads = 1
     batch_sizes = [1, 8]
+    peers = ["eager", "onnxruntime"]   # reference rows (harness bench --peers)
 
     [autocast]                       # every model
     exclude_op = ["aten.softmax"]
@@ -31,21 +32,30 @@ Example (``harness.toml``; the same keys go under ``[tool.harness]``)::
     cosine_drop = 1e-4
 
 Relative paths (model files, explicit and calibration files) are relative to
-the project file's directory.
+the project file's directory; paths on the command line to the current one.
+A ``[model."<key>"]`` table is keyed by the model's reference as written here
+or by its ``ModelSpec`` name (``[model.make]``), for every command; a table
+that names no model configured here or given on the command line is an error
+(:meth:`Project.check_model_tables`). :meth:`Project.to_json` is what the
+results store, with paths as :func:`portable_path` gives them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from harness.autocast import options
 from harness.autocast.settings import AutocastSettings
+from harness.bench.peers import PEER_NAMES
+from harness.engines.registry import BACKEND_NAMES
 from harness.errors import HarnessError
 from harness.fileio import parse_toml_file, validate
+from harness.limits import MAX_BATCH_SIZE, MAX_ITERS, MAX_MIN_DURATION_S, MAX_WARMUP_S
 
 _PERCENT = {"anyOf": [{"type": "string", "pattern": r"^\s*[0-9.]+\s*%?\s*$"}, {"type": "number", "minimum": 0}]}
 _NONNEG = {"type": "number", "minimum": 0}
@@ -56,10 +66,15 @@ SCHEMA: dict[str, Any] = {
     "properties": {
         "models": {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1},
         "modes": {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1},
-        "backend": {"type": "string"},
+        "backend": {"enum": list(BACKEND_NAMES)},
         "threads": {"type": "integer", "minimum": 1, "maximum": 1024},
-        "batch_sizes": {"type": "array", "items": {"type": "integer", "minimum": 1}, "minItems": 1},
+        "batch_sizes": {
+            "type": "array",
+            "items": {"type": "integer", "minimum": 1, "maximum": MAX_BATCH_SIZE},
+            "minItems": 1,
+        },
         "cache_dir": {"type": "string", "minLength": 1},
+        "peers": {"type": "array", "items": {"enum": list(PEER_NAMES)}, "minItems": 1, "uniqueItems": True},
         "autocast": options.SCHEMA,
         "model": {
             "type": "object",
@@ -73,10 +88,13 @@ SCHEMA: dict[str, Any] = {
             "type": "object",
             "additionalProperties": False,
             "properties": {
-                "warmup_s": _NONNEG,
-                "min_iters": {"type": "integer", "minimum": 1},
-                "min_duration_s": _NONNEG,
-                "max_iters": {"type": "integer", "minimum": 1},
+                # Bounded (harness.limits): an hour-long warm-up or 10**19 iterations is
+                # a hang, not a measurement. NaN passes a JSON schema's bounds, so
+                # MeasureSettings checks these again.
+                "warmup_s": {**_NONNEG, "maximum": MAX_WARMUP_S},
+                "min_iters": {"type": "integer", "minimum": 1, "maximum": MAX_ITERS},
+                "min_duration_s": {**_NONNEG, "maximum": MAX_MIN_DURATION_S},
+                "max_iters": {"type": "integer", "minimum": 1, "maximum": MAX_ITERS},
                 "spread_threshold": _PERCENT,
             },
         },
@@ -127,13 +145,62 @@ class Project:
         given = self.data.get("models")
         return None if given is None else [self.model_reference(m) for m in given]
 
+    def _matches(self, key: str, ref: str, name: str | None) -> bool:
+        """Whether the table ``[model."<key>"]`` is the model ``ref`` (named ``name``).
+
+        A key is a model's reference (a file reference relative to the project
+        file's directory; the same file by any path is the same model) or its
+        ``ModelSpec`` name (its factory's name), as results name it.
+        """
+        return key == name or _same_reference(self.model_reference(key), ref)
+
     def _model_table(self, ref: str, name: str | None = None) -> dict[str, Any]:
         tables = self.data.get("model", {})
-        for key in (ref, name):
-            if key is not None and key in tables:
-                return dict(tables[key])
-        resolved = {self.model_reference(k): v for k, v in tables.items()}
-        return dict(resolved.get(ref, {}))
+        found = [key for key in tables if self._matches(key, ref, name)]
+        if len(found) > 1:
+            listed = ", ".join(f'[model."{k}"]' for k in found)
+            raise HarnessError(f"{self.where}: {listed} all name model {name or ref!r}; keep one table per model")
+        return dict(tables[found[0]]) if found else {}
+
+    def check_model_tables(self, used: Mapping[str, str], name_of: Callable[[str], str]) -> None:
+        """Refuse a ``[model."<key>"]`` table that names no model configured here or given.
+
+        ``used`` maps the references of the models this command uses to their
+        names; the file's own ``models`` count too (a build of one model may
+        share the file of a bench of several), named with ``name_of`` only
+        when a key matches no reference. A table that matches nothing is a
+        typo that would otherwise apply its settings to nothing, silently.
+        """
+        tables = self.data.get("model", {})
+        known: dict[str, str | None] = dict(used)
+        for ref in self.models() or []:
+            if not any(_same_reference(ref, other) for other in known):
+                known[ref] = None
+        unmatched = [key for key in tables if not any(self._matches(key, ref, None) for ref in known)]
+        if not unmatched:
+            return
+        names = {ref: name if name is not None else name_of(ref) for ref, name in known.items()}
+        unmatched = [key for key in unmatched if key not in names.values()]
+        if unmatched:
+            valid = ", ".join(sorted({*(self._as_written(ref) for ref in names), *names.values()}))
+            raise HarnessError(
+                f"{self.where}: [model.\"{unmatched[0]}\"] matches no model configured here or given on the "
+                f"command line; a model table is keyed by a model's reference or name: {valid}"
+            )
+
+    def _as_written(self, ref: str) -> str:
+        """A reference as the file would spell it: relative to the project's directory when inside it."""
+        path, sep, factory = ref.rpartition(":")
+        if sep and path.endswith(".py") and self.path is not None:
+            try:
+                return f"{Path(path).resolve().relative_to(self.root.resolve()).as_posix()}:{factory}"
+            except ValueError:
+                return ref
+        return ref
+
+    @property
+    def where(self) -> str:
+        return f"project file {self.path}"
 
     def autocast_values(self, ref: str, name: str | None = None) -> dict[str, Any]:
         """The file's autocast keys for a model: the global table, then the model's own."""
@@ -148,7 +215,7 @@ class Project:
         settings = options.settings_from({k: v for k, v in merged.items() if k not in file_paths}, **fixed)
         if file_paths:
             calibration = options.settings_from(file_paths, base_dir=self.root).calibration_data
-            settings = AutocastSettings(**{**_fields(settings), "calibration_data": calibration})
+            settings = dataclasses.replace(settings, calibration_data=calibration)
         return settings
 
     def explicit_for(self, ref: str, name: str | None = None) -> str | None:
@@ -156,16 +223,41 @@ class Project:
         return None if explicit is None else os.fspath(self.root / explicit)
 
     def to_json(self) -> dict[str, Any]:
-        return {"file": None if self.path is None else os.fspath(self.path), **self.data}
+        """The file's effective contents, for the results; its path as :func:`portable_path` gives it."""
+        return {"file": None if self.path is None else portable_path(self.path), **self.data}
 
 
-def _fields(settings: AutocastSettings) -> dict[str, Any]:
-    names = (
-        "low_precision_type", "nodes_to_exclude", "targets_to_exclude", "nodes_to_include",
-        "targets_to_include", "data_max", "init_max", "max_depth_of_reduction",
-        "calibration_data", "keep_io_types", "custom_rules",
-    )  # fmt: skip
-    return {n: getattr(settings, n) for n in names}
+def _same_reference(a: str, b: str) -> bool:
+    """Two model references name one model: equal names, or one file (by any path) and factory."""
+    if a == b:
+        return True
+    path_a, sep_a, factory_a = a.rpartition(":")
+    path_b, sep_b, factory_b = b.rpartition(":")
+    if not (sep_a and sep_b and path_a.endswith(".py") and path_b.endswith(".py")) or factory_a != factory_b:
+        return False
+    return Path(path_a).expanduser().resolve() == Path(path_b).expanduser().resolve()
+
+
+def portable_path(path: str | os.PathLike[str]) -> str:
+    """``path`` relative to the current directory when it lies inside it, else absolute.
+
+    Results store paths this way (model files, explicit and calibration
+    files, the project file, the cache directory): runs started from the
+    root of two checkouts then carry equal settings, so their shards merge.
+    """
+    absolute = Path(path).expanduser().resolve()
+    try:
+        return absolute.relative_to(Path.cwd().resolve()).as_posix()
+    except ValueError:
+        return os.fspath(absolute)
+
+
+def portable_reference(ref: str) -> str:
+    """A model reference with its file given by :func:`portable_path` (zoo names unchanged)."""
+    path, sep, factory = ref.rpartition(":")
+    if sep and path.endswith(".py"):
+        return f"{portable_path(path)}:{factory}"
+    return ref
 
 
 def find_project_file(explicit: str | os.PathLike[str] | None = None) -> tuple[Path, tuple[str, ...]] | None:

@@ -5,4 +5,4 @@ This folder is not importable as ``models`` from an installed harness (a user's 
 ``harness.models`` entry point. Model files use :mod:`harness.models`.
 """
 
-from . import digits, lenet, overflow, resnet, thirdparty, transformer  # noqa: F401  (registration)
+from . import digits, lenet, mobilenet, overflow, resnet, thirdparty, transformer  # noqa: F401  (registration)

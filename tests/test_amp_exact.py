@@ -100,3 +100,56 @@ def test_typed_graph_ignores_ambient_autocast():
     with torch.autocast("cpu", dtype=torch.float16):
         under = cg(*spec.example_inputs)
     assert_same_outputs(under, plain)
+
+
+class _Call(nn.Module):
+    """One torch function as a module, so it exports with its inputs as graph inputs."""
+
+    def __init__(self, fn) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *xs):
+        return self.fn(*xs)
+
+
+def _randn(*shape: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(sum(shape)))
+
+
+def _seeded(module: nn.Module) -> nn.Module:
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return module.eval()
+
+
+# Ops autocast does not list, whose kernels call listed ops (bmm, mm, linear) on
+# fp32 inputs: eager lowers those inner calls, so the compiled graph must too.
+# Each case broke one way: einsum/tensordot/inner without any expansion (fp32
+# out); bilinear because _trilinear is an explicit composite (its bmm pairs were
+# never seen); RNNs because the expansion went below linear to addmm + add,
+# which leaves the bias fp32; bicubic because a Python decomposition is not the
+# C++ kernel eager runs.
+COMPOSITES = {
+    "einsum": (lambda: _Call(lambda a, b: torch.einsum("bij,bkj->bik", a, b)), lambda: (_randn(2, 5, 16), _randn(2, 7, 16))),
+    "tensordot": (lambda: _Call(lambda a, b: torch.tensordot(a, b, dims=([2], [2]))), lambda: (_randn(2, 5, 16), _randn(2, 7, 16))),
+    "inner": (lambda: _Call(torch.inner), lambda: (_randn(2, 5, 16), _randn(2, 7, 16))),
+    "bilinear": (lambda: _seeded(nn.Bilinear(16, 12, 8)), lambda: (_randn(4, 16), _randn(4, 12))),
+    "bilinear-3d-no-bias": (lambda: _seeded(nn.Bilinear(6, 5, 3, bias=False)), lambda: (_randn(2, 3, 6), _randn(2, 3, 5))),
+    "rnn": (lambda: _seeded(nn.RNN(8, 16, batch_first=True)), lambda: (_randn(2, 5, 8),)),
+    "gru": (lambda: _seeded(nn.GRU(8, 16, batch_first=True)), lambda: (_randn(2, 5, 8),)),
+    "bicubic": (lambda: _Call(lambda x: F.interpolate(x, scale_factor=2, mode="bicubic")), lambda: (_randn(1, 2, 4, 4),)),
+}
+
+
+# torch.export's note about nn.RNN's _flat_weights list; the weights are read correctly.
+@pytest.mark.filterwarnings("ignore:The tensor attributes self._flat_weights")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", sorted(COMPOSITES))
+def test_unlisted_composites_on_fp32_inputs_bit_identical(name, dtype):
+    make_module, make_inputs = COMPOSITES[name]
+    cg = assert_matches_eager(make_module(), make_inputs(), dtype)
+    if name != "bicubic":  # bicubic's kernel calls nothing autocast lists: it must stay whole
+        assert cg.report.counts().get("amp:lower_precision_fp", 0) > 0, cg.report.table()

@@ -120,11 +120,13 @@ def test_ctrl_c_keeps_finished_cases_and_exits_130(capsys, tmp_path, monkeypatch
     assert code == 2 and "nothing to resume" in err
 
 
-def rescaled(doc: dict, factor: float, seed: int = 0) -> dict:
-    """The run with every case's latency samples shuffled and scaled: a synthetic rerun.
+def synthetic_timings(doc: dict, scale: float, seed: int, n: int = 300) -> dict:
+    """The run with every case's latency samples replaced by fixed synthetic ones.
 
-    The summary is recomputed by the harness's own code, so the file is what
-    a real run with those samples would have written.
+    ``n`` lognormal samples around ``100 us * scale`` (2% spread, seeded):
+    the same file whatever the machine's load was when ``doc`` was measured, so
+    no verdict depends on it. The summary is recomputed by the harness's own
+    code, so the file is what a real run with those samples would have written.
     """
     from harness.bench.latency import LatencyResult
     from harness.bench.stats import Summary, slow_phase
@@ -133,22 +135,35 @@ def rescaled(doc: dict, factor: float, seed: int = 0) -> dict:
     rng = np.random.default_rng(seed)
     for case in out["cases"]:
         lat = case["latency"]
-        samples = [max(1, int(s * factor)) for s in rng.permutation(lat["samples_ns"])]
+        samples = [int(s) for s in rng.lognormal(np.log(100_000 * scale), 0.02, n)]
         summary = Summary.from_samples(samples)
-        again = LatencyResult(summary, len(samples), lat["duration_s"], lat["warmup_iterations"], lat["warmup_s"],
-                              lat["timer"], lat["batch_size"], lat["spread_threshold"], slow_phase(samples), False, None)
+        again = LatencyResult(summary, len(samples), sum(samples) / 1e9, lat["warmup_iterations"], lat["warmup_s"],
+                              lat["timer"], lat["batch_size"], 0.05, slow_phase(samples), False, None)  # fmt: skip
         case["latency"] = {**again.to_dict(), "overhead": lat["overhead"]}
+        case["warnings"] = []  # the real run's load is not these samples' load
     return out
 
 
-def test_gate_from_the_command_line_on_real_runs_with_synthetic_timings(capsys, tmp_path):
-    """Baseline and runs are real bench output; only the timings of the later runs are synthetic,
-    so no verdict depends on how loaded the machine is."""
+@pytest.fixture(scope="module")
+def real_run(tmp_path_factory) -> dict:
+    """One real ``--quick`` bench of digits (fp32, bf16): real accuracy, weights, fingerprints."""
+    tmp = tmp_path_factory.mktemp("real-run")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HARNESS_MACHINE_ID", MACHINE)
+        argv = ["bench", "--quick", "--no-progress", "--no-plots", "--cache-dir", tmp / "caches",
+                "-o", tmp / "run.json", "--models", "digits", "--modes", "fp32,bf16"]  # fmt: skip
+        assert cli_main.main([str(a) for a in argv]) == 0
+    return load_results(tmp / "run.json")
+
+
+def test_gate_from_the_command_line_on_real_runs_with_synthetic_timings(capsys, tmp_path, real_run):
+    """Baseline and runs are real bench output with fixed synthetic timings (the real run's were
+    taken under whatever load the machine had), so no verdict depends on how loaded the machine is."""
     from harness.bench.results import write_results
 
     root = tmp_path / "root"
     first = root / MACHINE / "run-20250101T000000Z.json"
-    assert bench(capsys, tmp_path, first, "--models", "digits", "--modes", "fp32,bf16", "--quick")[0] == 0
+    write_results(first, synthetic_timings(real_run, 1.0, seed=0))
     # a --quick run is no baseline unless forced
     code, _, err = run(capsys, "baseline", "promote", first, "--root", root)
     assert code == 2 and "--quick run" in err and "--force" in err
@@ -157,30 +172,77 @@ def test_gate_from_the_command_line_on_real_runs_with_synthetic_timings(capsys, 
     base = load_results(first)
 
     same = root / MACHINE / "run-20250101T000001Z.json"
-    write_results(same, rescaled(base, 1.0))
+    write_results(same, synthetic_timings(base, 1.0, seed=1))
     code, out, _ = run(capsys, "gate", "--root", root)  # defaults: this machine's baseline, newest run
-    assert code == 0 and "gate PASS: 0 of 2 cases fail" in out and str(same) in out
+    assert code == 0 and "gate PASS: 0 of 2 cases fail (2 ok)" in out and str(same) in out
 
     slowed = root / MACHINE / "run-20250101T000002Z.json"
-    write_results(slowed, rescaled(base, 3.0))
+    write_results(slowed, synthetic_timings(base, 3.0, seed=2))
     report = tmp_path / "gate.md"
     code, out, _ = run(capsys, "gate", "--root", root, "--summary-md", report)
     assert code == 1 and "gate FAIL: 2 of 2 cases fail (2 regression)" in out
     row = next(line for line in out.splitlines() if line.startswith("digits/bf16/cpu"))
-    assert "regression" in row and "slower: median x3" in row
+    assert "regression" in row and "slower: median x2.99" in row  # fixed by the seeds
     assert "regression" in report.read_text()
     code, out, _ = run(capsys, "gate", "--root", root, "--json")
     verdicts = json.loads(out)
     assert code == 1 and verdicts["exit_code"] == 1 and verdicts["counts"] == {"regression": 2}
     assert [c["verdict"] for c in verdicts["cases"]] == ["regression", "regression"]
     # a subset run fails on the missing case, unless that is what the user asked for
-    subset = rescaled(base, 1.0)
+    subset = synthetic_timings(base, 1.0, seed=1)
     subset["cases"] = subset["cases"][:1]
     write_results(slowed, subset)
     code, out, _ = run(capsys, "gate", "--root", root)
     assert code == 1 and "1 missing" in out
     code, out, _ = run(capsys, "gate", "--root", root, "--allow-missing")
     assert code == 0 and "1 missing" in out
+
+
+@pytest.mark.parametrize(
+    ("flag", "change", "finding"),
+    [
+        ("--max-abs-error-increase", {"accuracy.max_abs_error": +0.002}, "max abs error"),
+        ("--cosine-drop", {"accuracy.cosine": -2e-4}, "cosine"),
+        ("--top1-drop", {"accuracy.top1_agreement": -0.02}, "top-1 agreement"),
+        ("--task-accuracy-drop", {"task_accuracy.value": -0.01}, "task top1"),
+    ],
+)
+def test_each_tolerance_flag_decides_the_exit_code(capsys, tmp_path, real_run, flag, change, finding):
+    """Past the default tolerance a case fails as ``accuracy`` (not a latency regression); the flag loosens it."""
+    from harness.bench.results import write_results
+
+    base = synthetic_timings(real_run, 1.0, seed=0)
+    worse = json.loads(json.dumps(base))  # the same samples: latency cannot decide anything
+    for case in worse["cases"]:
+        for dotted, delta in change.items():
+            section, key = dotted.split(".")
+            case[section][key] += delta
+    write_results(tmp_path / "base.json", base)
+    write_results(tmp_path / "worse.json", worse)
+    gate_args = ("gate", "--baseline", tmp_path / "base.json", "--current", tmp_path / "worse.json")
+
+    code, out, _ = run(capsys, *gate_args, "--json")
+    verdicts = json.loads(out)
+    assert code == 1 and verdicts["counts"] == {"accuracy": 2}
+    assert all(finding in f["message"] for c in verdicts["cases"] for f in c["findings"] if f["severity"] == "fail")
+    code, out, _ = run(capsys, *gate_args, flag, "0.05")
+    assert code == 0 and "gate PASS: 0 of 2 cases fail (2 ok)" in out
+    code, _, _ = run(capsys, *gate_args, flag, "0")  # no tolerance at all: still a failure
+    assert code == 1
+
+
+def test_runs_that_share_no_case_exit_2(capsys, tmp_path, real_run):
+    from harness.bench.results import write_results
+
+    base = synthetic_timings(real_run, 1.0, seed=0)
+    other = json.loads(json.dumps(base))
+    for case in other["cases"]:
+        case["model"] = "digits-renamed"  # e.g. a user model given by another path
+    write_results(tmp_path / "base.json", base)
+    write_results(tmp_path / "other.json", other)
+    code, out, err = run(capsys, "gate", "--baseline", tmp_path / "base.json", "--current", tmp_path / "other.json")
+    assert code == 2 and out == ""
+    assert "share no case (run: 2 cases, baseline: 2); nothing can be compared" in err
 
 
 def test_a_pinned_slower_tactic_is_what_the_engine_runs(capsys, tmp_path):
@@ -303,7 +365,7 @@ def test_spread_threshold_decides_the_unstable_flag(capsys, tmp_path):
         (("--backend", "onnxruntime", "--modes", "weak-fp16"), "cannot build weak-fp16"),
         (("--backend", "onnxruntime", "--modes", "bf16"), "cannot build bf16"),
         (("--modes", "explicit", "--explicit", "{bad_regex}"), "not a valid regular expression"),
-        (("--cache-dir", "{a_file}"), "is a file, not a directory"),
+        (("--cache-dir", "{a_file}"), "exists and is not a directory"),
         (("--cache-dir", "{corrupt_caches}"), "digits-fp32-cpu-t1.json"),
         (("--summary-md", "{a_dir}"), "--summary-md"),
     ],
@@ -388,7 +450,7 @@ def test_promote_refuses_a_root_that_is_a_file(capsys, tmp_path):
     assert bench(capsys, tmp_path, tmp_path / "r.json", "--models", "digits", "--modes", "fp32")[0] == 0
     (tmp_path / "root").write_text("x")
     code, _, err = run(capsys, "baseline", "promote", tmp_path / "r.json", "--root", tmp_path / "root", "--force")
-    assert code == 2 and "--root" in err and "is a file" in err
+    assert code == 2 and "--root" in err and "not a directory" in err
 
 
 def test_a_machine_id_with_a_newline_is_refused(capsys, tmp_path):
@@ -409,3 +471,24 @@ def test_compare_as_json(capsys, tmp_path):
     code, out, _ = run(capsys, "compare", tmp_path / "a.json", tmp_path / "b.json", "--json")
     (c,) = json.loads(out)["cases"]
     assert code == 0 and c["key"] == "digits/fp32/cpu" and c["weights_equal"] is True
+
+
+def test_report_and_compare_read_a_schema1_run_and_the_gate_refuses_it(capsys, tmp_path):
+    """A real schema-1 run (tests/data/results/README.md): shown upgraded and marked unverified, never gated."""
+    import shutil
+    from pathlib import Path
+
+    old = Path(__file__).parent / "data" / "results" / "schema1_run.json"
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    shutil.copy(old, a)
+    shutil.copy(old, b)
+    code, out, _ = run(capsys, "report", a, "--no-plots")
+    assert code == 0 and "machine intel-xeon-processor-2c, commit 4497e36f25d9, 3 cases" in out
+    assert "upgraded on read from schema 1, which has no digest: the contents are unverified" in out
+    assert "measurement overhead per iteration: not recorded in this file" in out
+    code, out, err = run(capsys, "compare", a, b, "--json")
+    assert code == 0 and len(json.loads(out)["cases"]) == 3
+    assert err.count("upgraded on read from schema 1") == 2
+    code, out, err = run(capsys, "gate", "--baseline", a, "--current", b)
+    assert code == 2 and f"results file {a}: schema_version 1 is an old results format" in err
+    assert a.read_bytes() == old.read_bytes()  # reading never rewrites the file

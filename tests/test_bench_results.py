@@ -42,7 +42,7 @@ from harness.bench.tables import format_bytes, format_ns, results_table
 from harness.bench.telemetry import TelemetrySampler
 from harness.errors import HarnessError
 
-MACHINE: dict[str, Any] = {"id": "test-machine-2c", "cpu": {"model": "test"}}
+MACHINE: dict[str, Any] = {"id": "test-machine-2c", "cpu": {"model": "test", "isa_flags": []}, "gpu": {"devices": []}}
 GIT = {"commit": "0" * 40, "dirty": False}
 SETTINGS = {"warmup_s": 0.0, "min_duration_s": 0.01}
 
@@ -172,11 +172,11 @@ def test_load_rejects_corrupt_truncated_and_wrong_version(tmp_path: Path) -> Non
         load_results(broken("garbage.json", "\x00\x01 not json"))
     doc = json.loads(text)
     doc["schema_version"] = 1
-    with pytest.raises(
-        HarnessError,
-        match=r"v1\.json: schema_version 1 is not supported; this harness reads version 2",
-    ):
+    with pytest.raises(HarnessError, match=r"v1\.json: schema_version 1 is an old results format: `harness report`"):
         load_results(broken("v1.json", json.dumps(doc)))
+    doc["schema_version"] = 7
+    with pytest.raises(HarnessError, match=r"v7\.json: schema_version 7 is not supported; this harness reads version 2"):
+        load_results(broken("v7.json", json.dumps(doc)), upgrade=True)
     with pytest.raises(HarnessError, match=r"list\.json: not a results document"):
         load_results(broken("list.json", "[1, 2]"))
     doc = json.loads(text)
@@ -302,7 +302,7 @@ def test_merge_shards(tmp_path: Path) -> None:
         HarnessError, match=r"cannot merge .*s\.json with .*a\.json: settings differ"
     ):
         merge_results([a, other_settings])
-    other_machine = _shard(tmp_path / "m.json", [], machine={"id": "gpu-box"})
+    other_machine = _shard(tmp_path / "m.json", [], machine={**MACHINE, "id": "gpu-box"})
     with pytest.raises(HarnessError, match="machine id differs"):
         merge_results([a, other_machine])
     with pytest.raises(HarnessError, match="at least one"):
@@ -458,3 +458,131 @@ def test_git_info_on_a_scratch_repository(tmp_path: Path) -> None:
     assert git_info(tmp_path)["dirty"] is False  # result files do not make a run dirty
     (tmp_path / "f.txt").write_text("2")
     assert git_info(tmp_path) == {"commit": head, "dirty": True}
+
+
+SCHEMA1_RUN = Path(__file__).parent / "data" / "results" / "schema1_run.json"
+
+
+def test_schema1_run_is_upgraded_on_read_with_everything_derived_recomputed() -> None:
+    old = json.loads(SCHEMA1_RUN.read_text())
+    assert old["schema_version"] == 1 and "digest" not in old  # a real schema-1 file (tests/data/results/README.md)
+    doc = load_results(SCHEMA1_RUN, upgrade=True)
+
+    assert doc["schema_version"] == SCHEMA_VERSION
+    assert doc["upgraded_from"]["schema_version"] == 1 and doc["upgraded_from"]["digest"] is None
+    assert "unverified" in doc["upgraded_from"]["note"]
+    assert doc["digest"] == content_digest(doc)  # covers the upgrade only; the note says so
+    assert [(c["model"], c["mode"]) for c in doc["cases"]] == [(c["model"], c["mode"]) for c in old["cases"]]
+    for before, case in zip(old["cases"], doc["cases"], strict=True):
+        lat, samples = case["latency"], before["latency"]["samples_ns"]
+        assert lat["samples_ns"] == samples
+        summary = Summary.from_samples(samples)
+        assert lat["summary"] == summary.stats_dict()  # q1/q3/spread/mad/outliers exist now
+        assert lat["spread_threshold"] == 0.05 and "cov_threshold" not in lat
+        assert lat["unstable"] == (summary.spread > 0.05 or lat["slow_phase"] is not None)
+        assert lat["remeasured"] is False and lat["overhead"] is None  # no samples behind the old overhead
+        assert case["from_cache"] == before["pinned"] and "pinned" not in case
+        assert case["model_weights_digest"] is None and case["threads"] is None and case["load_average"] is None
+        assert [o["path"] for o in case["accuracy"]["outputs"]] == [""]
+        assert case["accuracy"]["max_abs_error"] == before["accuracy"]["max_abs_error"]
+    # The old CoV flag called all three unstable; the robust spread does not.
+    assert all(c["latency"]["unstable"] for c in old["cases"])
+    assert not all(c["latency"]["unstable"] for c in doc["cases"])
+    table = results_table(doc)
+    assert "upgraded on read from schema 1" in table and "contents are unverified" in table
+
+
+def test_schema1_run_is_refused_where_it_would_be_trusted(tmp_path: Path) -> None:
+    with pytest.raises(HarnessError, match=r"schema1_run\.json: schema_version 1 is an old results format.*rerun"):
+        load_results(SCHEMA1_RUN)
+    with pytest.raises(HarnessError, match="schema_version 1 is an old results format"):
+        promote_baseline(SCHEMA1_RUN, tmp_path)
+    with pytest.raises(HarnessError, match="schema_version 1 is an old results format"):
+        merge_results([SCHEMA1_RUN])
+    assert not list(tmp_path.iterdir())
+
+
+def test_schema1_upgrade_refuses_bad_samples_naming_the_case(tmp_path: Path) -> None:
+    doc = json.loads(SCHEMA1_RUN.read_text())
+    doc["cases"][1]["latency"]["samples_ns"][3] = -4
+    bad = tmp_path / "bad-v1.json"
+    bad.write_text(json.dumps(doc))
+    with pytest.raises(HarnessError, match=r"bad-v1\.json: case 1: latency samples must be a non-empty list of positive"):
+        load_results(bad, upgrade=True)
+
+
+def test_markdown_tables_keep_a_wrapped_cell_in_one_row_and_show_stored_warnings() -> None:
+    from harness.bench.gate import gate
+    from harness.bench.results import sealed
+    from harness.bench.tables import gate_table
+
+    reason = "build: " + " ".join(f"word{i}" for i in range(40)) + " and a | pipe"
+    failed = CaseResult.failed("mlp", "fp16", "cpu", reason).to_dict()
+    busy = real_case("mlp", "fp32")
+    assert busy.latency is not None  # fixed samples: a stable case whatever the machine did
+    busy.latency = replace(busy.latency, summary=Summary.from_samples([50_000] * 8), iterations=8, slow_phase=None)
+    busy.warnings = ["the machine was busier than its 2 cores (load average 3.0 -> 2.5); its latency may be inflated"]
+    doc = sealed(
+        {
+            "schema_version": SCHEMA_VERSION, "created": "2025-01-01T00:00:00Z", "complete": True,
+            "machine": MACHINE, "git": GIT, "settings": {},
+            "cases": [busy.to_dict(), failed],
+        },
+        "test document",
+    )  # fmt: skip
+
+    terminal = " ".join(results_table(doc).split())
+    assert "warning: the machine was busier than its 2 cores" in terminal
+    md = results_table(doc, fmt="github").splitlines()
+    columns = md[2].count("|")
+    body = [line for line in md[4:] if line.startswith("|")]
+    assert len(body) == 2  # one Markdown row per case, however long its cells (tabulate adds rows)
+    fp32, fp16 = sorted(body, key=lambda line: "fp16" in line)
+    assert fp16.count("<br>") >= 2 and "word39" in fp16 and "\\| pipe" in fp16
+    assert fp16.count("|") - fp16.count("\\|") == columns  # the escaped pipe opens no column
+    assert "ok<br>warning: the machine was busier than its 2 cores" in fp32
+
+    # the gate shows the stored warning as information, one row per case
+    report = gate(doc, doc)
+    verdicts = {v.key[1]: v for v in report.cases}
+    assert verdicts["fp32"].verdict == "warning" and not verdicts["fp32"].fails
+    messages = [f.message for f in verdicts["fp32"].findings]
+    assert "current run: the machine was busier than its 2 cores (load average 3.0 -> 2.5); its latency may be inflated" in messages
+    gate_md = [line for line in gate_table(report, "github").splitlines() if line.startswith("| mlp")]
+    assert len(gate_md) == len(report.cases) == 2
+
+
+def test_a_later_document_relabelled_schema1_is_not_upgraded(tmp_path: Path) -> None:
+    """Only a real schema-1 shape is upgraded: a current run with its version set to 1 is refused, named."""
+    doc = json.loads(json.dumps(_finished_run(tmp_path / "run.json")))
+    doc["schema_version"] = 1
+    relabelled = tmp_path / "relabelled.json"
+    relabelled.write_text(json.dumps(doc))
+    with pytest.raises(HarnessError, match=r"relabelled\.json \(read as schema 1\): invalid at .*digest"):
+        load_results(relabelled, upgrade=True)
+
+
+def test_a_corrupt_schema1_field_is_one_clear_error_when_upgrading(tmp_path: Path) -> None:
+    """Every field of the document, of a case, its latency and accuracy, set to a wrong type or value."""
+    old = json.loads(SCHEMA1_RUN.read_text())
+    spots = [(), ("cases", 0), ("cases", 0, "latency"), ("cases", 0, "accuracy")]
+    tried = 0
+    for spot in spots:
+        parent: Any = old
+        for step in spot:
+            parent = parent[step]
+        for key in list(parent):
+            for value in (None, "x", -1, [], {}):
+                doc = json.loads(json.dumps(old))
+                target = doc
+                for step in spot:
+                    target = target[step]
+                target[key] = value
+                path = tmp_path / "corrupt.json"
+                path.write_text(json.dumps(doc))
+                try:
+                    load_results(path, upgrade=True)
+                except HarnessError as exc:
+                    assert "corrupt.json" in str(exc)
+                tried += 1
+    assert tried > 150

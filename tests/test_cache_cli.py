@@ -163,9 +163,17 @@ def test_pin_from_mismatched_cache_needs_flag(capsys, tmp_path, cache_file):
     assert code == 2
     assert "device: NVIDIA H100 (sm_90) != NVIDIA A100-SXM4-40GB (sm_80)" in err
     assert "--ignore-mismatch" in err
+    # one line that names both files: the foreign source and the cache it was to go into
+    assert err.count("\n") == 1 and f"timing cache {src} (pinned into {cache_file})" in err, err
     assert cache_file.read_bytes() == before
     code, _, _ = run(capsys, "pin", cache_file, "--from", src, "--ignore-mismatch")
     assert code == 0
+    # The cache keeps its own provenance and says which entries came from where.
+    kept = TimingCache.load(cache_file).provenance
+    assert kept.device == PROV.device
+    assert kept.device_details["entries_from_other_configurations"] == [
+        f"timing cache {src} (pinned into {cache_file}): device: NVIDIA H100 (sm_90) != NVIDIA A100-SXM4-40GB (sm_80)"
+    ]
 
 
 def test_pin_from_without_shared_keys_is_an_error(capsys, tmp_path, cache_file):
@@ -206,9 +214,12 @@ def test_merge_mismatch_refused_then_ignored(capsys, tmp_path, cache_file):
     out_path = tmp_path / "merged.json"
     code, _, err = run(capsys, "merge", cache_file, b, "-o", out_path)
     assert code == 2 and "builder_options.tf32: False != True" in err
+    assert err.count("\n") == 1 and f"cannot merge timing cache {b} (merged into {cache_file})" in err, err
     assert not out_path.exists()
     code, _, _ = run(capsys, "merge", cache_file, b, "-o", out_path, "--ignore-mismatch")
     assert code == 0 and out_path.exists()
+    notes = TimingCache.load(out_path).provenance.device_details["entries_from_other_configurations"]
+    assert notes == [f"timing cache {b} (merged into {cache_file}): builder_options.tf32: False != True"]
 
 
 def test_verify_bad_engine_path_exits_2(capsys, tmp_path, cache_file):

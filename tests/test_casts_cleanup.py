@@ -147,3 +147,47 @@ def test_exported_program_input_equals_module_input():
     from_module = compile(spec.module, spec.example_inputs, mode="rule", low_precision_type=torch.bfloat16)
     assert [r.precision for r in from_ep.report.rows] == [r.precision for r in from_module.report.rows]
     assert torch.equal(from_ep(*spec.example_inputs), from_module(*spec.example_inputs))
+
+
+def _two_casts_of_one_tensor() -> torch.fx.GraphModule:
+    """``x`` cast to fp16 twice (as a fold can leave it), both used, summed in fp32."""
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    first = graph.call_function(aten._to_copy.default, (x,), {"dtype": torch.float16})
+    second = graph.call_function(aten._to_copy.default, (x,), {"dtype": torch.float16})
+    scaled = graph.call_function(aten.mul.Tensor, (second, 3.0))
+    summed = graph.call_function(aten.add.Tensor, (first, scaled))
+    graph.output((graph.call_function(aten._to_copy.default, (summed,), {"dtype": torch.float32}),))
+    return torch.fx.GraphModule(torch.nn.Module(), graph)
+
+
+def test_dedupe_casts_keeps_one_cast_per_tensor_and_dtype():
+    gm = _two_casts_of_one_tensor()
+    x = torch.randn(16, generator=torch.Generator().manual_seed(0)) * 100
+    before = gm(x)[0]
+    assert sum(is_cast(n) and n.args[0].name == "x" for n in gm.graph.nodes) == 2
+
+    gm = dedupe_casts(gm)
+    gm.graph.lint()
+    gm.recompile()
+
+    to_fp16 = [n for n in gm.graph.nodes if is_cast(n) and n.args[0].name == "x"]
+    assert len(to_fp16) == 1
+    assert {u.target for u in to_fp16[0].users} == {aten.mul.Tensor, aten.add.Tensor}  # both readers share it
+    assert torch.equal(gm(x)[0], before)
+
+
+def test_compile_leaves_one_cast_where_the_model_wrote_two():
+    class TwiceCast(nn.Module):
+        def forward(self, x):
+            # Two identical pure casts of x (what cast folding can leave behind;
+            # x.half() would export as aten.to, which clean-up does not touch).
+            cast = torch.ops.aten._to_copy.default
+            return cast(x, dtype=torch.float16) + cast(x, dtype=torch.float16) * 3
+
+    module, x = TwiceCast(), torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    cg = compile(module, (x,), mode="fp32")  # exact mode: the casts are the model's, nothing else decides
+    casts = [n for n in cg.graph_module.graph.nodes if is_cast(n) and n.args[0].op == "placeholder"]
+    assert [n.kwargs["dtype"] for n in casts] == [torch.float16]
+    out, ref = cg(x), module(x)
+    assert out.dtype == torch.float16 and torch.equal(out, ref)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 from importlib.metadata import version
@@ -61,3 +62,51 @@ def test_piping_into_a_reader_that_stops_early_is_quiet():
 def test_the_entry_module_imports_nothing_heavy():
     code = "import sys, harness.cli.main; print('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
+
+
+def _subparsers(parser, path=("harness",)):
+    """Every parser of the real CLI with its command path, subcommands of subcommands included."""
+    yield path, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, child in action.choices.items():
+                yield from _subparsers(child, (*path, name))
+
+
+def test_every_option_with_a_default_shows_it_in_help():
+    """Walks the real parser: an option whose default is a value shows ``(default: ...)`` in its help.
+
+    Flags that take no argument (``store_true``, ``--help``, ``--version``) are
+    left out: their default is "not given", which the flag itself says. An
+    option without help text prints no help line at all, so its default
+    would be invisible: it fails here too.
+    """
+    missing, no_help = [], []
+    parsers = list(_subparsers(cli_main.build_parser()))
+    assert len(parsers) > 10  # compile, build, rebuild, bench, gate, cache show/pin/..., baseline promote, ...
+    for path, parser in parsers:
+        for action in parser._actions:
+            if action.option_strings and not action.help:
+                no_help.append(f"{' '.join(path)} {'/'.join(action.option_strings)}")
+            if not action.option_strings or action.nargs == 0:
+                continue
+            if action.default is None or action.default is argparse.SUPPRESS:
+                continue
+            formatter = parser._get_formatter()
+            formatter.add_argument(action)
+            rendered = " ".join(formatter.format_help().split())
+            if "(default:" not in rendered:
+                missing.append(f"{' '.join(path)} {'/'.join(action.option_strings)}: {rendered!r}")
+    assert not missing, "\n".join(missing)
+    assert not no_help, f"options without help text: {no_help}"
+
+
+def test_a_zero_default_is_shown_and_a_flag_default_is_not():
+    # 0 == False in Python: a membership test against (None, False) hid "(default: 0)".
+    parser = argparse.ArgumentParser(formatter_class=cli_main.HelpFormatter)
+    parser.add_argument("--retries", type=int, default=0, help="how often to retry")
+    parser.add_argument("--scale", type=float, default=0.0, help="scale")
+    parser.add_argument("--dry-run", action="store_true", help="do nothing")
+    text = " ".join(parser.format_help().split())
+    assert "how often to retry (default: 0)" in text and "scale (default: 0.0)" in text
+    assert "do nothing (default" not in text

@@ -6,6 +6,7 @@ import json
 import re
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -13,11 +14,13 @@ import torch
 from torch import nn
 
 from harness.autocast import compile
+from harness.build import build_engine
 from harness.engines.cpu import CpuBackend, CpuEngine, tactics
 from harness.engines.cpu.lowering import lower
 from harness.engines.protocol import BuildConfig, dtype_name
 from harness.errors import HarnessError
 from harness.fileio import canonical_json, digest
+from harness.models import ModelSpec
 
 FAST = {"timing_runs": 3, "warmup_runs": 1}
 
@@ -279,7 +282,7 @@ def _forge(node: dict, change: str) -> None:
     elif change == "random":
         node["op"] = "aten::bernoulli.default"
     elif change == "raw memory":
-        node["op"] = "aten::as_strided.default"
+        node["op"] = "aten::_reshape_alias.default"
     elif change == "not aten":
         node["op"] = "os::system.default"
     elif change == "ref":
@@ -454,7 +457,7 @@ def test_a_graph_with_several_unrunnable_ops_names_them_all_at_once():
     graph = torch.fx.Graph()
     x = graph.placeholder("x")
     noisy = graph.call_function(torch.ops.aten.bernoulli.p, (x, 0.5))
-    strided = graph.call_function(torch.ops.aten.as_strided.default, (noisy, [4], [1]))
+    strided = graph.call_function(torch.ops.aten._reshape_alias.default, (noisy, [4], [1]))
     graph.output((graph.call_function(torch.ops.aten.add_.Tensor, (strided, x)),))
     gm = torch.fx.GraphModule(nn.Module(), graph)
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
@@ -465,6 +468,100 @@ def test_a_graph_with_several_unrunnable_ops_names_them_all_at_once():
     message = str(err.value)
     assert message.startswith("the CPU engine cannot run 3 node(s) of this graph")
     for fragment in ("node bernoulli_p: op 'aten::bernoulli.p' cannot run in the CPU engine: it draws random numbers",
-                     "node as_strided_default: op 'aten::as_strided.default' cannot run in the CPU engine: it addresses memory",
+                     "node _reshape_alias_default: op 'aten::_reshape_alias.default' cannot run in the CPU engine: it addresses memory",
                      "node add__tensor: op 'aten::add_.Tensor' cannot run in the CPU engine: it writes one of its arguments"):
         assert fragment in message
+
+
+class Strided(nn.Module):
+    """``as_strided`` reads memory: after a convolution whose tactic may be channels-last, through
+    a transposed view of it, and as the as_strided_scatter a write through such a view becomes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        h = self.conv(x)  # (1, 8, 4, 4)
+        windows = h.as_strided((8, 3, 4), (16, 4, 1), 2)  # overlapping rows of eager's NCHW memory
+        across = h.transpose(2, 3).as_strided((4, 6), (5, 3), 7)  # the view's base memory, not the view
+        scratch = h.new_zeros(8, 16)
+        scratch.as_strided((8, 4), (16, 2), 1).add_(h.mean(-1)[0])  # -> as_strided_scatter
+        return windows * 2, across + 1, scratch
+
+
+def _strided_example() -> tuple[nn.Module, torch.Tensor]:
+    gen = torch.Generator().manual_seed(3)
+    module = Strided().eval()
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.rand(p.shape, generator=gen) - 0.5)
+    return module, torch.randn(1, 3, 4, 4, generator=gen)
+
+
+@pytest.mark.parametrize(("mode", "rtol", "atol"), [("fp32", 1e-5, 1e-6), ("bf16", 2e-2, 2e-2), ("weak-bf16", 2e-2, 2e-2)])
+def test_as_strided_and_its_scatter_run_in_the_engine_and_read_what_eager_reads(mode, rtol, atol):
+    module, x = _strided_example()
+    with torch.inference_mode():
+        eager = module(x)
+    spec = ModelSpec("strided", "as_strided after a convolution", module, (x,), [(x,)])
+    # Every convolution tactic is timed, channels-last ones included (FAST times each candidate).
+    result = build_engine(spec, BuildConfig(mode=mode, options=FAST), CpuBackend())
+    ops = Counter(node.op for node in result.engine.plan.nodes)
+    assert ops["aten::as_strided.default"] == 3 and ops["aten::as_strided_scatter.default"] == 1
+    for got, want in zip(result.engine(x), eager, strict=True):
+        torch.testing.assert_close(got.float(), want, rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("conv_tactic", ["conv_channels_last[fp32]", "conv_nchw[fp32]"])
+def test_as_strided_reads_the_same_elements_whatever_the_convolution_tactic(conv_tactic, tmp_path):
+    module, x = _strided_example()
+    with torch.inference_mode():
+        eager = module(x)
+    spec = ModelSpec("strided", "as_strided after a convolution", module, (x,), [(x,)])
+    engine = build_engine(spec, BuildConfig(mode="fp32", options=FAST), CpuBackend()).engine
+    engine.save(tmp_path / "e")
+    plan = json.loads((tmp_path / "e" / "plan.json").read_text())
+    conv = next(n for n in plan["nodes"] if n["op"] == "aten::conv2d.default")
+    conv["tactic"] = conv_tactic
+    conv["tactic_hash"] = tactics.tactic_hash(conv_tactic)
+    _resign_with_layers(plan, conv)
+    (tmp_path / "e" / "plan.json").write_text(json.dumps(plan))
+    for got, want in zip(CpuEngine.load(tmp_path / "e")(x), eager, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def _resign_with_layers(plan: dict, changed: dict) -> None:
+    for layer in plan["layers"]:
+        if layer["name"] == changed["name"]:
+            layer["tactic"], layer["tactic_hash"] = changed["tactic"], changed["tactic_hash"]
+    _resign(plan)
+
+
+@pytest.fixture()
+def strided_saved(tmp_path) -> Path:
+    module, x = _strided_example()
+    spec = ModelSpec("strided", "as_strided after a convolution", module, (x,), [(x,)])
+    engine = build_engine(spec, BuildConfig(mode="fp32", options=FAST), CpuBackend()).engine
+    engine.save(tmp_path / "e")
+    return tmp_path / "e"
+
+
+def test_a_crafted_as_strided_reaching_outside_its_input_is_refused_at_load(strided_saved):
+    plan = json.loads((strided_saved / "plan.json").read_text())
+    node = next(n for n in plan["nodes"] if n["op"] == "aten::as_strided.default")
+    node["args"][1] = [8, 3, 400]  # the fake kernel would accept it: the engine's own check must not
+    node["outputs"][0]["shape"] = [8, 3, 400]
+    _resign(plan)
+    (strided_saved / "plan.json").write_text(json.dumps(plan))
+    _assert_refused(strided_saved, rf"layer '{node['name']}' .* address element \d+ of an input holding 128")
+
+
+def test_a_crafted_as_strided_reading_a_tactic_chosen_layout_is_refused_at_load(strided_saved):
+    plan = json.loads((strided_saved / "plan.json").read_text())
+    node = next(n for n in plan["nodes"] if n["op"] == "aten::as_strided.default")
+    conv = next(n for n in plan["nodes"] if n["op"] == "aten::conv2d.default")
+    node["args"][0] = {"ref": conv["name"]}  # the convolution's output itself, not a contiguous copy
+    _resign(plan)
+    (strided_saved / "plan.json").write_text(json.dumps(plan))
+    _assert_refused(strided_saved, rf"layer '{node['name']}' .* must read a contiguous copy")

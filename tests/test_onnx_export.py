@@ -224,3 +224,41 @@ def test_a_graph_without_node_metadata_is_refused(tmp_path):
         node.meta.clear()
     with pytest.raises(HarnessError, match="carry no metadata"):
         export_onnx(compiled, tmp_path / "m.onnx")
+
+
+def test_a_dynamic_batch_export_runs_every_batch_size_like_the_typed_graph(tmp_path):
+    """TensorRT's one engine for a sweep needs a dynamic batch axis: the file keeps every compiler
+    cast and computes, at each size, what the typed graph compiled for that size computes."""
+    import onnxruntime as ort
+
+    compiled = compile_for_mode(models.load("lenet", 4), "autocast-fp16", None)
+    record = export_onnx(compiled, tmp_path / "m.onnx", batch_dim=0)
+    assert [s.shape for s in record.inputs] == [(-1, 1, 28, 28)] and [s.shape for s in record.outputs] == [(-1, 10)]
+    assert {c.origin for c in record.compiler_casts} == set(fx_casts(compiled))
+    session = ort.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"])
+    for size in (1, 3, 8):
+        spec = models.load("lenet", size)
+        (out,) = session.run(None, {"x": spec.example_inputs[0].numpy()})
+        expected = compile_for_mode(spec, "autocast-fp16", None)(*spec.example_inputs)
+        assert out.shape == (size, 10)
+        torch.testing.assert_close(torch.from_numpy(out), expected, atol=1e-3, rtol=1e-3)
+
+
+def test_a_graph_that_fixes_its_batch_size_cannot_get_a_dynamic_batch_axis(tmp_path):
+    from harness.engines.onnx_export import StaticBatchError
+
+    compiled = compile_for_mode(models.load("transformer", 4), "fp32", None)
+    with pytest.raises(StaticBatchError, match="the typed graph fixes the batch size of input 'ids'"):
+        export_onnx(compiled, tmp_path / "m.onnx", batch_dim=0)
+    assert not (tmp_path / "m.onnx").exists()
+
+
+def test_inputs_are_checked_against_a_dynamic_batch_axis():
+    from harness.engines.onnx_export import TensorSpec, check_inputs
+
+    spec = (TensorSpec("x", "fp32", (-1, 4)),)
+    check_inputs((torch.ones(3, 4),), spec, "engine")
+    check_inputs((torch.ones(1, 4),), spec, "engine")
+    for bad in (torch.ones(3, 5), torch.ones(3, 4, 1), torch.ones(3, 4, dtype=torch.float16)):
+        with pytest.raises(HarnessError, match=r"engine input 'x': expected fp32 \(-1, 4\)"):
+            check_inputs((bad,), spec, "engine")

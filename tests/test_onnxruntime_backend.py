@@ -184,3 +184,57 @@ def test_options_are_validated_and_recorded():
         backend.provenance(BuildConfig("fp32", options={"tf32": True}))
     with pytest.raises(HarnessError, match="graph_optimization_level='max'"):
         backend.provenance(BuildConfig("fp32", options={"graph_optimization_level": "max"}))
+
+
+@pytest.mark.parametrize("model", ["lenet", "digits", "transformer"])
+def test_fp32_engine_model_holds_no_cast(built, model):
+    """fp32 needs no conversion anywhere: a Cast would cost time and is no part of the typed graph."""
+    _, engine, _ = built(model, "fp32")
+    exported = onnx.load_from_string(engine.files()[MODEL_FILE])
+    assert [n.name for n in exported.graph.node if n.op_type == "Cast"] == []
+    assert engine.record.casts == ()
+
+
+def test_session_runs_with_the_settings_the_engine_records():
+    """ORT_ENABLE_ALL and the build's threads by default (plain ONNX Runtime's speed); basic on request."""
+    import onnxruntime as ort
+
+    _, engine, _ = _build_lenet_fp32({})
+    options = engine.session_options()
+    assert options.graph_optimization_level == ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    assert options.intra_op_num_threads == 1 and options.inter_op_num_threads == 1
+    assert options.execution_mode == ort.ExecutionMode.ORT_SEQUENTIAL
+    assert engine.record.settings.to_json() == {"graph_optimization_level": "all", "intra_op_num_threads": 1}
+    _, basic, _ = _build_lenet_fp32({"graph_optimization_level": "basic", "intra_op_num_threads": 2})
+    assert basic.session_options().graph_optimization_level == ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    assert basic.session_options().intra_op_num_threads == 2
+    assert basic.fingerprint() != engine.fingerprint()
+    assert {layer.layer_type for layer in engine.layers()} != {layer.layer_type for layer in basic.layers()}
+
+
+def _build_lenet_fp32(options):
+    compiled = compile_for_mode(models.load("lenet"), "fp32", None)
+    engine, log = OnnxRuntimeBackend().build(compiled, BuildConfig("fp32", threads=1, options=options), None)
+    return compiled, engine, log
+
+
+def test_layers_and_fingerprint_are_the_same_in_every_session(built):
+    """ORT numbers the nodes its NCHWc transformer adds (``ReorderOutput_token_<n>``, on x86 CPUs)
+    in an order that changes per session; the engine's layer names must not."""
+    _, engine, _ = built("lenet", "autocast-fp16")
+    model_bytes = engine.files()[MODEL_FILE]
+    for _ in range(4):
+        again = OnnxRuntimeEngine(model_bytes, engine.record)
+        assert again.layers() == engine.layers() and again.fingerprint() == engine.fingerprint()
+
+
+def test_inputs_numpy_cannot_view_run_like_plain_ones(built):
+    compiled, engine, _ = built("lenet", "fp32")
+    (x,) = compiled.example_inputs
+    expected = engine(x)
+    strided = x.transpose(2, 3).contiguous().transpose(2, 3)  # same values, other strides
+    assert not strided.is_contiguous()
+    assert bits_equal(engine(strided), expected)
+    assert bits_equal(engine(x.clone().requires_grad_()), expected)
+    with pytest.raises(HarnessError, match="expected a tensor, got list"):
+        engine([1.0])

@@ -3,14 +3,21 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 from harness.bench.results import load_results
 from harness.cli.main import main
+from harness.engines.protocol import BuildConfig, builds_batch_profiles
+from harness.engines.registry import get_backend
 from harness.errors import HarnessError
+from harness.fileio import canonical_json, digest
 from harness.project import load_project
 
 USER_MODEL = """
@@ -71,17 +78,39 @@ def test_a_bench_driven_only_by_the_project_file(project, capsys):
     doc = load_results(project / "run.json")
     assert [(c["model"], c["mode"]) for c in doc["cases"]] == [("make", "fp32"), ("make", "autocast-bf16"), ("make", "explicit")]
     settings = doc["settings"]
-    assert settings["project_file"] == str(project / "harness.toml") and settings["threads"] == 1
-    assert settings["measure"]["min_iters"] == 5
+    assert settings["threads"] == 1 and settings["measure"]["min_iters"] == 5
+    # the file's effective contents, and every path relative to the current directory
+    assert settings["project"]["file"] == "harness.toml" and settings["project"]["models"] == ["net.py:make"]
+    assert settings["project"]["gate"] == {"latency_threshold": "50%", "allow_missing": True}
+    assert settings["cache_dir"] == "caches"
     used = settings["model_settings"]["make"]
-    assert used["reference"] == f"{project / 'net.py'}:make"
-    assert used["explicit"] == str(project / "precisions" / "net.json")
+    assert used["reference"] == "net.py:make"
+    assert used["explicit"] == "precisions/net.json"
     assert used["autocast"]["nodes_to_exclude"] == ["^conv2d$"] and used["autocast"]["data_max"] is None
     assert "aten.linear.default" in used["autocast"]["targets_to_exclude"]
     # the settings reached the engine: conv2d and the linear layer stayed fp32 in autocast-bf16
     rule = next(c for c in doc["cases"] if c["mode"] == "autocast-bf16")
     kept = {layer["name"] for layer in rule["layers"] if layer["tactic"].endswith("[fp32]")}
     assert {"conv2d", "linear"} <= kept
+
+
+def test_the_results_name_the_settings_each_engine_was_compiled_under(project, capsys):
+    """Per mode: the settings the mode really compiles with (bf16 for a bf16 mode, never the
+    user-level default fp16) and their digest, which is the one in the case's cache file name."""
+    assert main(["bench", "--no-progress", "--no-plots", "--modes", "fp32,autocast-bf16,autocast-fp16", "-o", "run.json"]) == 0
+    doc = load_results(project / "run.json")
+    used = doc["settings"]["model_settings"]["make"]
+    assert "low_precision_type" not in used["autocast"]  # the mode decides it
+    modes = used["modes"]
+    assert modes["fp32"] == {"compiler_settings": None, "autocast_digest": None}
+    assert modes["autocast-bf16"]["compiler_settings"]["low_precision_type"] == "bf16"
+    assert modes["autocast-fp16"]["compiler_settings"]["low_precision_type"] == "fp16"
+    for case in doc["cases"]:
+        recorded = modes[case["mode"]]
+        assert case["build"]["autocast_digest"] == recorded["autocast_digest"]
+        if recorded["compiler_settings"] is not None:
+            assert recorded["autocast_digest"] == digest(canonical_json(recorded["compiler_settings"]))
+            assert recorded["autocast_digest"].removeprefix("sha256:")[:10] in Path(case["build"]["cache_file"]).name
 
 
 def test_flags_override_the_file_and_change_the_cache_and_engine(project, capsys):
@@ -192,7 +221,10 @@ def test_a_batch_sweep_records_latency_and_throughput_per_size(tmp_path, monkeyp
     assert one["throughput_per_s"] == pytest.approx(1e9 / one["summary"]["mean"])
     assert "batch" in out.splitlines()[2] and "items/s" in out
     assert (tmp_path / "sweep-make-throughput.png").is_file()
-    assert {c["engine_fingerprint"] for k, c in cases.items() if k[:2] == ("make", "fp32")}.__len__() == 2
+    # One engine per size here; a backend that builds batch profiles (TensorRT) builds one for the
+    # sweep, whose fingerprint every size then shares (test_bench_runner's build-once tests).
+    engines = 1 if builds_batch_profiles(get_backend(doc["settings"]["backend"])) else 2
+    assert len({c["engine_fingerprint"] for k, c in cases.items() if k[:2] == ("make", "fp32")}) == engines
     # keys carry the batch size: a sweep gates against a sweep
     report = gate(doc, doc)
     assert {v.key[3] for v in report.cases} == {1, 4} and "make/fp32/cpu/b4" in [
@@ -206,7 +238,7 @@ def test_a_model_without_a_batch_dimension_is_refused_up_front(tmp_path, monkeyp
     assert main(["bench", "--quick", "--no-progress", "--models", "m.py:fixed", "--batch-sizes", "2,8"]) == 2
     assert "has no batch dimension to sweep" in capsys.readouterr().err
     assert main(["bench", "--quick", "--no-progress", "--models", "digits", "--batch-sizes", "0"]) == 2
-    assert "'0' is not a positive integer" in capsys.readouterr().err
+    assert "--batch-sizes 0: valid: 1..4096" in capsys.readouterr().err
 
 
 def test_the_example_team_project_runs_as_the_readme_shows(tmp_path, monkeypatch, capsys):
@@ -219,3 +251,268 @@ def test_the_example_team_project_runs_as_the_readme_shows(tmp_path, monkeypatch
         ("classifier", m, b) for m in ("fp32", "explicit") for b in (1, 4)
     }
     assert doc["settings"]["model_settings"]["classifier"]["autocast"]["data_max"] == 256.0
+
+
+# --- the settings reach the engine: the issue's first Must-show -------------------------------
+
+FAST = ["--option", "timing_runs=1", "--option", "warmup_runs=0"]
+
+
+def inspected(directory: str, capsys) -> dict:
+    capsys.readouterr()
+    assert main(["inspect", directory, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_an_excluded_node_is_fp32_in_the_engine_and_a_default_cache_is_refused(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    build = ["build", "--model", "lenet", "--mode", "autocast-fp16", *FAST]
+    assert main([*build, "--cache", "default.json", "-o", "default"]) == 0
+    assert main([*build, "--exclude", "^conv2d$", "-o", "excluded"]) == 0
+    default, excluded = inspected("default", capsys), inspected("excluded", capsys)
+    conv = {layer["name"]: layer for layer in excluded["layers"]}["conv2d"]
+    assert conv["input_dtypes"] == ["fp32", "fp32", "fp32"] and conv["output_dtypes"] == ["fp32"]
+    assert {layer["name"]: layer for layer in default["layers"]}["conv2d"]["output_dtypes"] == ["fp16"]
+    assert excluded["fingerprint"] != default["fingerprint"]
+    # the engine names the settings it was compiled under, in full
+    assert excluded["compiler_settings"]["nodes_to_exclude"] == ["^conv2d$"]
+    assert default["compiler_settings"]["nodes_to_exclude"] == []
+    # a cache made with the default settings is refused for this build, naming the setting
+    assert main([*build, "--exclude", "^conv2d$", "--cache", "default.json", "-o", "refused"]) == 2
+    err = capsys.readouterr().err
+    assert "builder_options.autocast.nodes_to_exclude: [] != ['^conv2d$']" in err and not (tmp_path / "refused").exists()
+    # and an engine made under other settings than a cache's is refused by `cache verify`, naming them
+    assert main(["cache", "verify", "default.json", "--engine", "excluded"]) == 2
+    assert "autocast.nodes_to_exclude: ['^conv2d$'] != []" in capsys.readouterr().err
+    assert main(["cache", "verify", "default.json", "--engine", "default"]) == 0
+
+
+def test_a_setting_that_leaves_the_graph_alone_still_changes_the_fingerprint(tmp_path, monkeypatch, capsys):
+    """Both engines take every tactic from one cache (read-only under --ignore-mismatch): same graph,
+    same layers, same tactics; only the settings digest in the fingerprint tells them apart."""
+    monkeypatch.chdir(tmp_path)
+    build = ["build", "--model", "lenet", "--mode", "autocast-fp16", *FAST]
+    assert main([*build, "--cache", "c.json", "-o", "first"]) == 0
+    tactics = ["--cache", "c.json", "--error-on-cache-miss", "--ignore-mismatch"]
+    assert main([*build, *tactics, "-o", "default"]) == 0
+    assert main([*build, *tactics, "--exclude", "^nothing$", "-o", "nothing"]) == 0
+    default, nothing = inspected("default", capsys), inspected("nothing", capsys)
+    assert default["layers"] == nothing["layers"]
+    assert nothing["compiler_settings"]["nodes_to_exclude"] == ["^nothing$"]
+    assert nothing["fingerprint"] != default["fingerprint"]
+
+
+# --- one canonical digest ---------------------------------------------------------------------
+
+DIGEST_OF_A_SET = """
+from harness.autocast.settings import AutocastSettings
+names = {"^conv2d$", "^linear", "relu_1", "head", "^pool", "attn", "mlp", "norm", "embed", "out"}
+settings = AutocastSettings(nodes_to_exclude=names, nodes_to_include={"^a$", "^b$", "^c$"},
+                            targets_to_exclude={"aten.softmax", "aten.linear", "aten.conv2d", "aten.gelu"})
+print(list(names), settings.digest())
+"""
+
+
+def test_the_settings_digest_does_not_depend_on_the_order_of_flags_or_sets(tmp_path, monkeypatch, capsys):
+    from harness.autocast import options
+    from harness.autocast.settings import AutocastSettings
+
+    ab = options.settings_from({"exclude": ["a", "b"], "include_op": ["aten.relu", "aten.gelu"]})
+    ba = options.settings_from({"exclude": ["b", "a", "b"], "include_op": ["aten.gelu", "aten.relu"]})
+    assert ab.digest() == ba.digest() and ab.to_json() == ba.to_json()
+    assert ba.nodes_to_exclude == ("a", "b")  # sorted and deduplicated in the settings themselves
+    assert AutocastSettings(nodes_to_exclude={"b", "a"}).to_json()["nodes_to_exclude"] == ["a", "b"]
+    # a Python set iterates in an order PYTHONHASHSEED decides: two seeds, one digest
+    seen = []
+    for seed in ("1", "2"):
+        done = subprocess.run([sys.executable, "-c", DIGEST_OF_A_SET], capture_output=True, text=True,
+                              env={**os.environ, "PYTHONHASHSEED": seed}, cwd=Path(__file__).parents[1], check=True)  # fmt: skip
+        seen.append(done.stdout.strip().rpartition(" "))
+    (order_1, _, digest_1), (order_2, _, digest_2) = seen
+    assert order_1 != order_2  # the sets did iterate differently...
+    assert digest_1 == digest_2  # ...and the settings are the same
+    # the same from the command line: --exclude a --exclude b is --exclude b --exclude a
+    monkeypatch.chdir(tmp_path)
+    build = ["build", "--model", "lenet", "--mode", "autocast-fp16", *FAST, "--cache", "c.json"]
+    assert main([*build, "--exclude", "^conv2d$", "--exclude", "^linear$", "-o", "ab"]) == 0
+    assert main([*build, "--exclude", "^linear$", "--exclude", "^conv2d$", "--error-on-cache-miss", "-o", "ba"]) == 0
+    assert inspected("ab", capsys)["fingerprint"] == inspected("ba", capsys)["fingerprint"]
+
+
+def test_the_precision_report_is_the_same_whatever_the_order_of_the_patterns():
+    """A node matching any exclusion is kept fp32 whatever the order (the classifier's rule), and
+    the pattern its reason names is the first in sorted order, so the whole report is one."""
+    from harness import models
+    from harness.autocast import AutocastSettings, compile
+
+    spec = models.load("lenet")
+
+    def decided(patterns):
+        return compile(spec.module, spec.example_inputs, mode="rule",
+                       settings=AutocastSettings(nodes_to_exclude=patterns)).report.to_json()  # fmt: skip
+
+    one, other = decided(["^conv", "conv2d$"]), decided(["conv2d$", "^conv"])
+    assert one == other
+
+
+# --- per-model tables and the backend, for every command ----------------------------------------
+
+
+def test_a_model_table_may_name_the_model_for_compile_and_build(project, capsys):
+    """``[model.make]`` (the ModelSpec name, as results name the model) works as its reference does."""
+    toml = project / "harness.toml"
+    toml.write_text(toml.read_text().replace('[model."net.py:make"]', "[model.make]"))
+    assert main(["compile", "--model", "net.py:make", "--low", "bf16", "--json"]) == 0
+    rows = {row["name"]: row for row in json.loads(capsys.readouterr().out)["rows"]}
+    assert (rows["conv2d"]["precision"], rows["conv2d"]["rule"]) == ("fp32", "nodes_to_exclude")
+    assert main(["build", "--model", "net.py:make", "--mode", "explicit", *FAST, "-o", "e"]) == 0  # its explicit file
+    layers = {layer["name"]: layer for layer in inspected("e", capsys)["layers"]}
+    assert layers["conv2d"]["tactic"].endswith("[bf16]")
+    # the table's explicit file belongs to mode explicit; another mode builds without it
+    assert main(["build", "--model", "net.py:make", "--mode", "autocast-bf16", *FAST, "-o", "r"]) == 0
+    assert inspected("r", capsys)["compiler_settings"]["nodes_to_exclude"] == ["^conv2d$"]  # [model.make]'s
+
+
+@pytest.mark.parametrize("command", [
+    ["bench", "--no-progress", "--modes", "fp32"],
+    ["build", "--model", "net.py:make", "--mode", "fp32", "-o", "e"],
+    ["compile", "--model", "lenet"],
+])  # fmt: skip
+def test_a_model_table_that_matches_no_model_is_an_error_naming_it(project, capsys, command):
+    toml = project / "harness.toml"
+    toml.write_text(toml.read_text() + '\n[model."nett.py:make"]\nexplicit = "precisions/net.json"\n')
+    assert main(command) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f'error: project file {toml}: [model."nett.py:make"] matches no model'), err
+    assert "a model table is keyed by a model's reference or name: " in err and "make, net.py:make" in err
+    assert not (project / "e").exists()
+
+
+def test_build_and_rebuild_take_the_backend_from_the_file(project, capsys):
+    toml = project / "harness.toml"
+    toml.write_text(toml.read_text().replace('backend = "cpu"', 'backend = "onnxruntime"'))
+    assert main(["build", "--model", "lenet", "--mode", "fp16", "-o", "e"]) == 0
+    assert "on onnxruntime" in capsys.readouterr().out
+    assert json.loads((project / "e" / "plan.json").read_text())["backend"] == "onnxruntime"
+    assert main(["rebuild", "--model", "lenet", "--mode", "fp16", "--times", "2", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["backend"] == "onnxruntime"
+    assert main(["build", "--model", "lenet", "--mode", "fp32", "--backend", "cpu", *FAST, "-o", "c"]) == 0  # the flag wins
+    assert inspected("c", capsys)["backend"] == "cpu"
+    toml.write_text(toml.read_text().replace('backend = "onnxruntime"', 'backend = "tensorrrt"'))
+    assert main(["build", "--model", "lenet", "--mode", "fp16", "-o", "x"]) == 2
+    assert "invalid at backend" in capsys.readouterr().err
+
+
+# --- the gate's booleans: flags win both ways ---------------------------------------------------
+
+
+@pytest.mark.parametrize("key", ["allow_missing", "fail_on_unstable", "ignore_isa"])
+def test_a_gate_flag_turns_off_the_files_true(project, capsys, key):
+    toml = project / "harness.toml"
+    toml.write_text(toml.read_text().replace("allow_missing = true", f"{key} = true"))
+    assert main(["bench", "--no-progress", "--no-plots", "--modes", "fp32", "-o", "a.json"]) == 0
+    assert main(["bench", "--no-progress", "--no-plots", "--modes", "fp32", "-o", "b.json"]) == 0
+    gate = ["gate", "--baseline", "a.json", "--current", "b.json", "--json", "--latency-threshold", "900%"]
+    capsys.readouterr()
+    main(gate)
+    assert json.loads(capsys.readouterr().out)["settings"][key] is True
+    main([*gate, f"--no-{key.replace('_', '-')}"])
+    assert json.loads(capsys.readouterr().out)["settings"][key] is False
+
+
+# --- a sweep the file alone drives ----------------------------------------------------------------
+
+
+def test_the_file_alone_sets_the_batch_sizes_and_modes(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HARNESS_MACHINE_ID", "file-sweep")
+    (tmp_path / "m.py").write_text(BATCHED_MODEL)
+    (tmp_path / "harness.toml").write_text(textwrap.dedent("""
+        models = ["m.py:make"]
+        modes = ["fp32", "bf16"]
+        batch_sizes = [3, 1]
+        threads = 1
+    """))
+    assert main(["bench", "--quick", "--no-progress", "--no-plots", "-o", "run.json"]) == 0
+    doc = load_results(tmp_path / "run.json")
+    assert [(c["model"], c["mode"], c["batch"]) for c in doc["cases"]] == [
+        ("make", "fp32", 3), ("make", "bf16", 3), ("make", "fp32", 1), ("make", "bf16", 1)
+    ]  # fmt: skip
+    assert [c["latency"]["batch_size"] for c in doc["cases"]] == [3, 3, 1, 1]
+    assert doc["settings"]["batch_sizes"] == [3, 1] and doc["settings"]["modes"] == ["fp32", "bf16"]
+
+
+# --- shards of one run from two checkouts ---------------------------------------------------------
+
+
+def test_shards_run_in_two_checkouts_merge(project, tmp_path, monkeypatch, capsys):
+    """Results store paths relative to the current directory, so the settings of a run started
+    at the root of each of two checkouts are equal, and their shards merge."""
+    import shutil
+
+    other = tmp_path / "checkout-b"
+    shutil.copytree(project, other)
+    shard = ["bench", "--no-progress", "--no-plots", "--modes", "fp32,explicit"]
+    assert main([*shard, "--shard", "1/2", "-o", "a.json"]) == 0
+    monkeypatch.chdir(other)
+    assert main([*shard, "--shard", "2/2", "-o", "b.json"]) == 0
+    a, b = load_results(project / "a.json"), load_results(other / "b.json")
+    assert a["settings"] == b["settings"]
+    assert a["settings"]["model_settings"]["make"]["reference"] == "net.py:make" and a["settings"]["cache_dir"] == "caches"
+    assert main(["merge", str(project / "a.json"), str(other / "b.json"), "-o", str(tmp_path / "all.json")]) == 0
+    assert len(load_results(tmp_path / "all.json")["cases"]) == 2
+
+
+@pytest.mark.parametrize(("backend", "mode"), [("cpu", "autocast-bf16"), ("onnxruntime", "autocast-fp16"), ("openvino", "autocast-bf16")])
+def test_every_engine_records_the_settings_it_was_compiled_under(backend, mode):
+    """In full, in its plan: what `inspect --json` shows and `cache verify` compares."""
+    from harness import models
+    from harness.autocast import AutocastSettings
+    from harness.build import build_engine
+
+    chosen = get_backend(backend)
+    try:
+        chosen.check_mode(mode)
+    except HarnessError as exc:  # OpenVINO probes the machine for the mode's kernels
+        pytest.skip(f"{backend} cannot build {mode} here: {exc}")
+    config = BuildConfig(mode, autocast=AutocastSettings(nodes_to_exclude=["^linear", "^conv2d$"]), threads=1)
+    engine = build_engine(models.load("lenet"), config, chosen).engine
+    expected = config.compiler_settings()
+    assert expected is not None and expected["nodes_to_exclude"] == ["^conv2d$", "^linear"]
+    assert engine.compiler_settings() == expected
+    assert json.loads(engine.files()["plan.json"])["compiler_settings"] == expected
+
+
+def test_calibration_data_in_the_file_is_relative_to_it_and_a_flag_replaces_it(tmp_path, monkeypatch):
+    from safetensors.torch import save_file
+
+    (tmp_path / "team").mkdir()
+    batches = torch.arange(2 * 3 * 8 * 8, dtype=torch.float32).reshape(2, 1, 3, 8, 8)
+    save_file({"input0": batches}, tmp_path / "team" / "cal.safetensors")
+    save_file({"input0": batches[:1]}, tmp_path / "one.safetensors")
+    (tmp_path / "team" / "harness.toml").write_text('[autocast]\ncalibration_data = "cal.safetensors"\ndata_max = 8\n')
+    monkeypatch.chdir(tmp_path)
+    project = load_project("team/harness.toml")
+    settings = project.autocast_settings("lenet", {})
+    assert len(settings.calibration_data) == 2 and torch.equal(settings.calibration_data[1][0], batches[1])
+    assert settings.data_max == 8.0  # every other setting kept alongside the file's calibration data
+    flagged = project.autocast_settings("lenet", {"calibration_data": "one.safetensors"})  # relative to the cwd
+    assert len(flagged.calibration_data) == 1 and flagged.data_max == 8.0
+
+
+def test_two_tables_for_one_model_are_refused(project, capsys):
+    toml = project / "harness.toml"
+    toml.write_text(toml.read_text() + "\n[model.make]\nautocast = { exclude = ['^linear'] }\n")
+    assert main(["compile", "--model", "net.py:make"]) == 2
+    assert 'error: project file ' in (err := capsys.readouterr().err) and '[model."net.py:make"], [model."make"] all name model' in err
+
+
+def test_the_readme_shows_the_example_project_file_in_full():
+    root = Path(__file__).parents[1]
+    example = (root / "examples" / "team_project" / "harness.toml").read_text()
+    readme = (root / "README.md").read_text()
+    section = readme[readme.index("## Project file") :]
+    assert f"```toml\n{example}```" in section
+    for flag in ("--config", "nox -s bench -- --config", "--batch-sizes", "--data-max X|off",
+                 "--keep-io-types/--no-keep-io-types", "--calibration-data FILE", "flags > file > defaults"):  # fmt: skip
+        assert flag in section, flag

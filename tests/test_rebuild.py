@@ -87,7 +87,5 @@ def test_rebuild_never_writes_the_cache_and_needs_two_builds(spec, tmp_path):
     report = rebuild(spec, NOISY, backend, 2, path)
     assert len(report.fingerprints) == 2
     assert path.read_bytes() == before
-    with pytest.raises(
-        HarnessError, match="--times 1: a rebuild comparison needs at least 2 builds"
-    ):
+    with pytest.raises(HarnessError, match=r"--times 1: valid: 2\.\.100"):
         rebuild(spec, NOISY, backend, 1)

@@ -37,7 +37,7 @@ from harness.cache.timing_cache import CacheEntry, Candidate, Provenance, Timing
 from harness.cli import build_cmd
 from harness.cli.main import main
 from harness.engines.modes import compile_for_mode
-from harness.engines.protocol import BuildConfig
+from harness.engines.protocol import BatchProfile, BuildConfig
 from harness.engines.tensorrt import backend as trt_backend
 from harness.engines.tensorrt.backend import (
     AutotunedOp,
@@ -543,6 +543,10 @@ def builder_trt(
     parsed: dict[str, bytes] = {}
 
     class Config(ConfigDouble):
+        def add_optimization_profile(self, profile):
+            trt.profiles.append(profile.shapes)
+            return len(trt.profiles) - 1
+
         def create_timing_cache(self, data):
             self.cache = TimingCacheDouble(SAMPLE_CACHE if cache is None else cache)
             return self.cache
@@ -563,6 +567,11 @@ def builder_trt(
 
         def create_builder_config(self):
             return Config()
+
+        def create_optimization_profile(self):
+            profile = SimpleNamespace(shapes=[])
+            profile.set_shape = lambda name, *dims: profile.shapes.append((name, *dims))
+            return profile
 
         def build_serialized_network(self, network, config):
             if build_log is None:
@@ -611,6 +620,8 @@ def builder_trt(
     trt.TimingCacheValue = lambda tactic_hash, time_ms: SimpleNamespace(tacticHash=tactic_hash, timingMSec=time_ms)
     trt.TensorIOMode = SimpleNamespace(INPUT="input", OUTPUT="output")
     trt.LayerInformationFormat = SimpleNamespace(JSON="json")
+    trt.Dims = tuple
+    trt.profiles = []  # the shapes of every optimization profile a build added
     return trt, loggers
 
 
@@ -621,34 +632,34 @@ def pins() -> TimingCache:
     return cache
 
 
-def test_a_pinned_build_whose_tactics_moved_fails_naming_the_layer():
+def test_a_build_whose_tactics_moved_from_the_caches_selections_fails_naming_the_layer():
     settings = build_settings(TrtVersion(11, 0), "fp16", {}, timing_cache=True, editable=True, error_on_cache_miss=True)
     trt, loggers = builder_trt({})
-    run = run_builder(trt, b"onnx", settings, base_cache=b"", pins=pins(), ignore_mismatch=False)
+    run = run_builder(trt, b"onnx", settings, base_cache=b"", enforced=pins(), ignore_mismatch=False)
     assert run.plan == b"plan" and run.capture.lines == ["[V] [TRT] building"]
-    second = run_builder(trt, b"onnx", settings, base_cache=b"", pins=pins(), ignore_mismatch=False)
+    second = run_builder(trt, b"onnx", settings, base_cache=b"", enforced=pins(), ignore_mismatch=False)
     assert second.capture.lines == ["[V] [TRT] building"]
     # Both builds, builder and parser alike, got the one process-wide logger.
     assert len(loggers) == 4 and all(logger is loggers[0] for logger in loggers)
 
     trt, _ = builder_trt({KEY_MATMUL1: 0x393E4EF8AD243})
     with pytest.raises(HarnessError) as exc:
-        run_builder(trt, b"onnx", settings, base_cache=b"", pins=pins(), ignore_mismatch=False)
+        run_builder(trt, b"onnx", settings, base_cache=b"", enforced=pins(), ignore_mismatch=False)
     assert str(exc.value) == (
-        "TensorRT did not keep the pinned tactics (fp16); the engine is discarded:\n"
-        f"  layer 'matMul1' (key {KEY_MATMUL1}): pinned sm80_xmma_gemm_f32f32_tf32f32_f32_nn_n_tilesize32x32x64"
+        "TensorRT did not keep the timing cache's tactics (fp16); the engine is discarded:\n"
+        f"  layer 'matMul1' (key {KEY_MATMUL1}): the cache selects sm80_xmma_gemm_f32f32_tf32f32_f32_nn_n_tilesize32x32x64"
         "_stage3_warpsize2x1x2_tensor16x8x8 (0x665ded9abbf88), built 0x393e4ef8ad243"
     )
     trt, _ = builder_trt({"0x000102030405060708090a0b0c0d0e0f": 1})
-    with pytest.raises(HarnessError, match="key 0x000102030405060708090a0b0c0d0e0f: not in the pinned cache"):
-        run_builder(trt, b"onnx", settings, base_cache=b"", pins=pins(), ignore_mismatch=False)
+    with pytest.raises(HarnessError, match="key 0x000102030405060708090a0b0c0d0e0f: not in the timing cache"):
+        run_builder(trt, b"onnx", settings, base_cache=b"", enforced=pins(), ignore_mismatch=False)
     # Without error-on-miss a new key is a layer timed afresh, which is allowed.
     lenient = build_settings(TrtVersion(11, 0), "fp16", {}, timing_cache=True, editable=True, error_on_cache_miss=False)
-    assert run_builder(trt, b"onnx", lenient, base_cache=b"", pins=pins(), ignore_mismatch=False).plan == b"plan"
-    # A pinned key TensorRT's cache lacks: update() refuses it, and nothing says it was used.
+    assert run_builder(trt, b"onnx", lenient, base_cache=b"", enforced=pins(), ignore_mismatch=False).plan == b"plan"
+    # A key of the cache TensorRT's cache lacks: update() refuses it, and nothing says it was used.
     trt, _ = builder_trt(cache={KEY_MATMUL1: SAMPLE_CACHE[KEY_MATMUL1]})
-    with pytest.raises(HarnessError, match=f"key {KEY_MATMUL2}\\): pinned .*but the built cache has no such key"):
-        run_builder(trt, b"onnx", lenient, base_cache=b"", pins=pins(), ignore_mismatch=False)
+    with pytest.raises(HarnessError, match=f"key {KEY_MATMUL2}\\): the cache selects .*but the built cache has no such key"):
+        run_builder(trt, b"onnx", lenient, base_cache=b"", enforced=pins(), ignore_mismatch=False)
 
 
 # --- whole builds, with doubles only where the GPU would be -----------------------------------
@@ -689,9 +700,9 @@ def sample_engine_layers() -> str:
     return json.dumps({**oneline_document(EDITABLE.read_text(), "sample"), "Bindings": []})
 
 
-def test_a_pinned_build_is_checked_against_the_kernel_the_engine_runs(gpu_double):
+def test_a_build_from_a_cache_is_checked_against_the_kernel_the_engine_runs(gpu_double):
     """Whether a layer TensorRT 11.0 re-timed despite the cache shows up in get_timing_cache()
-    is unconfirmed; here it does not: the cache keeps the pinned hash, while the engine's real
+    is unconfirmed; here it does not: the cache keeps the selected hash, while the engine's real
     layer runs the kernel the sample's build selected. The inspector's TacticName tells."""
     sample = {KEY_MATMUL1: SAMPLE_CACHE[KEY_MATMUL1]}
     kept = TimingCache(PROV, parse_log(EDITABLE.read_text()).entries())
@@ -707,8 +718,8 @@ def test_a_pinned_build_is_checked_against_the_kernel_the_engine_runs(gpu_double
     with pytest.raises(HarnessError) as exc:
         TensorRTBackend(trt).build(lenet_fp16(), BuildConfig("fp16", error_on_cache_miss=True), moved)
     assert str(exc.value) == (
-        "TensorRT did not keep the pinned tactics (fp16); the engine is discarded:\n"
-        f"  layer 'matMul1_myl0_0' (key {KEY_MATMUL1}): pinned sm80_xmma_gemm_f32f32_tf32f32_f32_nn_n_"
+        "TensorRT did not keep the timing cache's tactics (fp16); the engine is discarded:\n"
+        f"  layer 'matMul1_myl0_0' (key {KEY_MATMUL1}): the cache selects sm80_xmma_gemm_f32f32_tf32f32_f32_nn_n_"
         "tilesize64x32x64_stage4_warpsize2x1x2_tensor16x8x8 (0x393e4ef8ad243), the engine runs "
         "sm80_xmma_gemm_f32f32_tf32f32_f32_nn_n_tilesize32x32x64_stage3_warpsize2x1x2_tensor16x8x8"
     )
@@ -801,7 +812,7 @@ def gpu() -> None:
 
 
 @pytest.mark.gpu
-def test_pinned_rebuild_reproduces_the_engine_exactly(tmp_path, gpu):
+def test_a_rebuild_from_the_cache_reproduces_the_engine_exactly(tmp_path, gpu):
     spec = models.load("lenet")
     mode = "autocast-fp16"
     compiled = compile_for_mode(spec, mode, None)
@@ -862,3 +873,35 @@ def test_error_on_cache_miss_with_an_empty_cache_fails_naming_the_problem(gpu):
     config = BuildConfig("fp16", error_on_cache_miss=True)
     with pytest.raises(HarnessError, match="failed to build"):
         backend.build(compiled, config, TimingCache(backend.provenance(config)))
+
+
+# --- a batch sweep: one engine with an optimization profile ----------------------------------
+
+
+def test_a_batch_sweep_builds_one_engine_with_an_optimization_profile(gpu_double, tmp_path):
+    """The ONNX gets a dynamic batch axis, the build one profile (min/max the sweep's extremes,
+    opt its first size), recorded in the cache provenance, the engine record and its fingerprint."""
+    profile = BatchProfile.for_sweep(0, [2, 1, 8])
+    compiled = compile_for_mode(models.load("lenet", 8), "autocast-fp16", None)
+    config = BuildConfig("autocast-fp16", batch_profile=profile)
+    trt, _ = builder_trt()
+    backend = TensorRTBackend(trt)
+    engine, _ = backend.build(compiled, config, None)
+    assert trt.profiles == [[("x", (1, 1, 28, 28), (2, 1, 28, 28), (8, 1, 28, 28))]]
+    assert backend.provenance(config).builder_options["batch_profile"] == {"dim": 0, "min": 1, "opt": 2, "max": 8}
+    plan = engine.plan_json()
+    assert plan["builder"]["batch_profile"] == profile.to_json()
+    assert plan["inputs"] == [{"name": "x", "dtype": "fp32", "shape": [-1, 1, 28, 28]}]
+    assert plan["outputs"][0]["shape"] == [-1, 10]
+    # the engine names the settings it was compiled under, in full
+    assert plan["compiler_settings"] == config.compiler_settings() == engine.compiler_settings()
+    engine.save(tmp_path / "e")
+    loaded = backend.load(tmp_path / "e")
+    assert loaded.record.batch_profile == profile and loaded.compiler_settings() == engine.compiler_settings()
+    assert loaded.fingerprint() == engine.fingerprint()
+    # a static engine of the same graph: no profile, its own fingerprint, and a cache of its own
+    static_trt, _ = builder_trt()
+    static, _ = TensorRTBackend(static_trt).build(compiled, BuildConfig("autocast-fp16"), None)
+    assert static_trt.profiles == [] and static.plan_json()["inputs"][0]["shape"] == [8, 1, 28, 28]
+    assert static.fingerprint() != engine.fingerprint()
+    assert "batch_profile" not in backend.provenance(BuildConfig("autocast-fp16")).builder_options

@@ -27,11 +27,11 @@ from harness.engines.tensorrt import versions
 from harness.engines.tensorrt.cache_bridge import (
     INVALID_TACTIC_HASH,
     UNKNOWN_LAYER,
-    apply_pins,
+    apply_selections,
     built_tactics,
     export_trt_cache,
     moved_kernels,
-    moved_pins,
+    moved_selections,
 )
 from harness.engines.tensorrt.inspector import (
     engine_information_json,
@@ -149,7 +149,7 @@ def test_round_trip_pin_in_json_then_apply_to_trt(tmp_path):
     cache = TimingCache.load(path)
     pin(cache, "matMul1", "0x393e4ef8ad243")
     trt_cache = trt_cache_after_build()
-    assert apply_pins(trt_cache, cache, FAKE_TRT) == []
+    assert apply_selections(trt_cache, cache, FAKE_TRT) == []
     assert trt_cache.values[KEY_MATMUL1] == (0x393E4EF8AD243, 0.0118784)
     # Exporting again gives back exactly the edited JSON decisions.
     again = export_trt_cache(trt_cache, parse_log_file(EDITABLE), PROV)
@@ -158,7 +158,7 @@ def test_round_trip_pin_in_json_then_apply_to_trt(tmp_path):
 
 def test_apply_reports_keys_tensorrt_does_not_have():
     trt_cache = TimingCacheDouble({KEY_MATMUL2: (1, 1.0)})
-    errors = apply_pins(trt_cache, exported(), FAKE_TRT)
+    errors = apply_selections(trt_cache, exported(), FAKE_TRT)
     assert len(errors) == 1
     assert errors[0].startswith(f"layer 'matMul1' (key {KEY_MATMUL1}): TensorRT refused")
     assert "EDITABLE_TIMING_CACHE" in errors[0]
@@ -168,9 +168,9 @@ def test_apply_reports_keys_tensorrt_does_not_have():
 def test_apply_rejects_other_backends_and_malformed_keys():
     cpu = TimingCache(replace(PROV, backend="cpu"), [CacheEntry("conv|nchw|f32", "conv", "direct", "0x1", 1.0)])
     with pytest.raises(HarnessError, match="backend 'cpu', not 'tensorrt'"):
-        apply_pins(TimingCacheDouble({}), cpu, FAKE_TRT)
+        apply_selections(TimingCacheDouble({}), cpu, FAKE_TRT)
     odd = TimingCache(PROV, [CacheEntry("0x1234", "conv", "t", "0x1", 1.0)])
-    assert apply_pins(TimingCacheDouble({"0x1234": (0, 1.0)}), odd, FAKE_TRT) == [
+    assert apply_selections(TimingCacheDouble({"0x1234": (0, 1.0)}), odd, FAKE_TRT) == [
         "layer 'conv' (key 0x1234): not a TensorRT cache key (expected 0x and 32 hex digits)"
     ]
 
@@ -179,37 +179,37 @@ def test_a_pinned_tactic_that_moved_fails_naming_the_layer():
     pins = exported()
     pin(pins, "matMul1", "0x393e4ef8ad243")
     kept = {KEY_MATMUL1: "0x393E4EF8AD243", KEY_MATMUL2: "0x665ded9abbf88"}
-    assert moved_pins(kept, pins, error_on_miss=True) == []
+    assert moved_selections(kept, pins, error_on_miss=True) == []
     moved = {**kept, KEY_MATMUL1: "0x665ded9abbf88"}
-    assert moved_pins(moved, pins, error_on_miss=False) == [
-        f"layer 'matMul1' (key {KEY_MATMUL1}): pinned sm80_xmma_gemm_f32f32_tf32f32_f32_nn_n_tilesize64x32x64"
+    assert moved_selections(moved, pins, error_on_miss=False) == [
+        f"layer 'matMul1' (key {KEY_MATMUL1}): the cache selects sm80_xmma_gemm_f32f32_tf32f32_f32_nn_n_tilesize64x32x64"
         "_stage4_warpsize2x1x2_tensor16x8x8 (0x393e4ef8ad243), built 0x665ded9abbf88"
     ]
     # A key the pins lack was timed: a miss, which error-on-miss forbids even where TensorRT
     # (11.0) did not stop the build.
     extra = {**kept, "0x000102030405060708090a0b0c0d0e0f": "0x1"}
-    assert moved_pins(extra, pins, error_on_miss=False) == []
-    assert moved_pins(extra, pins, error_on_miss=True) == [
-        "key 0x000102030405060708090a0b0c0d0e0f: not in the pinned cache, yet the build timed and kept tactic 0x1"
+    assert moved_selections(extra, pins, error_on_miss=False) == []
+    assert moved_selections(extra, pins, error_on_miss=True) == [
+        "key 0x000102030405060708090a0b0c0d0e0f: not in the timing cache, yet the build timed and kept tactic 0x1"
     ]
 
 
 def test_a_pinned_key_missing_from_the_built_cache_fails():
     """``update`` refuses a key TensorRT's cache lacks, so such a pin was never applied; an
-    ``op:`` entry of a trtexec build is no TensorRT key at all (apply_pins says so)."""
+    ``op:`` entry of a trtexec build is no TensorRT key at all (apply_selections says so)."""
     pins = exported()
     pins.update(CacheEntry("op:node_linear", "node_linear", "kernel", UNKNOWN_HASH, 0.01))
     built = {KEY_MATMUL1: "0x665ded9abbf88"}
-    assert moved_pins(built, pins, error_on_miss=False) == [
-        f"layer {UNKNOWN_LAYER!r} (key {KEY_MATMUL2}): pinned 0x665ded9abbf88 (0x665ded9abbf88), but the "
-        "built cache has no such key, so the pin was never applied"
+    assert moved_selections(built, pins, error_on_miss=False) == [
+        f"layer {UNKNOWN_LAYER!r} (key {KEY_MATMUL2}): the cache selects 0x665ded9abbf88 (0x665ded9abbf88), but the "
+        "built cache has no such key, so the selection was never applied"
     ]
-    assert apply_pins(trt_cache_after_build(), pins, FAKE_TRT) == [
+    assert apply_selections(trt_cache_after_build(), pins, FAKE_TRT) == [
         "layer 'node_linear' (key op:node_linear): not a TensorRT cache key (expected 0x and 32 hex digits)"
     ]
     keyed = TimingCache(PROV, [CacheEntry(KEY_MATMUL1, "matMul1", "kernel", UNKNOWN_HASH, 0.01)])
-    assert apply_pins(trt_cache_after_build(), keyed, FAKE_TRT) == [
-        f"layer 'matMul1' (key {KEY_MATMUL1}): its kernel kernel is known by name only, so it cannot be pinned"
+    assert apply_selections(trt_cache_after_build(), keyed, FAKE_TRT) == [
+        f"layer 'matMul1' (key {KEY_MATMUL1}): its kernel kernel is known by name only, so TensorRT cannot be told to select it"
     ]
 
 
@@ -225,7 +225,7 @@ def test_the_kernel_an_engine_layer_runs_is_checked_against_its_pin():
     assert moved_kernels(pins, [sample_layer()]) == []
     pin(pins, "matMul1", "0x393e4ef8ad243")
     assert moved_kernels(pins, [sample_layer()]) == [
-        f"layer 'matMul1_myl0_0' (key {KEY_MATMUL1}): pinned sm80_xmma_gemm_f32f32_tf32f32_f32_nn_n_tilesize64x32x64"
+        f"layer 'matMul1_myl0_0' (key {KEY_MATMUL1}): the cache selects sm80_xmma_gemm_f32f32_tf32f32_f32_nn_n_tilesize64x32x64"
         "_stage4_warpsize2x1x2_tensor16x8x8 (0x393e4ef8ad243), the engine runs sm80_xmma_gemm_f32f32_tf32f32_f32"
         "_nn_n_tilesize32x32x64_stage3_warpsize2x1x2_tensor16x8x8"
     ]

@@ -138,3 +138,24 @@ def test_one_logger_for_every_builder_and_runtime(report):
     major_, minor = (int(p) for p in report["version"].split(".")[:2])
     patch = int(report["version"].split(".")[2])
     assert seen["versions_seen"] == [major_ * 10000 + minor * 100 + patch] * 3
+
+
+def test_a_batch_sweeps_optimization_profile_is_made_of_the_real_dims(report):
+    """One profile over the batch axis: min/max the sweep's extremes, opt its first size."""
+    assert "min: tensorrt_bindings.tensorrt.Dims, opt: tensorrt_bindings.tensorrt.Dims, max: tensorrt_bindings.tensorrt.Dims" in (
+        report["signatures"]["IOptimizationProfile.set_shape"]
+    )
+    assert "-> tensorrt_bindings.tensorrt.IOptimizationProfile" in report["signatures"]["Builder.create_optimization_profile"]
+    assert "profile: tensorrt_bindings.tensorrt.IOptimizationProfile) -> int" in (
+        report["signatures"]["IBuilderConfig.add_optimization_profile"]
+    )
+    seen = report["profiles"]
+    # only the input with a dynamic batch axis gets a range, in TensorRT's own Dims
+    assert seen["set"] == [[["x", ["Dims", [1, 3, 32, 32]], ["Dims", [8, 3, 32, 32]], ["Dims", [32, 3, 32, 32]]]]]
+    assert seen["returned"] == {"x": [[1, 3, 32, 32], [8, 3, 32, 32], [32, 3, 32, 32]]} and seen["added"]
+    # the profile is part of what decides kernels: the cache provenance and the engine record
+    assert seen["kernel_options"]["batch_profile"] == {"dim": 0, "min": 1, "opt": 8, "max": 32}
+    assert seen["builder_record"]["batch_profile"] == {"dim": 0, "min": 1, "opt": 8, "max": 32}
+    assert seen["refused"].startswith("TensorRT refused the optimization profile {'x': [[1, 3, 32, 32]")
+    assert seen["other_dim"].startswith("input 'x' of shape [2, -1] has dynamic dimension(s) [1]")
+    assert "no input has a dynamic batch dimension" in seen["static"]

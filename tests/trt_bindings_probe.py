@@ -22,17 +22,19 @@ import tensorrt as trt  # noqa: E402
 
 from harness.cache.operations import pin  # noqa: E402
 from harness.cache.timing_cache import Provenance, TimingCache  # noqa: E402
-from harness.engines.protocol import PRECISION_MODES, BuildConfig  # noqa: E402
+from harness.engines.onnx_export import TensorSpec  # noqa: E402
+from harness.engines.protocol import PRECISION_MODES, BatchProfile, BuildConfig  # noqa: E402
 from harness.engines.tensorrt.backend import TensorRTBackend  # noqa: E402
 from harness.engines.tensorrt.builder import (  # noqa: E402
     TrtModule,
+    add_batch_profile,
     build_settings,
     capture_log,
     process_logger,
     run_builder,
     set_builder_flags,
 )
-from harness.engines.tensorrt.cache_bridge import apply_pins, export_trt_cache  # noqa: E402
+from harness.engines.tensorrt.cache_bridge import apply_selections, export_trt_cache  # noqa: E402
 from harness.engines.tensorrt.log_parser import parse_log_file  # noqa: E402
 from harness.engines.tensorrt.versions import TrtVersion, flag_bits, installed_version  # noqa: E402
 from harness.errors import HarnessError  # noqa: E402
@@ -42,11 +44,12 @@ KEY = "0x1814870c44ff0f8574df6e3dda04cbd7"  # matMul1 of NVIDIA's sampleEditable
 
 # Every method and attribute backend.py, builder.py, cache_bridge.py and inspector.py use.
 CALLED = {
-    "Builder": ("create_network", "create_builder_config", "build_serialized_network"),
+    "Builder": ("create_network", "create_builder_config", "build_serialized_network", "create_optimization_profile"),
     "IBuilderConfig": (
         "set_flag", "clear_flag", "create_timing_cache", "set_timing_cache", "get_timing_cache",
-        "profiling_verbosity", "builder_optimization_level", "avg_timing_iterations",
+        "profiling_verbosity", "builder_optimization_level", "avg_timing_iterations", "add_optimization_profile",
     ),
+    "IOptimizationProfile": ("set_shape",),
     "ITimingCache": ("queryKeys", "query", "update", "serialize"),
     "OnnxParser": ("parse", "get_error", "num_errors"),
     "Runtime": ("deserialize_cuda_engine",),
@@ -54,7 +57,7 @@ CALLED = {
         "create_engine_inspector", "create_execution_context", "num_io_tensors", "get_tensor_name",
         "get_tensor_mode", "device_memory_size_v2",
     ),
-    "IExecutionContext": ("set_tensor_address", "execute_async_v3"),
+    "IExecutionContext": ("set_tensor_address", "execute_async_v3", "set_input_shape", "get_tensor_shape"),
     "EngineInspector": ("get_engine_information",),
     "TimingCacheValue": ("tacticHash", "timingMSec"),
     "TimingCacheKey": ("parse",),
@@ -123,6 +126,62 @@ def modes() -> dict[str, dict[str, object]]:
     return out
 
 
+class RecordingProfile:
+    """Stands in for IOptimizationProfile (a builder makes it): records the shapes it is given."""
+
+    def __init__(self) -> None:
+        self.shapes: list[list[object]] = []
+
+    def set_shape(self, name: str, low: object, opt: object, high: object) -> None:
+        self.shapes.append([name, *([type(d).__name__, list(d)] for d in (low, opt, high))])  # type: ignore[call-overload]
+
+
+class RecordingBuilder:
+    def __init__(self) -> None:
+        self.profiles: list[RecordingProfile] = []
+
+    def create_optimization_profile(self) -> RecordingProfile:
+        self.profiles.append(RecordingProfile())
+        return self.profiles[-1]
+
+
+class ProfileConfig(RecordingConfig):
+    def __init__(self, answer: int) -> None:
+        super().__init__()
+        self.answer = answer
+        self.added: list[RecordingProfile] = []
+
+    def add_optimization_profile(self, profile: RecordingProfile) -> int:
+        self.added.append(profile)
+        return self.answer
+
+
+def profiles() -> dict[str, object]:
+    """One optimization profile for a batch sweep, its shapes as the real ``trt.Dims``."""
+    inputs = (TensorSpec("x", "fp32", (-1, 3, 32, 32)), TensorSpec("scale", "fp32", (4,)))
+    sweep = BatchProfile.for_sweep(0, [8, 1, 32])
+    builder, config = RecordingBuilder(), ProfileConfig(0)
+    shapes = add_batch_profile(trt, builder, config, inputs, sweep)  # type: ignore[arg-type]
+    out: dict[str, object] = {
+        "returned": shapes,
+        "set": [p.shapes for p in builder.profiles],
+        "added": len(config.added) == 1 and config.added[0] is builder.profiles[0],
+        "kernel_options": TensorRTBackend(trt).settings(BuildConfig("fp16", batch_profile=sweep)).kernel_options(),
+        "builder_record": TensorRTBackend(trt).settings(BuildConfig("fp16", batch_profile=sweep)).to_json(),
+    }
+    for name, config, specs in (
+        ("refused", ProfileConfig(-1), inputs),
+        ("other_dim", ProfileConfig(0), (TensorSpec("x", "fp32", (2, -1)),)),
+        ("static", ProfileConfig(0), (TensorSpec("x", "fp32", (2, 3)),)),
+    ):
+        try:
+            add_batch_profile(trt, RecordingBuilder(), config, specs, sweep)  # type: ignore[arg-type]
+            out[name] = ""
+        except HarnessError as exc:
+            out[name] = str(exc)
+    return out
+
+
 def keys() -> dict[str, object]:
     log = parse_log_file(DATA / "editable_10.8_sample_readme.log")
     provenance = Provenance("tensorrt", trt.__version__, "probe", {}, {})
@@ -131,7 +190,7 @@ def keys() -> dict[str, object]:
     entry = cache.entries()[0]
     pin(cache, "matMul1", "0x393e4ef8ad243")
     target = RecordingCache({KEY: trt.TimingCacheValue(0x665DED9ABBF88, 0.011264)})
-    refused = apply_pins(target, cache, trt)
+    refused = apply_selections(target, cache, trt)
     odd = TimingCache(provenance, [entry.__class__("0x1234", "conv", "t", "0x1", 1.0)])
     invalid = RecordingCache({KEY: trt.TimingCacheValue((1 << 64) - 1, 0.5)})
     try:
@@ -149,7 +208,7 @@ def keys() -> dict[str, object]:
         "exported": [entry.key, entry.layer, entry.tactic_hash, entry.time_ms],
         "updates": target.updates,
         "refused": refused,
-        "odd": apply_pins(target, odd, trt),
+        "odd": apply_selections(target, odd, trt),
         "invalid_hash": invalid_error,
         "parse_error": parse_error,
     }
@@ -164,7 +223,7 @@ def logging_and_builders(standin: str) -> dict[str, object]:
     failures = []
     for _ in range(2):  # two builds in one process: TensorRT must be handed one logger
         try:
-            run_builder(trt, b"", settings, base_cache=None, pins=None, ignore_mismatch=False)
+            run_builder(trt, b"", settings, base_cache=None, enforced=None, ignore_mismatch=False)
         except TypeError as exc:  # the stand-in creates no builder
             failures.append(str(exc))
     try:
@@ -200,6 +259,7 @@ def main() -> None:
         "modes": modes(),
         "weak_10_13_here": None,
         "keys": keys(),
+        "profiles": profiles(),
         "logging": logging_and_builders(sys.argv[1]),
     }
     weak = build_settings(TrtVersion(10, 13), "weak-fp16", {}, timing_cache=True, editable=True, error_on_cache_miss=False)

@@ -9,6 +9,8 @@ types are the ones written in it whatever the caller's autocast state.
 
 from __future__ import annotations
 
+import functools
+import logging
 import time
 from collections.abc import Mapping, Sequence
 from contextlib import ExitStack
@@ -16,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.export import ExportedProgram
 
 from harness.autocast.amp_lists import policy_for
@@ -35,9 +38,10 @@ from harness.autocast.settings import DTYPES, AutocastSettings, compile_patterns
 from harness.autocast.verify import verify_graph
 from harness.errors import HarnessError
 from harness.frontend.export import export_program, standalone_graph
-from harness.fxutil import fake_mode_of, splice, trace_call
+from harness.fxutil import fake_mode_of, input_nodes, splice, trace_call
 from harness.globalstate import preserves_global_state
 from harness.lowering.decompose import DecompositionTable, decompose
+from harness.lowering.functionalize import functionalize_inplace
 from harness.lowering.layout import channels_last_weights
 from harness.lowering.pass_manager import PassManager, default_pass_manager, validate
 from harness.outputs import OutputSpec, output_spec_of
@@ -74,29 +78,146 @@ class CompiledGraph:
             return tuple(self.graph_module(*inputs))
 
 
+_log = logging.getLogger(__name__)
+
+_BACKEND_KEYS = {"cpu": "CPU", "cuda": "CUDA"}
+# Kernels written once in other ATen ops for every backend; eager runs them when
+# the backend has no kernel of its own, and their calls re-enter the dispatcher,
+# autocast included.
+_COMPOSITE_KEYS = ("CompositeImplicitAutograd", "CompositeExplicitAutogradNonFunctional", "CompositeExplicitAutograd")
+_MAX_EXPANSION_DEPTH = 4
+
+
+def _has_kernel(op: torch._ops.OpOverload, key: str) -> bool:
+    return torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), key)
+
+
+def _mutates(sub: torch.fx.GraphModule) -> bool:
+    return any(
+        n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable
+        for n in sub.graph.nodes
+    )
+
+
+def _out_of_place_view(op: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
+    """``transpose_.default`` -> ``transpose.int``: the view op with the same arguments, if ``op`` is an in-place view."""
+    name = op._schema.name.split("::")[-1]
+    if not name.endswith("_") or (packet := getattr(torch.ops.aten, name[:-1], None)) is None:
+        return None
+    wanted = [(a.name, str(a.type)) for a in op._schema.arguments]
+    for overload in packet.overloads():
+        twin = getattr(packet, overload)
+        returns = twin._schema.returns
+        if [(a.name, str(a.type)) for a in twin._schema.arguments] == wanted and returns and returns[0].alias_info:
+            return twin if not returns[0].alias_info.is_write else None
+    return None
+
+
+def _restride_out_of_place(body: torch.fx.GraphModule) -> None:
+    """In-place view ops (``transpose_``, ``squeeze_``) in a traced body become their view ops.
+
+    They change a tensor's sizes and strides, never its data or any other
+    alias, and a trace reads the tensor after the op through the op's own
+    result, so the view op computes the same. (Writes of data are left to
+    :func:`functionalize_inplace`.)
+    """
+    for node in body.graph.nodes:
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        twin = _out_of_place_view(node.target) if node.target._schema.is_mutable else None
+        source = node.args[0] if node.args else None
+        if twin is not None and isinstance(source, torch.fx.Node) and all(u < node for u in source.users if u is not node):
+            node.target = twin  # nothing reads the tensor's old shape after the op
+    body.recompile()
+
+
+def _composite_body(node: torch.fx.Node, device: str, fake_mode: FakeTensorMode) -> torch.fx.GraphModule | None:
+    """The ATen calls eager makes for ``node`` on ``device`` when its kernel is written in other ops.
+
+    Two kinds of kernel are: ``CompositeImplicitAutograd`` ones (``einsum``,
+    ``tensordot``, ``bilinear``, ``rnn_tanh``) and ``CompositeExplicitAutograd``
+    ones the backend has no override for (``_trilinear``, which ``bilinear``
+    calls: zeros, then one ``bmm`` pair per output feature added in). Views
+    compute nothing and backend kernels are opaque, so both stay whole.
+
+    The body is the kernel's *own* calls, one level deep, traced as export
+    traces (pre-dispatch): autocast intercepts ``linear`` inside ``rnn_tanh``
+    as ``linear`` (casting its bias too), not as the ``addmm`` it becomes
+    further down. It is the C++ kernel eager runs, never a Python
+    decomposition torch may register for the op (``upsample_bicubic2d.vec``),
+    which computes differently.
+    """
+    op = node.target
+    if not isinstance(op, torch._ops.OpOverload) or _has_kernel(op, _BACKEND_KEYS[device]):
+        return None
+    if op._schema.is_mutable or any(r.alias_info is not None for r in op._schema.returns):
+        return None
+    if not any(isinstance(v := a.meta.get("val"), torch.Tensor) and v.is_floating_point() for a in input_nodes(node)):
+        return None  # autocast casts floating-point tensor arguments only (factories, integer ops)
+    key = next((k for k in _COMPOSITE_KEYS if _has_kernel(op, k)), None)
+    if key is None:
+        return None
+    kernel = functools.partial(op._op_dk, getattr(torch._C.DispatchKey, key))
+    try:
+        body = trace_call(node, op, fake_mode, {op: kernel}, pre_dispatch=True)
+    except Exception as exc:  # noqa: BLE001 - torch raises many types from a kernel on fake tensors
+        if key == "CompositeImplicitAutograd":
+            raise
+        # An explicit kernel that does not run on fake tensors stays whole (as every
+        # explicit kernel did before they were looked into); logged for whoever
+        # debugs a mismatch with eager.
+        _log.debug("node %s: %s kept whole, its %s kernel does not trace: %s", node.name, op, key, exc)
+        return None
+    body.graph.eliminate_dead_code()  # queries such as cudnn_is_acceptable
+    body.recompile()
+    return body
+
+
+def _autocast_expansion(
+    node: torch.fx.Node, device: str, fake_mode: FakeTensorMode, depth: int = _MAX_EXPANSION_DEPTH
+) -> torch.fx.GraphModule | None:
+    """``node``'s composite body if eager autocast sees a listed op anywhere inside it, else ``None``.
+
+    Looks through nested composites (``bilinear`` -> ``_trilinear`` -> ``bmm``):
+    a body whose listed ops sit one composite deeper still changes types in
+    eager. A body with no listed op at any depth runs in its inputs' dtypes
+    exactly as the whole op does, so it stays whole (engines keep their kernel).
+    """
+    op = node.target
+    if depth == 0 or not isinstance(op, torch._ops.OpOverload) or policy_for(op, device) is not None:
+        return None
+    body = _composite_body(node, device, fake_mode)
+    if body is None:
+        return None
+    for part in body.graph.nodes:
+        if part.op != "call_function" or not isinstance(part.target, torch._ops.OpOverload):
+            continue
+        if policy_for(part.target, device) is not None or _autocast_expansion(part, device, fake_mode, depth - 1):
+            # Kernels write into buffers they allocate (_trilinear: zeros, then
+            # narrow(...).add_); engines run nodes as pure functions.
+            _restride_out_of_place(body)
+            return functionalize_inplace(body) if _mutates(body) else body
+    return None
+
+
 def _expand_autocast_composites(gm: torch.fx.GraphModule, device: str, ambient: Region | None) -> None:
     """Composite ops autocast does not list run as their parts, which autocast does see.
 
     Eager autocast intercepts listed ops only; an unlisted composite (e.g.
-    ``einsum``) falls through to its decomposition, whose ``bmm`` *is* listed.
-    Such composites are replaced by their decomposition so the policy applies
-    to the parts, as in eager; composites whose parts are all unlisted stay whole.
+    ``einsum``) falls through to its kernel, whose own calls (``bmm``) go
+    through the dispatcher again, autocast included. Such composites are
+    replaced by those calls so the policy applies to the parts, as in eager
+    (see :func:`_autocast_expansion`).
     """
     fake_mode = fake_mode_of(gm)
     pending = [n for n in gm.graph.nodes if n.op == "call_function"]
     while pending:
         node = pending.pop()
-        op = node.target
-        if not isinstance(op, torch._ops.OpOverload) or policy_for(op, device) is not None:
-            continue
         state = effective_state(node, device, ambient)
         if state is None or not state.enabled:
             continue
-        if not torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd"):
-            continue
-        sub = trace_call(node, op.decompose, fake_mode)
-        parts = [n.target for n in sub.graph.nodes if n.op == "call_function"]
-        if any(isinstance(t, torch._ops.OpOverload) and policy_for(t, device) is not None for t in parts):
+        sub = _autocast_expansion(node, device, fake_mode)
+        if sub is not None:
             pending.extend(splice(gm, node, sub))
     gm.graph.lint()
     gm.recompile()

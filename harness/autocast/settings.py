@@ -99,8 +99,16 @@ class AutocastSettings:
     def __post_init__(self) -> None:
         set_ = object.__setattr__
         set_(self, "low", parse_dtype(self.low_precision_type, "low_precision_type"))
-        set_(self, "exclude_patterns", compile_patterns(_strings(self.nodes_to_exclude, "nodes_to_exclude"), "nodes_to_exclude"))
-        set_(self, "include_patterns", compile_patterns(_strings(self.nodes_to_include, "nodes_to_include"), "nodes_to_include"))
+        # Sets in effect: sorted and deduplicated, so that `--exclude a --exclude b`,
+        # `--exclude b --exclude a` and a Python set (whose order follows PYTHONHASHSEED)
+        # are one setting with one digest. Order never changes a decision: a node
+        # matching any pattern is excluded (included); the first match in this
+        # order only names the pattern in the report's reason. custom_rules keep
+        # the user's order: the first rule that answers names the report's rule.
+        for name in _SET_FIELDS:
+            set_(self, name, _canonical(getattr(self, name), name))
+        set_(self, "exclude_patterns", compile_patterns(self.nodes_to_exclude, "nodes_to_exclude"))
+        set_(self, "include_patterns", compile_patterns(self.nodes_to_include, "nodes_to_include"))
         set_(self, "exclude_targets", frozenset(_ops(self.targets_to_exclude, "targets_to_exclude")))
         set_(self, "include_targets", frozenset(_ops(self.targets_to_include, "targets_to_include")))
         set_(self, "data_max", _threshold(self.data_max, "data_max"))
@@ -179,6 +187,14 @@ def load_calibration_file(path: str | os.PathLike[str]) -> list[tuple[torch.Tens
         raise HarnessError(f"{where}: every input must hold the same number (>= 1) of batches on dimension 0")
     (count,) = counts
     return [tuple(tensors[n][b].clone() for n in names) for b in range(count)]
+
+
+_SET_FIELDS = ("nodes_to_exclude", "targets_to_exclude", "nodes_to_include", "targets_to_include")
+
+
+def _canonical(values: Iterable[str], what: str) -> tuple[str, ...]:
+    """``values`` sorted and deduplicated: the order of flags or of a set's iteration is no setting."""
+    return tuple(sorted(set(_strings(values, what))))
 
 
 def _strings(values: Iterable[str], what: str) -> list[str]:

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from harness.errors import HarnessError
 from harness.fxutil import op_name, tensor_vals
@@ -21,6 +22,9 @@ from harness.fxutil import op_name, tensor_vals
 
 class _Checker(torch.fx.Interpreter):
     def run_node(self, n: torch.fx.Node) -> Any:
+        expected = list(tensor_vals(n.meta.get("val")))
+        for fake in expected:
+            _check_static_shape(n, fake)
         try:
             result = super().run_node(n)
         except Exception as exc:
@@ -28,7 +32,6 @@ class _Checker(torch.fx.Interpreter):
             raise HarnessError(
                 f"node {n.name} ({op_name(n.target)}) cannot run with the types it was given: {first}"
             ) from exc
-        expected = list(tensor_vals(n.meta.get("val")))
         actual = list(tensor_vals(result))
         for real, fake in zip(actual, expected, strict=False):
             if real.dtype != fake.dtype or tuple(real.shape) != tuple(fake.shape):
@@ -37,6 +40,25 @@ class _Checker(torch.fx.Interpreter):
                     f"but its metadata says {fake.dtype}{list(fake.shape)}"
                 )
         return result
+
+
+def _check_static_shape(n: torch.fx.Node, fake: torch.Tensor) -> None:
+    """Refuse a node whose output shape depends on the input values (``x[x > 0]``, ``nonzero``).
+
+    torch.export traces such a node with an unbacked size symbol (``u0``);
+    comparing it with a real shape raises a 60-line data-dependent-guard
+    error, and no engine can allocate an output whose size only the data
+    knows. Named here, before the node runs, as one error.
+    """
+    symbolic = [str(d) for d in fake.shape if free_unbacked_symbols(d)]
+    if symbolic:
+        shape = ", ".join(str(d) for d in fake.shape)
+        raise HarnessError(
+            f"node {n.name} ({op_name(n.target)}) has an output shape that depends on the input values "
+            f"([{shape}]; {', '.join(symbolic)} is only known at run time), as boolean-mask indexing or "
+            "nonzero() give; engines need shapes known at compile time: index with a fixed-size "
+            "operation (torch.where, masked_fill) instead"
+        )
 
 
 def verify_graph(gm: torch.fx.GraphModule, inputs: Sequence[torch.Tensor]) -> None:

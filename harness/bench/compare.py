@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from harness.bench.results import CaseKey, case_key, format_key
+from harness.bench.results import CaseKey, case_key, case_order, format_key
 
 
 @dataclass(frozen=True)
@@ -114,8 +114,8 @@ def compare(a_doc: Mapping[str, Any], b_doc: Mapping[str, Any]) -> Comparison:
         machine_a=a_doc["machine"]["id"],
         machine_b=b_doc["machine"]["id"],
         cases=[
-            compare_case(a_cases[k], b_cases[k]) for k in sorted(a_cases.keys() & b_cases.keys())
+            compare_case(a_cases[k], b_cases[k]) for k in sorted(a_cases.keys() & b_cases.keys(), key=case_order)
         ],
-        only_in_a=sorted(a_cases.keys() - b_cases.keys()),
-        only_in_b=sorted(b_cases.keys() - a_cases.keys()),
+        only_in_a=sorted(a_cases.keys() - b_cases.keys(), key=case_order),
+        only_in_b=sorted(b_cases.keys() - a_cases.keys(), key=case_order),
     )

@@ -22,6 +22,12 @@ baseline's fails (the two runs measured different models).
 
 Every case gets one verdict; the gate fails when any verdict fails, and the
 counts it prints are counts of cases.
+
+Peer rows (backend ``peer:<name>``, :mod:`harness.bench.peers`) are not
+gated, in either run: they time other software (eager PyTorch, ONNX
+Runtime, ...), not the commit's engines, so a new PyTorch must not fail a
+pull request that changed nothing, and a run without ``--peers`` must not
+miss them. The report notes how many were left out.
 """
 
 from __future__ import annotations
@@ -30,30 +36,35 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-from harness.bench.results import CaseKey, case_key, format_key
+from harness.bench.results import CaseKey, case_key, case_order, format_key, is_peer
 from harness.bench.stats import bootstrap_ratio_ci, mann_whitney_u
 from harness.errors import HarnessError
 
 Severity = Literal["fail", "improvement", "info"]
 Kind = Literal[
-    "latency", "accuracy", "non-finite", "determinism", "weights", "failure", "unstable", "missing", "new"
-]
+    "latency", "accuracy", "non-finite", "determinism", "weights", "failure", "unstable", "missing", "new",
+    "warning",
+]  # fmt: skip
 # A case's verdict: the first failing label in this order, else the first
-# informative one in the second order, else "ok".
+# informative one in the second order, else "ok". "regression" is latency
+# only: an accuracy loss is "accuracy" and a changed engine or output under
+# the same cache "determinism", so a reader knows which kind of failure
+# (and which fix) a row is without reading its findings.
 VERDICT_ORDER: tuple[str, ...] = (
-    "failed", "non-finite", "weights-changed", "missing", "regression", "unstable",
+    "failed", "non-finite", "weights-changed", "missing", "accuracy", "determinism", "regression", "unstable",
 )  # fmt: skip
-INFO_ORDER: tuple[str, ...] = ("non-finite", "missing", "improvement", "new", "unstable")
+INFO_ORDER: tuple[str, ...] = ("non-finite", "missing", "improvement", "new", "unstable", "warning")
 _VERDICT_OF_KIND = {
     "failure": "failed",
     "non-finite": "non-finite",
     "weights": "weights-changed",
     "missing": "missing",
     "latency": "regression",
-    "accuracy": "regression",
-    "determinism": "regression",
+    "accuracy": "accuracy",
+    "determinism": "determinism",
     "unstable": "unstable",
     "new": "new",
+    "warning": "warning",
 }
 
 
@@ -269,6 +280,8 @@ def _check_case(base: Mapping[str, Any], cur: Mapping[str, Any], s: GateSettings
     _latency(base, cur, s, verdict)
     _accuracy(base, cur, s.tolerances, verdict)
     _determinism(base, cur, verdict)
+    for side, case in (("baseline", base), ("current", cur)):  # what the runner stored (a busy machine)
+        verdict.findings += [Finding("warning", "info", f"{side} run: {w}") for w in case.get("warnings", [])]
     return verdict
 
 
@@ -297,8 +310,8 @@ def gate(
                 f"{', '.join(sorted(cur_isa - base_isa)) or '-'}); CPU latencies of different ISAs are not "
                 "comparable. Promote a baseline on this CPU, or pass --ignore-isa"
             )
-    base_cases = {case_key(c): c for c in baseline_doc["cases"]}
-    cur_cases = {case_key(c): c for c in current_doc["cases"]}
+    base_cases = {case_key(c): c for c in baseline_doc["cases"] if not is_peer(c)}
+    cur_cases = {case_key(c): c for c in current_doc["cases"] if not is_peer(c)}
     if not base_cases.keys() & cur_cases.keys():
         raise HarnessError(
             f"the run and the baseline share no case (run: {len(cur_cases)} cases, baseline: "
@@ -306,6 +319,9 @@ def gate(
             "(same names, same backend), or promote a new baseline"
         )
     notes: list[str] = []
+    peers = sum(is_peer(c) for c in current_doc["cases"])
+    if peers:
+        notes.append(f"{peers} peer reference row(s) not gated: they time other software, not this commit's engines")
     problems: list[str] = []
     if not current_doc["complete"]:
         problems.append("the current run is incomplete (interrupted); finish it with --resume")
@@ -328,7 +344,7 @@ def gate(
         CaseVerdict(key, [Finding("missing", missing_severity, "in the baseline but not in this run")])
         for key in base_cases.keys() - cur_cases.keys()
     ]
-    verdicts.sort(key=lambda v: v.key)
+    verdicts.sort(key=lambda v: case_order(v.key))
     return GateReport(cases=verdicts, notes=notes, problems=problems, settings={**asdict(s)})
 
 

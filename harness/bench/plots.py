@@ -7,6 +7,9 @@ the Pareto front, the only ones worth deploying. A mode whose outputs hold
 NaN or Inf has no meaningful error: it is drawn as a red cross above the
 others, named with its NaN/Inf counts and never on the front, and failed
 modes are listed under the plot, so no mode disappears without a word.
+Peers' reference rows (``--peers``, :mod:`harness.bench.peers`) are grey
+diamonds labelled with their backend: shown for comparison, never on the
+modes' front.
 
 Figures are drawn on an explicit Agg canvas instead of through pyplot, so
 plotting neither needs a display nor switches the backend of a program
@@ -18,7 +21,7 @@ from __future__ import annotations
 import io
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -26,7 +29,9 @@ from typing import Any, Literal
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from harness.fileio import atomic_write_bytes
+from harness.bench.results import is_peer
+from harness.errors import HarnessError
+from harness.fileio import atomic_write_bytes, check_writable
 
 ErrorMetric = Literal["1-cosine", "max_abs_error"]
 
@@ -56,6 +61,7 @@ class _Point:
     median_ms: float
     p95_ms: float
     error: float
+    peer: bool = False  # a peer's reference point: drawn apart, never on the modes' Pareto front
 
 
 @dataclass(frozen=True)
@@ -76,10 +82,10 @@ def _error(accuracy: Mapping[str, Any], metric: ErrorMetric) -> float | None:
 
 def _points(cases: list[Mapping[str, Any]], metric: ErrorMetric) -> tuple[list[_Point], list[_Absent]]:
     """Plottable modes, and the modes without an error to plot (non-finite or failed)."""
-    multi_backend = len({c["backend"] for c in cases}) > 1
+    multi_backend = len({c["backend"] for c in cases if not is_peer(c)}) > 1
     out, absent = [], []
     for c in cases:
-        label = f"{c['mode']} ({c['backend']})" if multi_backend else c["mode"]
+        label = f"{c['mode']} ({c['backend']})" if multi_backend or is_peer(c) else c["mode"]
         if c["status"] == "failed":
             absent.append(_Absent(f"{label}: failed", None))
             continue
@@ -93,7 +99,7 @@ def _points(cases: list[Mapping[str, Any]], metric: ErrorMetric) -> tuple[list[_
         if err is None:
             absent.append(_Absent(f"{label}: no error (nothing compared)", median))
             continue
-        out.append(_Point(label, median, lat["summary"]["p95"] / 1e6, err))
+        out.append(_Point(label, median, lat["summary"]["p95"] / 1e6, err, peer=is_peer(c)))
     return out, absent
 
 
@@ -121,6 +127,8 @@ def _plot_model(
     floor = min(positive) / 10 if positive else 1e-12
     xs = [p.median_ms for p in points]
     ys = [p.error if p.error > 0 else floor for p in points]
+    modes = [i for i, p in enumerate(points) if not p.peer]
+    peers = [i for i, p in enumerate(points) if p.peer]
     placed = [(a.label, a.median_ms) for a in absent if a.median_ms is not None]
     if placed:  # above every real error: there is no error to place them by
         top = max(ys, default=1.0) * 10
@@ -130,10 +138,10 @@ def _plot_model(
     failed = [a.label for a in absent if a.median_ms is None]
     if failed:
         fig.text(0.01, 0.01, "not plotted: " + "; ".join(failed), fontsize=7, color="tab:red")
-    whiskers = [[0.0] * len(points), [max(0.0, p.p95_ms - p.median_ms) for p in points]]
+    whiskers = [[0.0] * len(modes), [max(0.0, points[i].p95_ms - points[i].median_ms) for i in modes]]
     ax.errorbar(
-        xs,
-        ys,
+        [xs[i] for i in modes],
+        [ys[i] for i in modes],
         xerr=whiskers,
         fmt="o",
         color="tab:blue",
@@ -141,7 +149,10 @@ def _plot_model(
         capsize=3,
         label="mode (median, p95)",
     )
-    front = pareto_front([(p.median_ms, p.error) for p in points])
+    if peers:
+        ax.scatter([xs[i] for i in peers], [ys[i] for i in peers], marker="D", s=50, color="tab:gray",
+                   label="peer (reference runtime, median)", zorder=3)
+    front = [modes[i] for i in pareto_front([(points[i].median_ms, points[i].error) for i in modes])]
     ax.plot(
         [xs[i] for i in front],
         [ys[i] for i in front],
@@ -206,6 +217,32 @@ def _file_part(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("._") or "model"
 
 
+PlotKind = Literal["latency", "throughput"]
+
+
+def plot_path(results_path: str | os.PathLike[str], model: str, kind: PlotKind = "latency") -> Path:
+    """Where a model's plot goes: ``<stem>-<model>.png`` (``-throughput.png``) beside the results."""
+    results = Path(results_path)
+    suffix = "-throughput" if kind == "throughput" else ""
+    return results.parent / f"{results.stem}-{_file_part(model)}{suffix}.png"
+
+
+def check_plot_paths(results_path: str | os.PathLike[str], models: Iterable[str], sweep: bool) -> None:
+    """Refuse, before a run or a report, plot paths that cannot be written.
+
+    A directory named like a plot, or a read-only results directory, would
+    otherwise end a finished run with a traceback at the last step.
+    """
+    kinds: tuple[PlotKind, ...] = ("latency", "throughput") if sweep else ("latency",)
+    for model in models:
+        for kind in kinds:
+            path = plot_path(results_path, model, kind)
+            try:
+                check_writable(path, "plot")
+            except HarnessError as exc:
+                raise HarnessError(f"{exc}; pass --no-plots to skip the plots") from None
+
+
 def plot_results(
     doc: Mapping[str, Any],
     results_path: str | os.PathLike[str],
@@ -217,7 +254,6 @@ def plot_results(
     Models without any case that has a latency get no plot. Returns the
     written paths.
     """
-    results = Path(results_path)
     by_model: dict[str, list[Mapping[str, Any]]] = {}
     for case in doc["cases"]:
         by_model.setdefault(case["model"], []).append(case)
@@ -225,7 +261,7 @@ def plot_results(
     for model, cases in sorted(by_model.items()):
         sweep = _plot_throughput(model, cases)
         if sweep is not None:
-            path = results.parent / f"{results.stem}-{_file_part(model)}-throughput.png"
+            path = plot_path(results_path, model, "throughput")
             _save(sweep, path)
             written.append(path)
         # the latency-vs-error plot compares modes at one batch size: the model's own
@@ -234,7 +270,7 @@ def plot_results(
         if not points and not any(a.median_ms is not None for a in absent):
             continue
         fig = _plot_model(model, points, absent, error_metric, f" on {doc['machine']['id']}")
-        path = results.parent / f"{results.stem}-{_file_part(model)}.png"
+        path = plot_path(results_path, model)
         _save(fig, path)
         written.append(path)
     return written

@@ -15,27 +15,44 @@ that the gate can test significance instead of comparing two medians.
 
 Layout on disk: ``<root>/<machine id>/run-<UTC timestamp>.json`` for runs and
 ``<root>/<machine id>/baseline.json`` for the promoted baseline.
+
+Older files: ``load_results(path, upgrade=True)`` (``harness report``,
+``harness compare``) reads a schema-1 file as schema 2 (:func:`upgrade_results`:
+everything derived recomputed from its raw samples, ``upgraded_from`` saying
+that its contents are unverified, as schema 1 has no digest); everything that
+trusts or writes a run (gate, baseline promote, merge, resume) refuses it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import json
 import math
 import os
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal
 
 from harness.bench.accuracy import AccuracyResult, TaskAccuracy
-from harness.bench.latency import LatencyResult
+from harness.bench.latency import DEFAULT_SPREAD_THRESHOLD, LatencyResult
 from harness.bench.machine import check_machine_id, git_info, machine_info
 from harness.bench.memory import MemoryReport
-from harness.bench.stats import SUMMARY_FIELDS, Summary
+from harness.bench.stats import SUMMARY_FIELDS, Summary, slow_phase
 from harness.errors import HarnessError
-from harness.fileio import atomic_write_bytes, canonical_json, digest, read_json, validate
+from harness.fileio import (
+    atomic_write_bytes,
+    canonical_json,
+    check_writable,
+    digest,
+    locked,
+    parse_json,
+    read_json,
+    read_regular_file,
+    validate,
+)
 
 SCHEMA_VERSION = 2
 
@@ -177,6 +194,17 @@ _CASE: dict[str, Any] = {
         "load_average": {
             "anyOf": [_object({"start": _LOAD, "end": _LOAD, "cpus": {"type": "integer", "minimum": 1}}), {"type": "null"}]
         },
+        # what makes the case's numbers doubtful that its other fields do not say (a busy machine)
+        "warnings": {"type": "array", "items": {"type": "string", "minLength": 1}},
+        # a peer's reference case (backend "peer:<name>"; harness.bench.peers): what ran, its setup time
+        "peer": _object(
+            {
+                "name": {"type": "string", "minLength": 1},
+                "precision": {"enum": ["fp32", "bf16", "fp16"]},
+                "setup_seconds": _NONNEG,
+                "details": {"type": "string"},
+            }
+        ),
         "build": _object(
             {
                 "seconds": _NONNEG,
@@ -185,7 +213,14 @@ _CASE: dict[str, Any] = {
                 "cache_hits": _COUNT,
                 "cache_misses": _COUNT,
                 "cache_entries_added": _COUNT,
-            }
+                # the settings digest the engine was compiled under (its cache file's and fingerprint's)
+                "autocast_digest": _OPT_DIGEST,
+                # one engine for the sweep (TensorRT): its profile; reused: an earlier case built it
+                "batch_profile": {"anyOf": [_object({k: {"type": "integer", "minimum": 0} for k in ("dim", "min", "opt", "max")}), {"type": "null"}]},
+                "reused": {"type": "boolean"},
+                "note": _OPT_STR,
+            },
+            optional=("autocast_digest", "batch_profile", "reused", "note"),
         ),
         "layers": {
             "type": ["array", "null"],
@@ -201,6 +236,28 @@ _CASE: dict[str, Any] = {
     "else": {"required": ["latency", "accuracy"], "properties": {"latency": _LATENCY, "accuracy": _ACCURACY}},
 }
 
+# What the readers of a machine record use (gate: the ISA flags of a CPU-only
+# run and whether GPUs are listed; merge, compare, report: the id), required
+# so a digest-valid file without them is refused on load, not a KeyError later.
+# The rest of machine_info() is informative and left open.
+_MACHINE: dict[str, Any] = {
+    "type": "object",
+    "required": ["id", "cpu", "gpu"],
+    "properties": {
+        "id": {"type": "string"},
+        "cpu": {
+            "type": "object",
+            "required": ["isa_flags"],
+            "properties": {"isa_flags": {"type": "array", "items": {"type": "string"}}},
+        },
+        "gpu": {
+            "type": "object",
+            "required": ["devices"],
+            "properties": {"devices": {"type": "array", "items": {"type": "object"}}},
+        },
+    },
+}
+
 RESULTS_SCHEMA: dict[str, Any] = {
     "$schema": "https://json-schema.org/draft/2020-12/schema",
     "title": "harness benchmark results",
@@ -211,7 +268,7 @@ RESULTS_SCHEMA: dict[str, Any] = {
         "schema_version": {"const": SCHEMA_VERSION},
         "created": {"type": "string", "minLength": 1},
         "complete": {"type": "boolean"},
-        "machine": {"type": "object", "required": ["id"], "properties": {"id": {"type": "string"}}},
+        "machine": _MACHINE,
         "git": {
             "type": "object",
             "required": ["commit", "dirty"],
@@ -220,10 +277,23 @@ RESULTS_SCHEMA: dict[str, Any] = {
         "settings": {"type": "object"},
         "cases": {"type": "array", "items": _CASE},
         "digest": _DIGEST,
+        # set only on a document upgraded on read from an older schema (see upgrade_results)
+        "upgraded_from": _object(
+            {"schema_version": {"type": "integer", "minimum": 1}, "digest": {"const": None}, "note": {"type": "string"}}
+        ),
     },
 }
 
 CaseKey = tuple[str, str, str, "int | None"]
+
+# The backend of a peer's case: a plain runtime measured as a reference (harness.bench.peers),
+# never one of the harness's engines; its mode is the precision it ran at.
+PEER_PREFIX = "peer:"
+
+
+def is_peer(case: Mapping[str, Any]) -> bool:
+    """Whether a case is a peer's reference row rather than an engine's."""
+    return str(case["backend"]).startswith(PEER_PREFIX)
 
 
 def case_key(case: Mapping[str, Any]) -> CaseKey:
@@ -232,6 +302,16 @@ def case_key(case: Mapping[str, Any]) -> CaseKey:
     ``batch`` is the batch size a sweep asked for, None for the model's own.
     """
     return (case["model"], case["mode"], case["backend"], case.get("batch"))
+
+
+def case_order(key: CaseKey) -> tuple[str, str, str, int]:
+    """A sort key for case keys: a sweep's batch sizes in order, the model's own batch (None) first.
+
+    Sorting the keys themselves compares None with an int when one run holds
+    both kinds of case, which Python refuses.
+    """
+    model, mode, backend, batch = key
+    return (model, mode, backend, -1 if batch is None else batch)
 
 
 def format_key(key: CaseKey) -> str:
@@ -261,6 +341,7 @@ class CaseResult:
     model_weights_digest: str | None = None
     threads: int | None = None
     load_average: dict[str, Any] | None = None
+    warnings: list[str] = field(default_factory=list)
     layers: list[dict[str, str]] | None = None
 
     def __post_init__(self) -> None:
@@ -294,6 +375,7 @@ class CaseResult:
             "model_weights_digest": self.model_weights_digest,
             "threads": self.threads,
             "load_average": self.load_average,
+            "warnings": list(self.warnings),
             "layers": self.layers,
         }
 
@@ -361,6 +443,12 @@ def check_results(doc: Any, where: str) -> None:
     """Validate a results document (version first, so an old file gets a clear message)."""
     if not isinstance(doc, dict) or "schema_version" not in doc:
         raise HarnessError(f"{where}: not a results document (no schema_version)")
+    if doc["schema_version"] in UPGRADABLE_VERSIONS:
+        raise HarnessError(
+            f"{where}: schema_version {doc['schema_version']!r} is an old results format: `harness report` "
+            "and `harness compare` read it (upgraded, its contents unverified), but nothing is gated on, "
+            "promoted, merged or resumed from it; rerun the benchmark"
+        )
     if doc["schema_version"] != SCHEMA_VERSION:
         raise HarnessError(
             f"{where}: schema_version {doc['schema_version']!r} is not supported; "
@@ -376,11 +464,157 @@ def check_results(doc: Any, where: str) -> None:
     _check_cases(doc, where)
 
 
-def load_results(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Read and validate a results file; any problem is a HarnessError naming it."""
+def load_results(path: str | os.PathLike[str], *, upgrade: bool = False) -> dict[str, Any]:
+    """Read and validate a results file; any problem is a HarnessError naming it.
+
+    ``upgrade`` reads an older schema too, upgraded by :func:`upgrade_results`
+    (for the commands that only show a run: report, compare). Without it an
+    old file is refused: the gate, baselines, merges and resumes need what
+    only a current file has (a verified digest, weights digests, pinned threads).
+    """
+    where = f"results file {path}"
     doc = read_json(path, None, "results file")
-    check_results(doc, f"results file {path}")
+    if upgrade and isinstance(doc, dict) and doc.get("schema_version") in UPGRADABLE_VERSIONS:
+        doc = upgrade_results(doc, where)
+    check_results(doc, where)
     return dict(doc)
+
+
+UPGRADABLE_VERSIONS = (1,)
+
+
+def _absent(*names: str) -> dict[str, Any]:
+    return {"not": {"anyOf": [{"required": [n]} for n in names]}}
+
+
+# What tells a schema-1 document from a later one relabelled (no digest, ``pinned``,
+# ``cov_threshold``, none of schema 2's fields), plus the types the upgrade computes
+# with; everything else is checked on the upgraded document by RESULTS_SCHEMA.
+_SCHEMA_1_SHAPE: dict[str, Any] = {
+    "type": "object",
+    "required": ["schema_version", "created", "complete", "machine", "git", "settings", "cases"],
+    "additionalProperties": False,
+    "properties": {
+        **{k: {} for k in ("created", "complete", "machine", "git", "settings")},
+        "schema_version": {"const": 1},
+        "cases": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["model", "mode", "backend", "status", "pinned"],
+                **_absent("from_cache", "batch", "threads", "model_weights_digest", "load_average", "warnings"),
+                "properties": {
+                    "pinned": {"type": "boolean"},
+                    "latency": {
+                        "anyOf": [
+                            {"type": "null"},
+                            {
+                                "type": "object",
+                                "required": ["samples_ns", "timer", "batch_size", "cov_threshold"],
+                                **_absent("spread_threshold", "slow_phase", "remeasured"),
+                                "properties": {
+                                    "batch_size": {"type": "integer", "minimum": 1},
+                                    "timer": {"enum": list(DEFAULT_SPREAD_THRESHOLD)},
+                                    "samples_ns": {"type": "array", "minItems": 1},
+                                },
+                            },
+                        ]
+                    },
+                    "accuracy": {
+                        "anyOf": [
+                            {"type": "null"},
+                            {
+                                "type": "object",
+                                "required": ["nan_count", "inf_count", "outputs"],
+                                "properties": {
+                                    "nan_count": _COUNT,
+                                    "inf_count": _COUNT,
+                                    "outputs": {"type": "array", "items": {"type": "object"}},
+                                },
+                            },
+                        ]
+                    },
+                },
+            },
+        },
+    },
+}
+UNVERIFIED_NOTE = (
+    "upgraded on read from schema 1, which has no digest: the contents are unverified; "
+    "summaries, spread and stability were recomputed from the raw samples"
+)
+
+
+def _upgrade_latency_1(lat: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """Schema-1 latency in schema 2's form: everything derived is recomputed from the raw samples.
+
+    Schema 1 judged stability by CoV against ``cov_threshold``; schema 2 by
+    IQR/median against ``spread_threshold`` (the timer's default here, as a run
+    without ``--spread-threshold`` would use) or a slow phase in the samples.
+    The samples are old, so a slow phase is marked, never re-measured. The
+    loop-overhead summary has no samples behind it and lacks the robust
+    fields, so it is dropped rather than guessed.
+    """
+    samples = lat.get("samples_ns")
+    if not isinstance(samples, list) or not samples or not all(type(v) is int and v > 0 for v in samples):
+        raise HarnessError(f"{where}: latency samples must be a non-empty list of positive integers (nanoseconds)")
+    timer = lat["timer"]  # one of DEFAULT_SPREAD_THRESHOLD's (_SCHEMA_1_SHAPE)
+    summary = Summary.from_samples(samples, unit="ns")
+    phase = slow_phase(samples)
+    threshold = DEFAULT_SPREAD_THRESHOLD[timer]
+    upgraded = {k: v for k, v in lat.items() if k not in ("cov_threshold", "overhead")}
+    return {
+        **upgraded,
+        "iterations": len(samples),
+        "summary": summary.stats_dict(),
+        "throughput_per_s": summary.throughput(lat["batch_size"]),
+        "spread_threshold": threshold,
+        "unstable": summary.spread > threshold or phase is not None,
+        "slow_phase": dataclasses.asdict(phase) if phase is not None else None,
+        "remeasured": False,
+        "overhead": None,
+    }
+
+
+def _upgrade_case_1(case: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """One schema-1 case in schema 2's form; what schema 1 never recorded is null."""
+    out = {k: v for k, v in case.items() if k != "pinned"}
+    out["from_cache"] = bool(case.get("pinned", False))  # schema 1's name for it
+    for absent in ("batch", "model_weights_digest", "threads", "load_average"):
+        out.setdefault(absent, None)
+    if case.get("latency") is not None:
+        out["latency"] = _upgrade_latency_1(case["latency"], where)
+    acc = case.get("accuracy")
+    if isinstance(acc, Mapping) and isinstance(acc.get("outputs"), list):
+        outputs = acc["outputs"]
+        # schema 1 kept the flat output tuple; schema 2 names each by its path in the output structure
+        paths = [""] if len(outputs) == 1 else [f"[{i}]" for i in range(len(outputs))]
+        out["accuracy"] = {**acc, "outputs": [{"path": p, **o} for p, o in zip(paths, outputs, strict=True)]}
+        if out.get("status") == "ok" and acc["nan_count"] + acc["inf_count"] > 0:
+            out["status"] = "non-finite"  # schema 1 showed NaN outputs as ok
+    return out
+
+
+def upgrade_results(doc: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """A schema-1 results document as schema 2, marked ``upgraded_from`` with an absent digest.
+
+    Schema 1 has no digest, so nothing vouches for the file's contents: the
+    upgraded document says so (``upgraded_from.digest`` is null, with a
+    note), and its own new digest covers only the upgrade. Every derived
+    number (summaries, throughput, spread, stability) is recomputed from the
+    raw samples, so what a reader sees is at least consistent with them.
+    """
+    version = doc.get("schema_version")
+    if version not in UPGRADABLE_VERSIONS:
+        raise HarnessError(f"{where}: cannot upgrade schema_version {version!r}")
+    validate(doc, _SCHEMA_1_SHAPE, f"{where} (read as schema 1)")
+    cases = doc["cases"]
+    upgraded = dict(doc)
+    upgraded["schema_version"] = SCHEMA_VERSION
+    upgraded["cases"] = [_upgrade_case_1(c, f"{where}: case {i}") for i, c in enumerate(cases)]
+    upgraded["upgraded_from"] = {"schema_version": version, "digest": None, "note": UNVERIFIED_NOTE}
+    upgraded["digest"] = content_digest(upgraded)
+    return upgraded
 
 
 def sealed(doc: Mapping[str, Any], where: str) -> dict[str, Any]:
@@ -391,14 +625,15 @@ def sealed(doc: Mapping[str, Any], where: str) -> dict[str, Any]:
     return out
 
 
-def write_results(path: str | os.PathLike[str], doc: Mapping[str, Any]) -> None:
-    """Seal (digest), validate, then replace ``path`` atomically.
+def write_results(path: str | os.PathLike[str], doc: Mapping[str, Any]) -> str:
+    """Seal (digest), validate, then replace ``path`` atomically; returns the digest written.
 
     Compact JSON: a run holds thousands of raw samples per case, and the
     tables are the human view.
     """
     body = sealed(doc, f"results for {path}")
     atomic_write_bytes(path, json.dumps(body, allow_nan=False, separators=(",", ":")).encode() + b"\n")
+    return str(body["digest"])
 
 
 def utc_now() -> str:
@@ -411,11 +646,18 @@ class ResultsWriter:
     Open with :meth:`create` or :meth:`resume`. Used as a context manager, a
     clean exit calls :meth:`finish`; an exception leaves the file with
     ``complete: false`` and every finished case.
+
+    Every write is a read-modify-write under the file's lock
+    (:func:`harness.fileio.locked`): two ``bench --resume`` of one file at once
+    each re-read the other's cases before writing, so neither loses any.
     """
 
-    def __init__(self, path: str | os.PathLike[str], doc: dict[str, Any]) -> None:
+    def __init__(self, path: str | os.PathLike[str], doc: dict[str, Any], written: str | None = None) -> None:
         self.path = Path(path)
         self._doc = doc
+        self._written = written  # digest of the file as this writer last wrote or read it
+        # Cases this writer recorded or started from; others may appear in the file meanwhile.
+        self._mine = {case_key(c) for c in doc["cases"]}
 
     @classmethod
     def create(
@@ -428,25 +670,22 @@ class ResultsWriter:
         overwrite: bool = False,
     ) -> ResultsWriter:
         """Start a run file (written at once, with no cases and ``complete: false``)."""
-        if Path(path).exists() and not overwrite:
-            raise HarnessError(
-                f"results file {path} already exists; choose a new path, or continue an "
-                "interrupted run with `harness bench --resume -o FILE`"
-            )
-        writer = cls(
-            path,
-            {
-                "schema_version": SCHEMA_VERSION,
-                "created": utc_now(),
-                "complete": False,
-                "machine": dict(machine) if machine is not None else machine_info(),
-                "git": dict(git) if git is not None else git_info(),
-                "settings": dict(settings),
-                "cases": [],
-            },
-        )
-        write_results(writer.path, writer._doc)
-        return writer
+        doc = {
+            "schema_version": SCHEMA_VERSION,
+            "created": utc_now(),
+            "complete": False,
+            "machine": dict(machine) if machine is not None else machine_info(),
+            "git": dict(git) if git is not None else git_info(),
+            "settings": dict(settings),
+            "cases": [],
+        }
+        with locked(path):  # two runs started on one -o: one creates it, the other is refused
+            if Path(path).exists() and not overwrite:
+                raise HarnessError(
+                    f"results file {path} already exists; choose a new path, or continue an "
+                    "interrupted run with `harness bench --resume -o FILE`"
+                )
+            return cls(path, doc, write_results(path, doc))
 
     @classmethod
     def resume(
@@ -462,7 +701,8 @@ class ResultsWriter:
         The run must have been started on the same machine class, commit and
         settings, or its cases would not be one run.
         """
-        doc = load_results(path)
+        with locked(path):  # the file as a writer left it, never between two writers' steps
+            doc = load_results(path)
         if doc["complete"]:
             raise HarnessError(f"results file {path} is complete; there is nothing to resume")
         now = {
@@ -477,7 +717,7 @@ class ResultsWriter:
                 f"cannot resume {path}: its {what} is {was!r}, this run's is {this!r}; "
                 "repeat the interrupted command's flags exactly or start a new run"
             )
-        return cls(path, doc)
+        return cls(path, doc, doc["digest"])
 
     @property
     def doc(self) -> dict[str, Any]:
@@ -486,20 +726,56 @@ class ResultsWriter:
     def has(self, model: str, mode: str, backend: str, batch: int | None = None) -> bool:
         return any(case_key(c) == (model, mode, backend, batch) for c in self._doc["cases"])
 
-    def add(self, case: CaseResult | Mapping[str, Any]) -> None:
+    def add(self, case: CaseResult | Mapping[str, Any]) -> bool:
+        """Record a case; False when another writer of this file recorded it meanwhile (theirs is kept).
+
+        Adding a case this writer already holds is an error: it is a caller's bug.
+        """
         entry = case.to_dict() if isinstance(case, CaseResult) else dict(case)
         validate(entry, _CASE, f"case for {self.path}")
-        if self.has(*case_key(entry)):
-            raise HarnessError(
-                f"{self.path}: case {format_key(case_key(entry))} was already recorded"
-            )
-        self._doc["cases"].append(entry)
-        write_results(self.path, self._doc)
+        key = case_key(entry)
+        if key in self._mine:
+            raise HarnessError(f"{self.path}: case {format_key(key)} was already recorded")
+        self._mine.add(key)
+        added = []
+
+        def append(doc: dict[str, Any]) -> None:
+            if not any(case_key(c) == key for c in doc["cases"]):
+                doc["cases"].append(entry)
+                added.append(key)
+
+        self._update(append)
+        return bool(added)
 
     def finish(self) -> dict[str, Any]:
-        self._doc["complete"] = True
-        write_results(self.path, self._doc)
+        self._update(lambda doc: doc.__setitem__("complete", True))
         return self._doc
+
+    def _update(self, change: Callable[[dict[str, Any]], None]) -> None:
+        """Apply ``change`` to the file as it is now, under its lock, and write it back.
+
+        The file is re-read only when another writer changed it since this
+        one wrote (its digest differs): a run's own writes cost no re-read.
+        """
+        with locked(self.path):
+            doc = self._doc
+            if self.path.exists():
+                on_disk = parse_json(read_regular_file(self.path, "results file"), f"results file {self.path}")
+                if not isinstance(on_disk, dict) or on_disk.get("digest") != self._written:
+                    doc = self._reread()
+            change(doc)
+            self._written = write_results(self.path, doc)
+            self._doc = doc
+
+    def _reread(self) -> dict[str, Any]:
+        """The file another writer changed, refused unless it is still this run."""
+        doc = load_results(self.path)
+        if doc["created"] != self._doc["created"] or _run_mismatch(doc, self._doc) is not None:
+            raise HarnessError(
+                f"results file {self.path} was replaced by another run while this one was writing to it; "
+                "its cases are kept as they are"
+            )
+        return doc
 
     def __enter__(self) -> ResultsWriter:
         return self
@@ -604,6 +880,6 @@ def promote_baseline(
             f"results file {run_path} is a --quick run: its timing windows are too short for its "
             "samples to gate later runs against; run the benchmark without --quick, or pass --force"
         )
-    dest = baseline_path(root, doc["machine"]["id"])
+    dest = check_writable(baseline_path(root, doc["machine"]["id"]), "baseline")  # <root>/<machine> may be a file
     write_results(dest, doc)
     return dest

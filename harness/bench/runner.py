@@ -2,7 +2,10 @@
 
 Each case builds an engine through :func:`harness.build.build_engine` with a
 timing cache of its own (``<cache dir>/<model>-<mode>.json``), so the first
-run times tactics and every later run takes them from the cache; then it measures
+run times tactics and every later run takes them from the cache. On a backend
+that builds batch profiles (TensorRT, :func:`~harness.engines.protocol.builds_batch_profiles`)
+a batch sweep builds one engine per (model, mode), covering every size of the
+sweep, and runs each size on it; elsewhere each size gets its own engine. Then it measures
 accuracy against the fp32 eager model, latency (with telemetry sampled
 around the timing loop) and memory, and appends the case to the results
 file at once. A case that fails at any stage is recorded with the stage and
@@ -16,15 +19,17 @@ the same way on every CI runner.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TextIO
 
 import torch
 
@@ -32,14 +37,22 @@ from harness.autocast.settings import AutocastSettings
 from harness.bench.accuracy import TaskAccuracy, compare_outputs, output_digest
 from harness.bench.latency import Timer, measure_latency, measure_overhead
 from harness.bench.memory import MemoryReport, measure_memory
-from harness.bench.results import CaseResult, ResultsWriter
+from harness.bench.results import CaseKey, CaseResult, ResultsWriter, is_peer
 from harness.bench.stats import Summary
 from harness.bench.telemetry import TelemetrySampler
 from harness.build import BuildResult, build_engine
 from harness.cache.timing_cache import TimingCache
-from harness.engines.protocol import Backend, BuildConfig, Engine
+from harness.engines.onnx_export import StaticBatchError
+from harness.engines.protocol import (
+    Backend,
+    BatchProfile,
+    BuildConfig,
+    Engine,
+    builds_batch_profiles,
+)
 from harness.errors import HarnessError
 from harness.globalstate import preserves_global_state
+from harness.limits import MAX_ITERS, MAX_MIN_DURATION_S, MAX_WARMUP_S, check_int, check_seconds
 from harness.outputs import tensor_paths
 from harness.weights import module_weights_digest
 
@@ -70,7 +83,7 @@ class MeasureSettings:
     min_duration_s: float = 4.0
     # Caps microsecond-scale cases (20000 samples are plenty for the gate's
     # test) so a run file with raw samples stays around a megabyte.
-    max_iters: int | None = 20000
+    max_iters: int = 20000
     telemetry_interval_s: float = 0.25
     # IQR/median above which a case is flagged unstable; None: the timer's
     # default (5% on CPU, 2.5% on GPU as trtexec warns).
@@ -78,6 +91,23 @@ class MeasureSettings:
     # Intra-op threads of every candidate (engines, the eager reference),
     # pinned for the whole case and restored afterwards.
     threads: int = DEFAULT_THREADS
+
+    def __post_init__(self) -> None:
+        """Refuse, before any case runs, what would hang a run or exhaust memory (harness.limits).
+
+        Unbounded, ``min_duration_s = 1e9`` never ends and ``max_iters = 10**19``
+        stores samples until the process is killed; NaN, which passes the
+        project file's schema, would disable the bound it stands in.
+        """
+        check_seconds(self.warmup_s, "[timing] warmup_s", MAX_WARMUP_S)
+        check_seconds(self.min_duration_s, "[timing] min_duration_s", MAX_MIN_DURATION_S)
+        check_int(self.max_iters, "[timing] max_iters", 1, MAX_ITERS)
+        check_int(self.min_iters, "[timing] min_iters", 1, self.max_iters)  # more would fail every case
+        check_int(self.threads, "threads", 1, 1024)
+        if not 0 < self.telemetry_interval_s <= 60:
+            raise HarnessError(f"telemetry interval {self.telemetry_interval_s!r}: valid: 0..60 seconds, not 0")
+        if self.spread_threshold is not None and not 0 <= self.spread_threshold < 10:
+            raise HarnessError(f"spread threshold {self.spread_threshold!r}: valid: 0%..1000%")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -172,6 +202,16 @@ class _CountingRun:
 
 
 @dataclass
+class _Shared:
+    """The one engine every batch size of a (model, mode) sweep runs on, or why it failed."""
+
+    built: BuildResult | None = None
+    seconds: float = 0.0
+    error: Exception | None = None
+    cases: int = 0  # cases run on it so far (the first one's build made it)
+
+
+@dataclass
 class _Reference:
     outputs: Any
     logits: bool
@@ -199,6 +239,7 @@ class BenchRunner:
         plans: Mapping[str, ModelPlan] | None = None,
         load_model: ModelLoader = _load_model,
         ignore_cache_mismatch: bool = False,
+        batch_sizes: Sequence[int] = (),
     ) -> None:
         self.backend = backend
         self.cache_dir = Path(cache_dir)
@@ -206,8 +247,15 @@ class BenchRunner:
         self.plans = dict(plans or {})
         self.load_model = load_model
         self.ignore_cache_mismatch = ignore_cache_mismatch
+        # The whole sweep (not a shard's part of it): a shared engine's profile covers it all,
+        # so every shard builds the same engine and reads the same cache file.
+        self.batch_sizes = tuple(batch_sizes)
         self._overheads: dict[Timer, Summary] = {}
         self._references: dict[tuple[str, int | None], _Reference] = {}
+        self._profiles: dict[str, BatchProfile | None] = {}
+        self._shared: dict[tuple[str, str], _Shared] = {}
+        # (model, mode) sweeps whose typed graph fixes the batch size: one engine per size, and why.
+        self._per_size: dict[tuple[str, str], str] = {}
 
     def reference(self, model: str, batch: int | None = None) -> _Reference:
         """fp32 eager outputs on the spec's fixed example inputs, once per model and batch size."""
@@ -221,34 +269,54 @@ class BenchRunner:
             )
         return self._references[model, batch]
 
-    @preserves_global_state
     def run_case(self, model: str, mode: str, batch: int | None = None) -> dict[str, Any]:
-        """One case as a results entry; any failure becomes a ``failed`` entry naming its stage.
+        """One engine case as a results entry (see :meth:`measured_case`)."""
 
-        Peak RSS covers the whole case (build, accuracy runs and the timing
-        loop), the "peak host RSS during the run" a reader expects. Every
-        candidate runs with ``settings.threads`` intra-op threads.
+        def measure(stage: list[str]) -> tuple[CaseResult, dict[str, Any]]:
+            case, build = self._measure_case(model, mode, batch, stage)
+            return case, {"build": build}
+
+        return self.measured_case(model, mode, self.backend.name, batch, measure, gpu_index=self._gpu_index())
+
+    @preserves_global_state
+    def measured_case(
+        self,
+        model: str,
+        mode: str,
+        backend: str,
+        batch: int | None,
+        measure: Callable[[list[str]], tuple[CaseResult, dict[str, Any]]],
+        *,
+        gpu_index: int | None = None,
+    ) -> dict[str, Any]:
+        """A case as a results entry; any failure becomes a ``failed`` entry naming its stage.
+
+        ``measure`` returns the case and the fields it adds to the entry (an
+        engine's ``build``, a peer's ``peer``: :mod:`harness.bench.peers`),
+        keeping in ``stage[0]`` the step in progress. Peak RSS covers the whole
+        case (build, accuracy runs and the timing loop), the "peak host RSS
+        during the run" a reader expects. Every candidate runs with
+        ``settings.threads`` intra-op threads.
         """
         torch.set_num_threads(self.settings.threads)
         load_start = list(os.getloadavg())
         stage = ["load model"]
         try:
-            (case, build), peaks = measure_memory(
-                lambda: self._measure_case(model, mode, batch, stage), gpu_index=self._gpu_index()
-            )
+            (case, extra), peaks = measure_memory(lambda: measure(stage), gpu_index=gpu_index)
             engine_memory = case.memory or MemoryReport()
             case.threads = self.settings.threads
             case.load_average = {"start": load_start, "end": list(os.getloadavg()), "cpus": os.cpu_count() or 1}
+            case.warnings = load_warnings(case.load_average)
             case.memory = dataclasses.replace(
                 peaks,
                 weight_bytes=engine_memory.weight_bytes,
                 engine_bytes=engine_memory.engine_bytes,
                 engine_device_bytes=engine_memory.engine_device_bytes,
             )
-            return {**case.to_dict(), "build": build}
+            return {**case.to_dict(), **extra}
         except Exception as exc:  # recorded, and the matrix goes on; Ctrl-C is not an Exception
             name = self.name_of(model)
-            return CaseResult.failed(name, mode, self.backend.name, _error_text(stage[0], exc), batch).to_dict()
+            return CaseResult.failed(name, mode, backend, _error_text(stage[0], exc), batch).to_dict()
 
     def name_of(self, model: str) -> str:
         """The name results use for a model reference: its ModelSpec's name (never a file path)."""
@@ -258,14 +326,52 @@ class BenchRunner:
             return model
 
     def config(self, model: str, mode: str) -> BuildConfig:
+        """The build configuration of ``model`` in ``mode``, with the sweep's profile where one engine serves it."""
         plan = self.plans.get(model, ModelPlan())
+        profile = None if (model, mode) in self._per_size else self.batch_profile(model)
         return BuildConfig(
             mode=mode,
             explicit_path=plan.explicit if mode == EXPLICIT_MODE else None,
             threads=self.settings.threads,
             autocast=plan.autocast,
             ignore_cache_mismatch=self.ignore_cache_mismatch,
+            batch_profile=profile,
         )
+
+    def batch_profile(self, model: str) -> BatchProfile | None:
+        """The profile of one engine for the whole sweep, on backends that build them; else None.
+
+        Its dimension is the model's declared ``batch_dim``, else the one
+        dimension of its inputs that changes with the batch size (a factory
+        taking ``batch_size``); a model where that is not one dimension gets one
+        engine per size.
+        """
+        sizes = self.batch_sizes
+        if not builds_batch_profiles(self.backend) or len(set(sizes)) < 2:
+            return None
+        if model not in self._profiles:
+            dim = self.load_model(model, None).batch_dim
+            if dim is None:
+                low, high = (self.load_model(model, n).example_inputs for n in (min(sizes), max(sizes)))
+                changed = {
+                    i
+                    for a, b in zip(low, high, strict=True)
+                    for i, (x, y) in enumerate(zip(a.shape, b.shape, strict=False))
+                    if x != y
+                }
+                dim = changed.pop() if len(changed) == 1 else None
+            self._profiles[model] = None if dim is None else BatchProfile.for_sweep(dim, sizes)
+        return self._profiles[model]
+
+    def cache_path(self, model: str, config: BuildConfig, batch: int | None) -> Path:
+        """The timing cache of a case: per batch size, or one per sweep for an engine serving it all."""
+        name = self.name_of(model)
+        profile = config.batch_profile
+        if profile is not None:
+            name += f"-b{profile.min}to{profile.max}opt{profile.opt}"
+        elif batch is not None:
+            name += f"-b{batch}"
+        return cache_file(self.cache_dir, name, config, self.backend.name)
 
     def _gpu_index(self) -> int | None:
         """The CUDA device a GPU backend runs on (GPU memory is recorded for it), else None."""
@@ -284,13 +390,7 @@ class BenchRunner:
         stage[0] = "fp32 eager reference"
         ref = self.reference(model, batch)
         stage[0] = "build"
-        config = self.config(model, mode)
-        name = spec.name if batch is None else f"{spec.name}-b{batch}"
-        cache_path = cache_file(self.cache_dir, name, config, self.backend.name)
-        self.cache_dir.mkdir(parents=True, exist_ok=True)
-        t0 = time.perf_counter()
-        built = build_engine(spec, config, self.backend, cache_path)
-        build_s = time.perf_counter() - t0
+        built, build = self._build(model, mode, batch, spec)
         engine = built.engine
         inputs = spec.example_inputs
         stage[0] = "run"
@@ -322,7 +422,48 @@ class BenchRunner:
             output_digest=output_digest(outputs),
             model_weights_digest=module_weights_digest(spec.module),
             layers=[layer.to_json() for layer in engine.layers()],
-        ), _build_record(built, build_s)
+        ), build
+
+    def _build(self, model: str, mode: str, batch: int | None, spec: Any) -> tuple[BuildResult, dict[str, Any]]:
+        """The engine a case runs on, and its build record.
+
+        Where one engine serves the sweep, the first case of a (model, mode)
+        builds it (from the model at the sweep's largest size: torch.export
+        keeps a batch axis dynamic only for a size above 1) and the others
+        reuse it, its failure included; a graph that fixes its batch size falls
+        back to one engine per size, saying why in the build record.
+        """
+        config = self.config(model, mode)
+        if config.batch_profile is None:
+            built, seconds = self._timed_build(model, spec, config, batch)
+            return built, _build_record(built, seconds, config, reused=False, note=self._per_size.get((model, mode)))
+        key = (model, mode)
+        shared = self._shared.get(key)
+        if shared is None:
+            # The matrix runs a model's sizes and modes together: earlier models' engines can go.
+            self._shared = {k: v for k, v in self._shared.items() if k[0] == model}
+            shared = _Shared()
+            try:
+                biggest = self.load_model(model, config.batch_profile.max)
+                shared.built, shared.seconds = self._timed_build(model, biggest, config, batch)
+            except StaticBatchError as exc:
+                self._per_size[key] = f"one engine per batch size: {exc}"
+                return self._build(model, mode, batch, spec)
+            except Exception as exc:
+                shared.error = exc
+            self._shared[key] = shared
+        if shared.error is not None:
+            raise shared.error
+        assert shared.built is not None
+        shared.cases += 1
+        return shared.built, _build_record(shared.built, shared.seconds, config, reused=shared.cases > 1)
+
+    def _timed_build(self, model: str, spec: Any, config: BuildConfig, batch: int | None) -> tuple[BuildResult, float]:
+        cache_path = self.cache_path(model, config, batch)
+        self.cache_dir.mkdir(parents=True, exist_ok=True)
+        start = time.perf_counter()
+        built = build_engine(spec, config, self.backend, cache_path)
+        return built, time.perf_counter() - start
 
     def _task_accuracy(self, spec: Any, engine: Engine) -> TaskAccuracy | None:
         if spec.evaluate is None:
@@ -343,14 +484,25 @@ class BenchRunner:
     def _latency(
         self, engine: Engine, inputs: tuple[torch.Tensor, ...], batch_dim: int | None
     ) -> tuple[Any, Any]:
+        return self.time_call(lambda: engine(*inputs), inputs, batch_dim, gpu_index=self._gpu_index())
+
+    def time_call(
+        self,
+        call: Callable[[], object],
+        inputs: tuple[torch.Tensor, ...],
+        batch_dim: int | None,
+        *,
+        gpu_index: int | None = None,
+    ) -> tuple[Any, Any]:
+        """Latency and telemetry of ``call`` (one inference on ``inputs``): every case's one timing procedure.
+
+        Engines and peers (:mod:`harness.bench.peers`) alike: the same
+        settings, loop overhead and telemetry, under ``torch.inference_mode``;
+        CUDA events for a GPU engine (``gpu_index``), the CPU clock otherwise.
+        """
         s = self.settings
-        gpu = self._gpu_index()
-        timer: Timer = "cpu" if gpu is None else "cuda"
-
-        def call() -> object:
-            return engine(*inputs)
-
-        sampler = TelemetrySampler(interval_s=s.telemetry_interval_s, gpu_index=gpu or 0)
+        timer: Timer = "cpu" if gpu_index is None else "cuda"
+        sampler = TelemetrySampler(interval_s=s.telemetry_interval_s, gpu_index=gpu_index or 0)
         with torch.inference_mode(), sampler:
             latency = measure_latency(
                 call,
@@ -372,47 +524,145 @@ class BenchRunner:
         *,
         progress: bool = True,
         on_case: CaseHook | None = None,
+        extra: Sequence[ExtraCase] = (),
     ) -> dict[str, Any]:
         """Run every case into ``writer`` and finish it; an interrupt leaves it incomplete.
 
-        Cases the writer already holds (a resumed run) are skipped. What a
-        reader must know about a case (it failed, its outputs are not finite,
-        the machine was busy) is printed above the progress bar as it happens;
-        ``on_case`` sees each newly recorded case.
+        ``extra`` cases (peers) run among the engine cases: each just before the
+        first engine case of its model and batch size, so it is measured close in
+        time to the engines it is compared with. Cases the writer already holds
+        (a resumed run) are skipped. What a reader must know about a case (it
+        failed, its outputs are not finite, the machine was busy) is printed
+        above the progress bar as it happens; ``on_case`` sees each newly
+        recorded case.
         """
         from tqdm import tqdm
 
-        todo = [(m, mode, b) for m, mode, b in matrix if not writer.has(self.name_of(m), mode, self.backend.name, b)]
+        todo = [item for item in _with_extra(matrix, extra) if not writer.has(*self._key(item))]
         bar = tqdm(todo, desc="bench", unit="case", file=sys.stderr, disable=not progress)
         try:
-            for model, mode, batch in bar:
-                bar.set_postfix_str(f"{model} {mode}" + ("" if batch is None else f" b{batch}"))
-                entry = self.run_case(model, mode, batch)
-                writer.add(entry)
-                for line in case_messages(entry):
-                    tqdm.write(line, file=sys.stderr)
-                if on_case is not None:
-                    on_case(entry)
+            with messages_above_bar(tqdm):
+                self._run_cases(bar, writer, on_case)
         finally:
             bar.close()
         return writer.finish()
 
+    def _key(self, item: Case | ExtraCase) -> CaseKey:
+        if isinstance(item, tuple):
+            model, mode, batch = item
+            return (self.name_of(model), mode, self.backend.name, batch)
+        return item.key(self)
+
+    def _run_cases(self, bar: Any, writer: ResultsWriter, on_case: CaseHook | None) -> None:
+        from tqdm import tqdm
+
+        for item in bar:
+            if isinstance(item, tuple):
+                model, mode, batch = item
+                bar.set_postfix_str(f"{model} {mode}" + ("" if batch is None else f" b{batch}"))
+                entry = self.run_case(model, mode, batch)
+            else:
+                bar.set_postfix_str(item.label)
+                entry = item.run(self)
+            writer.add(entry)
+            for line in case_messages(entry):
+                tqdm.write(line, file=sys.stderr)
+            if on_case is not None:
+                on_case(entry)
+
+
+class ExtraCase(Protocol):
+    """A case besides the backend's engine cases that a run records: a peer (:mod:`harness.bench.peers`)."""
+
+    @property
+    def model(self) -> str:
+        """The model reference, as in the engine matrix."""
+        ...
+
+    @property
+    def batch(self) -> int | None: ...
+
+    @property
+    def label(self) -> str: ...
+
+    def key(self, runner: BenchRunner) -> CaseKey: ...
+
+    def run(self, runner: BenchRunner) -> dict[str, Any]: ...
+
+
+def _with_extra(matrix: Sequence[Case], extra: Sequence[ExtraCase]) -> list[Case | ExtraCase]:
+    """The matrix with each extra case just before the first engine case of its model and batch size.
+
+    Extra cases of a model and batch size the matrix lacks (another shard's) come last.
+    """
+    pending = list(extra)
+    items: list[Case | ExtraCase] = []
+    for case in matrix:
+        here = [e for e in pending if (e.model, e.batch) == (case[0], case[2])]
+        pending = [e for e in pending if (e.model, e.batch) != (case[0], case[2])]
+        items += [*here, case]
+    return items + pending
+
+
+@contextlib.contextmanager
+def messages_above_bar(bar_class: Any) -> Iterator[None]:
+    """Python warnings and console log records go through ``bar_class.write`` while a bar runs.
+
+    Written straight to stderr they land on the bar's line (the bar redraws
+    with ``\r`` and no newline); ``write`` clears the bar, prints the line and
+    redraws it. ``-v`` logging is redirected with tqdm's own
+    ``logging_redirect_tqdm`` (the root logger's console handlers, where
+    ``-v`` puts them); warnings by a ``warnings.showwarning`` hook. Both are put
+    back on exit, on success and on failure alike.
+    """
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    previous = warnings.showwarning
+
+    def show(
+        message: Warning | str, category: type[Warning], filename: str, lineno: int,
+        file: TextIO | None = None, line: str | None = None,
+    ) -> None:  # fmt: skip
+        text = warnings.formatwarning(message, category, filename, lineno, line)
+        bar_class.write(text.rstrip("\n"), file=file or sys.stderr)
+
+    warnings.showwarning = show
+    try:
+        with logging_redirect_tqdm(tqdm_class=bar_class):
+            yield
+    finally:
+        warnings.showwarning = previous
+
+
+def load_warnings(load: Mapping[str, Any]) -> list[str]:
+    """The warning a case stores when the machine was busier than its cores while it ran.
+
+    ``load`` is the case's ``load_average`` (1, 5, 15-minute averages at its
+    start and end, and the logical CPU count). A 1-minute load above the core
+    count means runnable threads queued for a CPU: some of the case's calls
+    waited, so its latency measures the machine as well as the engine.
+    Stored in the case (``warnings``) so the table and the gate can say it,
+    not only the terminal that watched the run.
+    """
+    busiest = max(load["start"][0], load["end"][0])
+    if busiest <= load["cpus"]:
+        return []
+    return [
+        f"the machine was busier than its {load['cpus']} cores (load average "
+        f"{load['start'][0]:.1f} -> {load['end'][0]:.1f}); its latency may be inflated"
+    ]
+
 
 def case_messages(case: Mapping[str, Any]) -> list[str]:
     """One line for each thing about a finished case that makes its numbers doubtful or absent."""
-    name = f"{case['model']}/{case['mode']}"
+    name = f"{case['model']}/{case['mode']}" + (f" ({case['backend']})" if is_peer(case) else "")
     if case["status"] == "failed":
         return [f"case {name} failed: {case['error']}"]
     lines = []
     acc = case["accuracy"]
     if case["status"] == "non-finite":
         lines.append(f"case {name}: outputs not finite ({acc['nan_count']} NaN, {acc['inf_count']} Inf)")
-    load = case.get("load_average")
-    if load is not None and max(load["start"][0], load["end"][0]) > load["cpus"]:
-        lines.append(
-            f"case {name}: the machine was busier than its {load['cpus']} cores (load average "
-            f"{load['start'][0]:.1f} -> {load['end'][0]:.1f}); its latency may be inflated"
-        )
+    lines += [f"case {name}: {warning}" for warning in case.get("warnings", [])]
     phase = case["latency"]["slow_phase"]
     if phase is not None:
         lines.append(
@@ -436,7 +686,13 @@ def _cache_digest(built: BuildResult) -> str | None:
     return TimingCache.load(path).digest()
 
 
-def _build_record(built: BuildResult, seconds: float) -> dict[str, Any]:
+def _build_record(
+    built: BuildResult, seconds: float, config: BuildConfig, *, reused: bool, note: str | None = None
+) -> dict[str, Any]:
+    """What built a case's engine: time, cache use, the settings digest it was compiled under
+    (the one in its cache file's name and fingerprint), and its batch profile if it serves a sweep
+    (``reused``: an earlier case of the sweep built it)."""
+    profile = config.batch_profile
     return {
         "seconds": seconds,
         "backend_seconds": built.log.build_seconds,
@@ -444,4 +700,8 @@ def _build_record(built: BuildResult, seconds: float) -> dict[str, Any]:
         "cache_hits": built.cache_hits,
         "cache_misses": built.cache_misses,
         "cache_entries_added": built.cache_entries_added,
+        "autocast_digest": config.autocast_digest(),
+        "batch_profile": None if profile is None else profile.to_json(),
+        "reused": reused,
+        "note": note,
     }

@@ -15,7 +15,8 @@ from tabulate import tabulate
 
 from harness.bench.compare import Comparison
 from harness.bench.gate import GateReport
-from harness.bench.results import format_key
+from harness.bench.peers import precision_of
+from harness.bench.results import format_key, is_peer
 
 _TIME_UNITS = ((1e9, "s"), (1e6, "ms"), (1e3, "µs"), (1.0, "ns"))
 _BYTE_UNITS = ((1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB"))
@@ -53,13 +54,35 @@ def _speedup(reference_ns: float | None, median_ns: float | None) -> str:
 
 
 def _status(case: Mapping[str, Any], width: int = 60) -> str:
-    """``ok``, ``non-finite (NaN n, Inf m)``, or the whole failure reason wrapped to ``width``."""
-    if case["status"] == "ok":
-        return "ok"
+    """``ok`` or ``non-finite (NaN n, Inf m)`` with the case's stored warnings, or the whole failure reason.
+
+    Long text is wrapped to ``width`` (never cut): each line is a line of the
+    terminal table's cell, or a ``<br>`` in Markdown (see :func:`_table`).
+    """
+    if case["status"] == "failed":
+        return textwrap.fill(f"failed: {case.get('error') or ''}", width)
+    text = "ok"
     if case["status"] == "non-finite":
         acc = case["accuracy"]
-        return f"non-finite (NaN {acc['nan_count']}, Inf {acc['inf_count']})"
-    return textwrap.fill(f"failed: {case.get('error') or ''}", width)
+        text = f"non-finite (NaN {acc['nan_count']}, Inf {acc['inf_count']})"
+    return "\n".join([text, *(textwrap.fill(f"warning: {w}", width) for w in case.get("warnings", []))])
+
+
+def _markdown_cell(text: str) -> str:
+    """A cell GitHub renders as one cell: line breaks as ``<br>``, pipes escaped."""
+    return text.replace("|", "\\|").replace("\n", "<br>")
+
+
+def _table(rows: list[list[str]], header: list[str], fmt: str) -> str:
+    """tabulate, except that a wrapped cell stays one row in Markdown.
+
+    tabulate turns a multi-line cell into extra table rows in ``github``
+    format, which reads as rows of empty cases; the terminal format lines them
+    up within one row, so only Markdown changes.
+    """
+    if fmt == "github":
+        rows = [[_markdown_cell(cell) for cell in row] for row in rows]
+    return tabulate(rows, headers=header, tablefmt=fmt, disable_numparse=True)
 
 
 def _spread(lat: Mapping[str, Any] | None) -> str:
@@ -71,20 +94,38 @@ def _spread(lat: Mapping[str, Any] | None) -> str:
     return text + (" unstable" if lat["unstable"] else "")
 
 
+PEER_NOTE = (
+    "peer:* rows are reference runtimes measured in the same run, not the harness's engines (not gated); "
+    "vs best peer = the fastest peer's median at the row's precision / the row's median (above 1: faster than every peer)"
+)
+
+
+def _fastest_peers(doc: Mapping[str, Any]) -> dict[tuple[str, int | None, str], float]:
+    """(model, batch, precision) -> the smallest median of a peer's case there."""
+    fastest: dict[tuple[str, int | None, str], float] = {}
+    for c in doc["cases"]:
+        if is_peer(c) and c["status"] != "failed":
+            key = (c["model"], c.get("batch"), c["mode"])  # a peer's mode is its precision
+            fastest[key] = min(fastest.get(key, float("inf")), c["latency"]["summary"]["median"])
+    return fastest
+
+
 def results_rows(doc: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]:
-    """Header and rows of the per-case table (model x mode x backend)."""
+    """Header and rows of the per-case table (model x mode x backend), peers' reference rows after the engines'."""
     reference_median = {
         (c["model"], c["backend"], c.get("batch")): c["latency"]["summary"]["median"]
         for c in doc["cases"]
         if c["mode"] == REFERENCE_MODE and c["status"] != "failed"
     }
+    fastest_peer = _fastest_peers(doc)
     sweep = any(c.get("batch") is not None for c in doc["cases"])
     header = [
         "model", *(["batch"] if sweep else []), "mode", "backend", "median", "p95", "items/s", "speed-up",
+        *(["vs best peer"] if fastest_peer else []),
         "IQR/median", "max abs err", "cosine", "top-1", "task acc", "weights", "engine", "peak RSS", "status",
     ]  # fmt: skip
     rows = []
-    for c in sorted(doc["cases"], key=lambda c: (c["model"], c["backend"], c.get("batch") or 0)):
+    for c in sorted(doc["cases"], key=lambda c: (c["model"], is_peer(c), c["backend"], c.get("batch") or 0)):
         lat, acc, mem, task = (
             c.get("latency"),
             c.get("accuracy"),
@@ -93,6 +134,8 @@ def results_rows(doc: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]:
         )
         median = lat["summary"]["median"] if lat else None
         ref = reference_median.get((c["model"], c["backend"], c.get("batch")))
+        precision = c["mode"] if is_peer(c) else precision_of(c["mode"])
+        best_peer = fastest_peer.get((c["model"], c.get("batch"), precision or ""))
         rows.append(
             [
                 c["model"],
@@ -103,6 +146,7 @@ def results_rows(doc: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]:
                 format_ns(lat["summary"]["p95"] if lat else None),
                 f"{lat['throughput_per_s']:.4g}" if lat else "",
                 _speedup(ref, median),
+                *([_speedup(best_peer, median)] if fastest_peer else []),
                 _spread(lat),
                 _num(acc["max_abs_error"] if acc else None, ".2e"),
                 _num(acc["cosine"] if acc else None, ".6f"),
@@ -125,8 +169,12 @@ def results_table(doc: Mapping[str, Any], fmt: str = "simple") -> str:
     title = f"machine {doc['machine']['id']}, {commit}, {len(doc['cases'])} cases"
     if not doc["complete"]:
         title += ", INCOMPLETE (interrupted run)"
+    if doc.get("upgraded_from"):
+        title += f"\nnote: {doc['upgraded_from']['note']}"
+    if any(is_peer(c) for c in doc["cases"]):
+        title += f"\nnote: {PEER_NOTE}"
     header, rows = results_rows(doc)
-    return title + "\n\n" + tabulate(rows, headers=header, tablefmt=fmt, disable_numparse=True)
+    return title + "\n\n" + _table(rows, header, fmt)
 
 
 def gate_table(report: GateReport, fmt: str = "simple") -> str:
@@ -148,7 +196,7 @@ def gate_table(report: GateReport, fmt: str = "simple") -> str:
             ]
         )
     notes = "".join(f"\nnote: {n}" for n in report.notes)
-    table = tabulate(rows, headers=header, tablefmt=fmt, disable_numparse=True)
+    table = _table(rows, header, fmt)
     return f"{table}\n\n{report.summary()}{notes}"
 
 
@@ -191,14 +239,9 @@ def compare_table(comparison: Comparison, fmt: str = "simple") -> str:
             for d in diffs or []
         ]
     title = f"{comparison.machine_a} (a) vs {comparison.machine_b} (b)"
-    out = title + "\n\n" + tabulate(rows, headers=header, tablefmt=fmt, disable_numparse=True)
+    out = title + "\n\n" + _table(rows, header, fmt)
     if tactic_rows:
-        out += "\n\n" + tabulate(
-            tactic_rows,
-            headers=["case", "layer", "tactic a", "tactic b"],
-            tablefmt=fmt,
-            disable_numparse=True,
-        )
+        out += "\n\n" + _table(tactic_rows, ["case", "layer", "tactic a", "tactic b"], fmt)
     for side, keys in (("a", comparison.only_in_a), ("b", comparison.only_in_b)):
         if keys:
             out += f"\n\nonly in {side}: " + ", ".join(format_key(k) for k in keys)

@@ -12,7 +12,9 @@ Two questions a user asks before adopting the compiler, answered in one run:
     converted them ahead of time. The two run interleaved in alternating
     blocks, so the noise of a shared CPU lands on both alike.
 
-Run as ``python -m harness.benchmarks.compile_bench [--quick]``.
+Run as ``python -m harness.benchmarks.compile_bench [--quick] [--threads N]``; every
+candidate runs at one pinned intra-op thread count (1 unless ``--threads`` says
+otherwise), as in ``harness bench``.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass
 
 import torch
@@ -31,7 +34,10 @@ from torch import nn
 
 from harness import models
 from harness.autocast import AutocastSettings, compile
+from harness.bench.runner import DEFAULT_THREADS
 from harness.bench.stats import bootstrap_ratio_ci
+from harness.errors import HarnessError
+from harness.globalstate import pinned_threads
 from harness.outputs import flat_tensors
 
 LOW = torch.bfloat16
@@ -196,24 +202,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m harness.benchmarks.compile_bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="smaller graphs (1k and 3k nodes) and fewer timed runs")
     parser.add_argument(
-        "--threads", type=int, default=None,
-        help="intra-op threads for the whole run (default: torch's); 1 is far steadier on a CPU shared with other jobs",
+        "--threads", type=int, default=DEFAULT_THREADS,
+        help=f"torch intra-op threads, pinned for the whole run: compiles, eager and compiled graphs (default: "
+        f"{DEFAULT_THREADS}, as harness bench: far steadier on a CPU shared with other jobs)",
     )  # fmt: skip
     args = parser.parse_args(argv)
-    if args.threads is not None:
-        if args.threads < 1:
-            parser.error(f"--threads must be at least 1, got {args.threads}")
-        torch.set_num_threads(args.threads)
     sizes, repeats = ((1000, 3000), 1) if args.quick else ((1000, 10000), 2)
     rounds, block, warmup = (6, 5, 3) if args.quick else (20, 10, 10)
 
-    load = os.getloadavg()[0]
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, load average {load:.2f} on {os.cpu_count()} CPUs\n")
-    print(f"(a) rule-mode compile time without calibration, best of {repeats}")
-    print(scaling_table([measure_scaling(n, repeats) for n in sizes]))
-    print(f"\n(b) rule-mode {str(LOW).removeprefix('torch.')} typed graph vs eager torch.autocast, "
-          f"median of {rounds} interleaved blocks of {block} calls each;\n* worst max abs error against fp32 eager over the example and calibration batches")  # fmt: skip
-    print(latency_table([measure_latency(name, rounds, block, warmup) for name in ("resnet", "transformer")]))
+    with ExitStack() as stack:
+        try:
+            stack.enter_context(pinned_threads(args.threads))
+        except HarnessError as exc:
+            parser.error(f"--threads: {exc}")
+        load = os.getloadavg()[0]
+        print(f"torch {torch.__version__}, threads: {args.threads} (pinned for every candidate), "
+              f"load average {load:.2f} on {os.cpu_count()} CPUs\n")  # fmt: skip
+        print(f"(a) rule-mode compile time without calibration, best of {repeats}")
+        print(scaling_table([measure_scaling(n, repeats) for n in sizes]))
+        print(f"\n(b) rule-mode {str(LOW).removeprefix('torch.')} typed graph vs eager torch.autocast, "
+              f"median of {rounds} interleaved blocks of {block} calls each;\n* worst max abs error against fp32 eager over the example and calibration batches")  # fmt: skip
+        print(latency_table([measure_latency(name, rounds, block, warmup) for name in ("resnet", "transformer")]))
     return 0
 
 

@@ -1,7 +1,7 @@
 """CPU engine vs eager PyTorch, measured side by side in one run.
 
-``python -m harness.benchmarks.engine_bench [--models a,b] [--seconds S]`` prints,
-per zoo model:
+``python -m harness.benchmarks.engine_bench [--models a,b] [--seconds S] [--threads N]``
+prints, per zoo model:
 - fp32: eager module vs the CPU engine built in mode ``fp32`` (speedup =
   eager median / engine median);
 - bf16: eager under ``torch.autocast("cpu", torch.bfloat16)`` vs the engine
@@ -13,7 +13,9 @@ per zoo model:
 
 The two sides of each ratio are measured in alternating rounds and each side
 keeps the median of its round medians, so a burst of load from another
-process hits both sides instead of deciding the ratio. This is a benchmark
+process hits both sides instead of deciding the ratio. Every candidate (eager,
+engines, their builds) runs at one pinned intra-op thread count, 1 unless
+``--threads`` says otherwise, as ``harness bench`` does. This is a benchmark
 report, not a test: nothing here asserts a threshold.
 """
 
@@ -23,18 +25,21 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 from typing import Any
 
 import torch
 
 from harness import models
-from harness.models import THIRD_PARTY_PREFIX
 from harness.bench.latency import measure_latency
+from harness.bench.runner import DEFAULT_THREADS
 from harness.build import compile_graph
 from harness.cache.timing_cache import TimingCache
 from harness.engines.cpu import CpuBackend
 from harness.engines.protocol import BuildConfig
 from harness.errors import HarnessError
+from harness.globalstate import pinned_threads
+from harness.models import THIRD_PARTY_PREFIX
 from harness.outputs import flat_tensors
 
 ROUNDS = 3
@@ -69,7 +74,8 @@ def abs_errors(run: Callable[..., Any], module: torch.nn.Module, batches: Sequen
     return f"{float(diffs.max()):.2e}/{float(diffs.mean()):.1e}"
 
 
-def bench_model(name: str, seconds: float) -> dict[str, Any]:
+def bench_model(name: str, seconds: float, threads: int) -> dict[str, Any]:
+    """One model's rows; ``threads`` goes into every build configuration (its provenance and timings)."""
     spec = models.load(name)
     backend = CpuBackend()
     inputs = spec.example_inputs
@@ -83,7 +89,7 @@ def bench_model(name: str, seconds: float) -> dict[str, Any]:
                 return module(*inputs)
 
         # fp32, with cold vs warm build on the same compiled graph.
-        fp32 = BuildConfig(mode="fp32")
+        fp32 = BuildConfig(mode="fp32", threads=threads)
         compiled = compile_graph(spec, fp32, backend)
         cache = TimingCache(backend.provenance(fp32))
         start = time.perf_counter()
@@ -93,7 +99,7 @@ def bench_model(name: str, seconds: float) -> dict[str, Any]:
             cache.update(entry)
         start = time.perf_counter()
         warm_engine, _ = backend.build(
-            compiled, BuildConfig(mode="fp32", error_on_cache_miss=True), cache
+            compiled, BuildConfig(mode="fp32", error_on_cache_miss=True, threads=threads), cache
         )
         row["warm_build_s"] = time.perf_counter() - start
         row["warm_same_engine"] = warm_engine.fingerprint() == engine.fingerprint()
@@ -105,7 +111,7 @@ def bench_model(name: str, seconds: float) -> dict[str, Any]:
         # bf16: the rule-based autocast engine (and the AMP-typed one) vs eager autocast.
         bf16_engines = {}
         for mode in ("autocast-bf16", "amp-bf16"):
-            config = BuildConfig(mode=mode)
+            config = BuildConfig(mode=mode, threads=threads)
             try:
                 bf16_engines[mode], _ = backend.build(
                     compile_graph(spec, config, backend), config, None
@@ -134,9 +140,9 @@ def bench_model(name: str, seconds: float) -> dict[str, Any]:
     return row
 
 
-def report(rows: list[dict[str, Any]]) -> str:
+def report(rows: list[dict[str, Any]], threads: int) -> str:
     lines = [
-        f"CPU engine benchmark: torch {torch.__version__}, {torch.get_num_threads()} threads, "
+        f"CPU engine benchmark: torch {torch.__version__}, {threads} intra-op thread(s) pinned for every candidate, "
         f"{torch.backends.cpu.get_cpu_capability()}",
         "",
         "fp32: eager PyTorch vs CPU engine (speedup = eager / engine; aim >= 1.2x resnet, >= 0.95x all)",
@@ -205,15 +211,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--threads",
         type=int,
-        default=None,
-        help="torch intra-op threads for builds and runs (default: torch's); 1 is far less "
-        "sensitive to other processes on a shared machine",
+        default=DEFAULT_THREADS,
+        help=f"torch intra-op threads, pinned for every candidate: eager, engines and builds (default: "
+        f"{DEFAULT_THREADS}, as harness bench: far less sensitive to other processes on a shared machine)",
     )
     args = parser.parse_args(argv)
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    rows = [bench_model(name, args.seconds) for name in args.models.split(",")]
-    print(report(rows))
+    with ExitStack() as stack:
+        try:
+            stack.enter_context(pinned_threads(args.threads))
+        except HarnessError as exc:
+            parser.error(f"--threads: {exc}")
+        print(f"threads: {args.threads} (pinned for eager, engines and builds)", flush=True)
+        rows = [bench_model(name, args.seconds, args.threads) for name in args.models.split(",")]
+    print(report(rows, args.threads))
     return 0
 
 

@@ -20,6 +20,7 @@ from harness.cache.timing_cache import (
     check_compatible,
     normalize_hash,
 )
+from harness.engines.protocol import check_engine_settings
 from harness.engines.registry import get_backend
 from harness.engines.saved import plan_backend
 from harness.errors import HarnessError
@@ -239,8 +240,14 @@ def _same_tactic(entry: CacheEntry, tactic: str) -> bool:
     )
 
 
-def load_engine_layers(path: str | os.PathLike[str]) -> tuple[str, list[tuple[str, str, str]]]:
+def load_engine_layers(
+    path: str | os.PathLike[str], cache: TimingCache | None = None
+) -> tuple[str, list[tuple[str, str, str]]]:
     """The backend of a saved engine and (layer, key, tactic) for every autotuned layer of it.
+
+    With ``cache``, an engine compiled under other autocast settings than the
+    cache was recorded for is refused, naming the settings: its layers are
+    other layers, and comparing their tactics with the cache's says nothing.
 
     ``path`` is an engine directory or its ``plan.json``. The engine is loaded
     by the backend that saved it, which verifies the plan's fingerprint and
@@ -250,6 +257,8 @@ def load_engine_layers(path: str | os.PathLike[str]) -> tuple[str, list[tuple[st
     """
     directory, backend = plan_backend(path)
     engine = get_backend(backend).load(directory)
+    if cache is not None and cache.provenance.backend == backend and "autocast" in cache.provenance.builder_options:
+        check_engine_settings(engine, cache.provenance.builder_options["autocast"], f"engine {directory}")
     layers = [(layer.name, layer.key, layer.tactic) for layer in engine.layers() if layer.key]
     if not layers:
         raise HarnessError(

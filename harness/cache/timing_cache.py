@@ -214,12 +214,12 @@ class Provenance:
             for name in ("backend", "backend_version", "device")
             if getattr(self, name) != getattr(other, name)
         ]
-        lines += _dict_differences("builder_options", self.builder_options, other.builder_options)
+        lines += dict_differences("builder_options", self.builder_options, other.builder_options)
         return lines
 
     def detail_differences(self, other: Provenance) -> list[str]:
         """Differences in the informative ``device_details`` (shown, never enforced)."""
-        return _dict_differences("device_details", self.device_details, other.device_details)
+        return dict_differences("device_details", self.device_details, other.device_details)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -244,7 +244,7 @@ class Provenance:
 _MISSING = "(unset)"
 
 
-def _dict_differences(prefix: str, mine: dict[str, Any], theirs: dict[str, Any]) -> list[str]:
+def dict_differences(prefix: str, mine: dict[str, Any], theirs: dict[str, Any]) -> list[str]:
     """One line per differing leaf: nested settings name the very setting that differs."""
     lines = []
     for name in sorted(set(mine) | set(theirs)):
@@ -252,7 +252,7 @@ def _dict_differences(prefix: str, mine: dict[str, Any], theirs: dict[str, Any])
         if a == b:
             continue
         if isinstance(a, dict) and isinstance(b, dict):
-            lines += _dict_differences(f"{prefix}.{name}", a, b)
+            lines += dict_differences(f"{prefix}.{name}", a, b)
         else:
             lines.append(f"{prefix}.{name}: {a} != {b}")
     return lines
@@ -382,10 +382,8 @@ def check_compatible(
         return
     differences = cache.provenance.mismatches(expected)
     if differences:
-        listed = "\n  ".join(differences)
         raise HarnessError(
             f"{where}: the timing cache was recorded for a different configuration "
-            f"(cache != expected):\n  {listed}\n"
-            "Its tactics may not exist here. Rebuild the cache on this configuration, or pass "
-            "--ignore-mismatch to use it anyway."
+            f"(cache != expected: {'; '.join(differences)}); its tactics may not exist here. "
+            "Rebuild the cache on this configuration, or pass --ignore-mismatch to use it anyway"
         )

@@ -24,6 +24,7 @@ DEFAULT_ROOT = "results"
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     from harness.bench.gate import AccuracyTolerances, GateSettings
+    from harness.bench.peers import PEER_NAMES
     from harness.bench.runner import DEFAULT_MODELS, DEFAULT_THREADS
     from harness.engines.registry import BACKEND_NAMES
 
@@ -51,6 +52,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--batch-sizes", metavar="N,N,...",
                    help="sweep the batch dimension (models that declare ModelSpec.batch_dim or whose factory "
                    "takes batch_size) (default: the project file's, else each model's own)")
+    p.add_argument("--peers", default=None, metavar="NAME,...",
+                   help="also time plain runtimes on the same inputs and threads, as reference rows at the "
+                   f"precisions of the modes: {', '.join(PEER_NAMES)} (default: the project file's, else none)")
     p.add_argument("--ignore-mismatch", action="store_true",
                    help="use timing caches recorded for another configuration (read-only)")
     p.add_argument("--config", metavar="FILE",
@@ -72,7 +76,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
     m = sub.add_parser("merge", help="join the shards of a run into one results file")
     m.add_argument("shards", nargs="+", metavar="RESULTS")
-    m.add_argument("-o", "--output", required=True, metavar="FILE")
+    m.add_argument("-o", "--output", required=True, metavar="FILE", help="the merged results file to write")
     m.set_defaults(func=run_merge)
 
     r = sub.add_parser("report", help="print the table and write the plots of a stored, merged or old run")
@@ -113,12 +117,15 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    help=f"largest accepted drop of top-1 agreement, a fraction (default: {tol.top1_drop})")
     g.add_argument("--task-accuracy-drop", type=float, default=None, metavar="X",
                    help=f"largest accepted drop of the task accuracy, a fraction (default: {tol.task_accuracy_drop})")
-    g.add_argument("--fail-on-unstable", action="store_true", default=None,
-                   help="an unstable current case fails the gate")
-    g.add_argument("--allow-missing", action="store_true", default=None,
-                   help="a baseline case this run lacks does not fail the gate (a subset run)")
-    g.add_argument("--ignore-isa", action="store_true", default=None,
-                   help="gate a CPU run against a baseline whose CPU has other ISA extensions")
+    # --no-X turns off a project file's `X = true` (flags win over the file).
+    g.add_argument("--fail-on-unstable", action=argparse.BooleanOptionalAction, default=None,
+                   help="an unstable current case fails the gate (default: the project file's, else off)")
+    g.add_argument("--allow-missing", action=argparse.BooleanOptionalAction, default=None,
+                   help="a baseline case this run lacks does not fail the gate (a subset run) "
+                   "(default: the project file's, else off)")
+    g.add_argument("--ignore-isa", action=argparse.BooleanOptionalAction, default=None,
+                   help="gate a CPU run against a baseline whose CPU has other ISA extensions "
+                   "(default: the project file's, else off)")
     g.add_argument("--config", metavar="FILE",
                    help="project file whose [gate] table sets these (flags win)")
     g.add_argument("--summary-md", default=None, metavar="FILE", help="also write the gate table as Markdown")
@@ -175,7 +182,9 @@ def _overhead_line(doc: dict[str, Any]) -> str:
         if c.get("latency") is not None and c["latency"].get("overhead") is not None
     ]
     if not overheads:
-        return "measurement overhead per iteration: not measured (no case was timed)"
+        timed = any(c.get("latency") is not None for c in doc["cases"])
+        why = "not recorded in this file" if timed else "not measured (no case was timed)"
+        return f"measurement overhead per iteration: {why}"
     worst = max(overheads, key=lambda o: o["median"])
     return (
         "measurement overhead per iteration (timing loop around an empty call, "
@@ -206,25 +215,28 @@ def _output_path(args: argparse.Namespace, machine_id: str, shard: tuple[int, in
 
 def _check_caches(cache_dir: Path, matrix: list[Any], runner: Any) -> None:
     """Every cache the run would read must load and fit this backend, before any case runs."""
-    from harness.bench.runner import cache_file
     from harness.build import load_cache
+    from harness.fileio import check_writable_dir
 
-    if cache_dir.exists() and not cache_dir.is_dir():
-        raise HarnessError(f"--cache-dir {cache_dir}: is a file, not a directory")
+    # A file in its place or on its parent chain, a dangling link, a read-only parent:
+    # refused now, not as every case failing after the run started.
+    check_writable_dir(cache_dir, "--cache-dir")
     for model, mode, batch in matrix:
         config = runner.config(model, mode)
-        name = runner.name_of(model) + ("" if batch is None else f"-b{batch}")
-        path = cache_file(cache_dir, name, config, runner.backend.name)
+        path = runner.cache_path(model, config, batch)
         if path.exists():
             load_cache(path, runner.backend, config)
 
 
 def _batch_sizes(text: str) -> list[int]:
+    """``--batch-sizes N,N,...``, each within 1..MAX_BATCH_SIZE (a huge batch is an OOM kill, not a number)."""
+    from harness.limits import MAX_BATCH_SIZE, check_int
+
     sizes = []
     for part in _split(text, "--batch-sizes"):
-        if not part.isdigit() or int(part) < 1:
-            raise HarnessError(f"--batch-sizes {text!r}: {part!r} is not a positive integer")
-        sizes.append(int(part))
+        if not part.isdigit() or len(part) > 9:
+            raise HarnessError(f"--batch-sizes {text!r}: {part[:30]!r} is not an integer; valid: 1..{MAX_BATCH_SIZE}")
+        sizes.append(check_int(int(part), "--batch-sizes", 1, MAX_BATCH_SIZE))
     return sizes
 
 
@@ -246,6 +258,8 @@ def _plans(refs: list[str], project: Any, args: argparse.Namespace) -> dict[str,
                 "its ModelSpec.name (or factory name), so give them different names"
             )
         names[name] = ref
+    project.check_model_tables({ref: name for name, ref in names.items()}, lambda ref: models.load(ref).name)
+    for name, ref in names.items():
         explicit = args.explicit or project.explicit_for(ref, name)
         if explicit is not None:
             load_explicit(explicit)
@@ -253,9 +267,35 @@ def _plans(refs: list[str], project: Any, args: argparse.Namespace) -> dict[str,
     return plans
 
 
+def _model_settings(ref: str, plan: Any, modes: list[str], runner: Any) -> dict[str, Any]:
+    """How a model is built, as the results record it.
+
+    ``autocast`` is what the user set (file and flags), without the low
+    precision type, which each mode decides; ``modes`` holds, per mode, the
+    settings the engine was really compiled under and their digest (None
+    where the mode's graph does not depend on them): the digest in the cache
+    file's name and in the engine fingerprint.
+    """
+    from harness.project import portable_path, portable_reference
+
+    given = plan.autocast.to_json()
+    del given["low_precision_type"]
+    configs = {mode: runner.config(ref, mode) for mode in modes}
+    return {
+        "reference": portable_reference(ref),
+        "explicit": None if plan.explicit is None else portable_path(plan.explicit),
+        "autocast": given,
+        "modes": {
+            mode: {"compiler_settings": config.compiler_settings(), "autocast_digest": config.autocast_digest()}
+            for mode, config in configs.items()
+        },
+    }
+
+
 def run_bench(args: argparse.Namespace) -> int:
     from harness.bench.machine import machine_info
-    from harness.bench.results import ResultsWriter
+    from harness.bench.peers import peer_cases, resolve_peers, run_precisions
+    from harness.bench.results import ResultsWriter, is_peer
     from harness.bench.runner import (
         DEFAULT_MODELS,
         DEFAULT_THREADS,
@@ -267,12 +307,14 @@ def run_bench(args: argparse.Namespace) -> int:
         parse_shard,
     )
     from harness.fileio import check_writable
-    from harness.project import load_project
     from harness.models import load as models_load
+    from harness.project import load_project, portable_path
 
     # Everything that can be refused is refused here, before a file is written.
     project = load_project(args.config)
     shard = parse_shard(args.shard) if args.shard is not None else None
+    peer_names = _split(args.peers, "--peers") if args.peers is not None else list(project.get("peers") or [])
+    peers = resolve_peers(peer_names, "--peers" if args.peers is not None else f"{project.where}: peers")
     threads = args.threads if args.threads is not None else project.get("threads") or DEFAULT_THREADS
     if not 1 <= threads <= 1024:
         raise HarnessError(f"--threads {threads}: must be from 1 to 1024")
@@ -291,7 +333,10 @@ def run_bench(args: argparse.Namespace) -> int:
     timing = project.section("timing")
     spread = args.spread_threshold if args.spread_threshold is not None else timing.pop("spread_threshold", None)
     timing.pop("spread_threshold", None)
-    measure = dataclasses.replace(QUICK if args.quick else MeasureSettings(**timing), threads=threads)
+    try:
+        measure = dataclasses.replace(QUICK if args.quick else MeasureSettings(**timing), threads=threads)
+    except HarnessError as exc:  # the bounds of harness.limits; NaN passes the file's schema
+        raise HarnessError(f"{project.where}: {exc}" if timing else str(exc)) from None
     if spread is not None:
         measure = dataclasses.replace(measure, spread_threshold=parse_threshold(str(spread), "--spread-threshold"))
     if args.summary_md is not None:
@@ -304,13 +349,27 @@ def run_bench(args: argparse.Namespace) -> int:
         for size in batch_sizes:
             models_load(ref, size)  # a model that cannot sweep is refused now
     matrix = build_matrix(refs, modes, shard, batch_sizes or (None,))
+    peer_matrix, peer_notes = peer_cases(refs, peers, run_precisions(modes), batch_sizes or (None,), shard)
+    if peers and not run_precisions(modes):
+        peer_notes.append("no peer runs: the modes have no single precision to compare with (explicit only)")
     runner = BenchRunner(
-        backend, cache_dir=cache_dir, settings=measure, plans=plans, ignore_cache_mismatch=args.ignore_mismatch
+        backend,
+        cache_dir=cache_dir,
+        settings=measure,
+        plans=plans,
+        ignore_cache_mismatch=args.ignore_mismatch,
+        batch_sizes=batch_sizes or (),
     )
     _check_caches(cache_dir, matrix, runner)
+    if not args.no_plots:
+        from harness.bench.plots import check_plot_paths
+
+        check_plot_paths(output, [runner.name_of(r) for r in refs], sweep=len(batch_sizes or ()) > 1)
 
     # Shards of one run must carry equal settings (merge checks them), so the
-    # shard is in the file name and the measured overhead in each case, not here.
+    # shard is in the file name and the measured overhead in each case, not here;
+    # paths are relative to the current directory (portable_path), so shards run
+    # from the roots of two checkouts merge.
     settings = {
         "backend": backend.name,
         "models": [runner.name_of(r) for r in refs],
@@ -319,37 +378,36 @@ def run_bench(args: argparse.Namespace) -> int:
         "threads": measure.threads,
         "batch_sizes": batch_sizes,
         "measure": measure.to_dict(),
-        "project_file": None if project.path is None else str(project.path),
-        "model_settings": {
-            runner.name_of(ref): {
-                "reference": ref,
-                "explicit": plan.explicit,
-                "autocast": plan.autocast.to_json(),
-                "autocast_digest": plan.autocast.digest(),
-            }
-            for ref, plan in plans.items()
-        },
+        "cache_dir": portable_path(cache_dir),
+        "project": None if project.path is None else project.to_json(),
+        "model_settings": {runner.name_of(ref): _model_settings(ref, plan, modes, runner) for ref, plan in plans.items()},
         "ignore_cache_mismatch": args.ignore_mismatch,
+        "peers": peer_names,
     }
+    for note in peer_notes:
+        print(f"note: {note}", file=sys.stderr)
     if args.resume:
         writer = ResultsWriter.resume(output, settings=settings, machine=machine)
     else:
         writer = ResultsWriter.create(output, settings=settings, machine=machine)
     try:
-        doc = runner.run(matrix, writer, progress=not args.no_progress)
+        doc = runner.run(matrix, writer, progress=not args.no_progress, extra=peer_matrix)
     except KeyboardInterrupt:
         doc = writer.doc
         _report(doc, output, args.no_plots, args.summary_md)
         print(
-            f"interrupted: {len(doc['cases'])} of {len(matrix)} cases kept in {output} "
+            f"interrupted: {len(doc['cases'])} of {len(matrix) + len(peer_matrix)} cases kept in {output} "
             f"(marked incomplete; finish it by repeating the command with --resume -o {output})",
             file=sys.stderr,
         )
         return 130
     _report(doc, output, args.no_plots, args.summary_md)
-    failed = [f"{c['model']}/{c['mode']}" for c in doc["cases"] if c["status"] == "failed"]
+    failed = [
+        f"{c['model']}/{c['mode']}" + (f" ({c['backend']})" if is_peer(c) else "")
+        for c in doc["cases"] if c["status"] == "failed"
+    ]  # fmt: skip
     if failed:
-        print(f"{len(failed)} of {len(matrix)} cases failed: {', '.join(failed)}", file=sys.stderr)
+        print(f"{len(failed)} of {len(matrix) + len(peer_matrix)} cases failed: {', '.join(failed)}", file=sys.stderr)
         return 1
     return 0
 
@@ -377,7 +435,13 @@ def run_report(args: argparse.Namespace) -> int:
 
     if args.summary_md is not None:
         check_writable(args.summary_md, "--summary-md")
-    _report(load_results(args.run), Path(args.run), args.no_plots, args.summary_md)
+    doc = load_results(args.run, upgrade=True)
+    if not args.no_plots:
+        from harness.bench.plots import check_plot_paths
+
+        models = dict.fromkeys(c["model"] for c in doc["cases"])
+        check_plot_paths(args.run, models, sweep=any(c.get("batch") is not None for c in doc["cases"]))
+    _report(doc, Path(args.run), args.no_plots, args.summary_md)
     return 0
 
 
@@ -400,9 +464,9 @@ def run_merge(args: argparse.Namespace) -> int:
 
 def run_promote(args: argparse.Namespace) -> int:
     from harness.bench.results import promote_baseline
+    from harness.fileio import check_writable_dir
 
-    if Path(args.root).exists() and not Path(args.root).is_dir():
-        raise HarnessError(f"--root {args.root}: is a file, not a directory")
+    check_writable_dir(args.root, "--root")  # a file, or a file on its parent chain: refused before any work
     dest = promote_baseline(args.run, args.root, force=args.force)
     print(f"baseline for its machine: {dest} (from {args.run})")
     return 0
@@ -413,7 +477,11 @@ def run_compare(args: argparse.Namespace) -> int:
     from harness.bench.results import load_results
     from harness.bench.tables import compare_table
 
-    comparison = compare(load_results(args.a), load_results(args.b))
+    docs = [load_results(path, upgrade=True) for path in (args.a, args.b)]
+    for path, doc in zip((args.a, args.b), docs, strict=True):
+        if doc.get("upgraded_from"):
+            print(f"note: {path}: {doc['upgraded_from']['note']}", file=sys.stderr)
+    comparison = compare(*docs)
     if args.json:
         print(json.dumps(comparison.to_dict(), indent=2))
     else:

@@ -20,10 +20,15 @@ from harness.engines.protocol import PRECISION_MODES, Backend, BuildConfig, Buil
 from harness.engines.registry import BACKEND_NAMES, get_backend
 from harness.engines.saved import engine_directory, plan_backend
 from harness.errors import HarnessError
-from harness.fileio import check_writable
+from harness.fileio import JsonSyntaxError, check_writable, parse_json
+from harness.limits import MAX_REBUILDS, check_int
 
 if TYPE_CHECKING:
     from harness.autocast import CompiledGraph
+    from harness.models import ModelSpec
+
+
+DEFAULT_BACKEND = "cpu"
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -76,7 +81,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="zoo name or path/to/file.py:factory")
     p.add_argument("--mode", required=True, choices=PRECISION_MODES, help="precision mode")
-    p.add_argument("--backend", default="cpu", choices=BACKEND_NAMES)
+    p.add_argument("--backend", default=None, choices=BACKEND_NAMES,
+                   help=f"engine backend (default: the project file's, else {DEFAULT_BACKEND})")
     p.add_argument("--cache", metavar="FILE", help="timing cache JSON (read if it exists)")
     p.add_argument(
         "--error-on-cache-miss", action="store_true", help="fail if a layer would need timing"
@@ -105,53 +111,68 @@ def _common(p: argparse.ArgumentParser) -> None:
     options.add_flags(p)
 
 
-def _config(args: argparse.Namespace) -> tuple[str, BuildConfig]:
-    """The model reference and the build configuration: defaults < project file < flags."""
+def _config(args: argparse.Namespace) -> tuple[ModelSpec, BuildConfig, Backend]:
+    """The model, the build configuration and the backend: defaults < project file < flags.
+
+    The model is loaded first: its ``[model."<key>"]`` table in the project
+    file may name it by reference or by its ModelSpec name, as for ``bench``.
+    A model given on the command line is relative to the current directory.
+    """
+    from harness import models
     from harness.project import load_project
 
     project = load_project(args.config)
-    model = project.model_reference(args.model)
     threads = args.threads if args.threads is not None else project.get("threads")
     if threads is not None and not 1 <= threads <= 1024:
         raise HarnessError(f"--threads {threads}: expected 1 to 1024")
-    return model, BuildConfig(
+    backend = get_backend(args.backend or project.get("backend") or DEFAULT_BACKEND)
+    settings_given = options.given(args)
+    project.autocast_settings(args.model, settings_given)  # bad settings fail before the model loads
+    spec = models.load(args.model)
+    project.check_model_tables({args.model: spec.name}, lambda ref: models.load(ref).name)
+    config = BuildConfig(
         mode=args.mode,
-        explicit_path=args.explicit or project.explicit_for(args.model),
+        # the model table's explicit file is for mode explicit; --explicit with another mode is refused
+        explicit_path=args.explicit or (project.explicit_for(args.model, spec.name) if args.mode == "explicit" else None),
         error_on_cache_miss=args.error_on_cache_miss,
         editable_cache=not getattr(args, "no_editable_cache", False),
         disable_cache=getattr(args, "disable_cache", False),
         ignore_cache_mismatch=args.ignore_mismatch,
         options=_options(args.option),
         threads=threads,
-        autocast=project.autocast_settings(args.model, options.given(args)),
+        autocast=project.autocast_settings(args.model, settings_given, spec.name),
     )
+    return spec, config, backend
 
 
 def _options(items: list[str]) -> dict[str, Any]:
+    """``--option KEY=VALUE`` pairs; VALUE is JSON, else taken as a plain string.
+
+    JSON goes through the harness's one reader: a value nested too deep, an
+    integer literal of thousands of digits or NaN is an error naming the
+    option, not a traceback (the backend then bounds each option's value).
+    """
     options: dict[str, Any] = {}
     for item in items:
         key, sep, text = item.partition("=")
         if not sep or not key:
             raise HarnessError(f"--option {item!r}: expected KEY=VALUE")
         try:
-            options[key] = json.loads(text)
-        except json.JSONDecodeError:
+            options[key] = parse_json(text, f"--option {key}")
+        except JsonSyntaxError:
             options[key] = text
     return options
 
 
 def run_build(args: argparse.Namespace) -> int:
-    from harness import models
     from harness.build import build_engine, save_build
 
-    model, config = _config(args)
-    if config.disable_cache and args.cache:
+    if args.disable_cache and args.cache:
         raise HarnessError("--disable-cache and --cache contradict each other; give one")
     engine_directory(args.output)  # refused now, not after the build
     if args.cache is not None:
         check_writable(args.cache, "--cache")
-    backend = get_backend(args.backend)
-    spec = models.load(model)
+    spec, config, backend = _config(args)
     result = build_engine(spec, config, backend, args.cache)
     out = save_build(result, args.output)
     layers = result.engine.layers()
@@ -210,12 +231,11 @@ class _NotingBackend:
 
 
 def run_rebuild(args: argparse.Namespace) -> int:
-    from harness import models
     from harness.build import rebuild
 
-    model, config = _config(args)
-    backend = _NotingBackend(get_backend(args.backend))
-    spec = models.load(model)
+    check_int(args.times, "--times", 2, MAX_REBUILDS)  # before the model loads
+    spec, config, chosen = _config(args)
+    backend = _NotingBackend(chosen)
     report = rebuild(spec, config, backend, args.times, args.cache)
     if args.json:
         print(json.dumps(report.to_json(), indent=2))
@@ -268,6 +288,7 @@ def run_inspect(args: argparse.Namespace) -> int:
                     "backend": engine.backend,
                     "mode": engine.mode,
                     "fingerprint": engine.fingerprint(),
+                    "compiler_settings": engine.compiler_settings(),
                     "weights_digest": engine.weights_digest(),
                     "size_bytes": engine.size_bytes(),
                     "weight_bytes_by_dtype": engine.weight_bytes_by_dtype(),
@@ -282,6 +303,9 @@ def run_inspect(args: argparse.Namespace) -> int:
         f"{engine.size_bytes()} bytes"
     )
     print(f"fingerprint: {engine.fingerprint()}\nweights: {engine.weights_digest()}")
+    settings = engine.compiler_settings()
+    print("autocast settings: " + ("none (the mode's graph does not depend on them)" if settings is None
+                                   else json.dumps(settings, sort_keys=True)))  # fmt: skip
     for layer in layers:
         print(
             f"  {layer.name:<32} {layer.layer_type:<14} {','.join(layer.input_dtypes):<18} -> "

@@ -60,7 +60,7 @@ def register(subparsers: Any) -> None:
     m = sub.add_parser("merge", help="A plus B's keys that A lacks (A wins conflicts)")
     m.add_argument("a")
     m.add_argument("b")
-    m.add_argument("-o", "--output", required=True)
+    m.add_argument("-o", "--output", required=True, help="the merged cache file to write")
     m.add_argument(
         "--ignore-mismatch", action="store_true", help="accept caches from different configurations"
     )
@@ -163,7 +163,8 @@ def _pin(args: argparse.Namespace) -> int:
         cache = TimingCache.load(args.file)
         if args.source is not None:
             other = TimingCache.load(args.source)
-            layers = pin_from(cache, other, args.ignore_mismatch, f"timing cache {args.source}")
+            source = f"timing cache {args.source} (pinned into {args.file})"
+            layers = pin_from(cache, other, args.ignore_mismatch, source)
             if not layers:
                 raise HarnessError(f"{args.source} shares no key with {args.file}; nothing to pin")
             summary = layers
@@ -182,11 +183,16 @@ def _pin(args: argparse.Namespace) -> int:
 
 def _merge(args: argparse.Namespace) -> int:
     output = check_writable(args.output, "-o")
-    a = TimingCache.load(args.a)
-    b = TimingCache.load(args.b)
-    merged = merge(a, b, args.ignore_mismatch, f"timing cache {args.b} (merged into {args.a})")
-    conflicts = sum(r.status == "changed" for r in diff(a, b))
-    merged.save(output)
+    # The inputs are read under the output's lock: `-o` may name an input (merging
+    # into A), or a cache other commands change at the same time (`cache pin A`,
+    # another merge into it); reading first and locking only the write would drop
+    # whatever they wrote in between.
+    with locked(output):
+        a = TimingCache.load(args.a)
+        b = TimingCache.load(args.b)
+        merged = merge(a, b, args.ignore_mismatch, f"timing cache {args.b} (merged into {args.a})")
+        conflicts = sum(r.status == "changed" for r in diff(a, b))
+        merged.save(output)
     print(
         f"merged {len(a)} entries from {args.a} and {len(merged) - len(a)} from {args.b} "
         f"-> {args.output} ({conflicts} conflicting keys kept from {args.a})"
@@ -196,7 +202,7 @@ def _merge(args: argparse.Namespace) -> int:
 
 def _verify(args: argparse.Namespace) -> int:
     cache = TimingCache.load(args.file)
-    backend, layers = load_engine_layers(args.engine)
+    backend, layers = load_engine_layers(args.engine, cache)
     if backend != cache.provenance.backend:
         raise HarnessError(
             f"engine {args.engine} was built by backend {backend}, but {args.file} records "

@@ -28,9 +28,13 @@ def run(args: argparse.Namespace) -> int:
     from harness.project import load_project
 
     project = load_project(args.config)
+    given = options.given(args)
     # validated before the model is built, so a bad flag fails fast
-    settings = project.autocast_settings(args.model, options.given(args), low_precision_type=args.low)
-    spec = models.load(project.model_reference(args.model))
+    project.autocast_settings(args.model, given, low_precision_type=args.low)
+    # then again with the model's name: its [model."<key>"] table may use either
+    spec = models.load(args.model)
+    project.check_model_tables({args.model: spec.name}, lambda ref: models.load(ref).name)
+    settings = project.autocast_settings(args.model, given, spec.name, low_precision_type=args.low)
     if settings.calibration_data is None:
         settings = dataclasses.replace(settings, calibration_data=spec.calibration_data)
     compiled = compile(spec.module, spec.example_inputs, mode=args.mode, settings=settings)

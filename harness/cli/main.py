@@ -28,10 +28,13 @@ class HelpFormatter(argparse.HelpFormatter):
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""
         default = action.default
+        # Identity, not ==: a default of 0 or 0.0 equals False but is a value worth showing.
         if (
             "%(default)" in text
             or "default:" in text
-            or default in (None, False, argparse.SUPPRESS)
+            or default is None
+            or default is False
+            or default is argparse.SUPPRESS
             or not action.option_strings
         ):
             return text

@@ -29,6 +29,11 @@ Those are recorded separately, not hidden.
 Opset: 18 by default; 22 when the graph holds bf16 tensors, because ONNX
 types ``Conv``, ``MaxPool`` and the other pooling ops in bf16 only from 22.
 Shapes are static (the example inputs' shapes); the engines are built for them.
+With ``batch_dim`` (TensorRT's one engine for a batch sweep) that dimension of
+every input is dynamic instead (``-1`` in the recorded :class:`TensorSpec`);
+a typed graph that fixes the batch size (a reshape to a constant shape, as
+models exported at one batch size often hold) cannot have one and is refused
+with :class:`StaticBatchError`.
 """
 
 from __future__ import annotations
@@ -88,9 +93,17 @@ def onnx_dtype_name(elem_type: int) -> str:
     return name if name is not None else ir.DataType(elem_type).name.lower()
 
 
+# A dimension the engine takes at run time (the batch axis of a dynamic-batch export).
+DYNAMIC = -1
+
+
+class StaticBatchError(HarnessError):
+    """The typed graph fixes its batch size, so no engine can serve other sizes with it."""
+
+
 @dataclass(frozen=True)
 class TensorSpec:
-    """A graph input or output of the exported model."""
+    """A graph input or output of the exported model (:data:`DYNAMIC` for a run-time dimension)."""
 
     name: str
     dtype: str
@@ -140,7 +153,7 @@ TENSOR_SPEC_SCHEMA: dict[str, Any] = {
     "properties": {
         "name": {"type": "string", "minLength": 1},
         "dtype": {"type": "string", "minLength": 1},
-        "shape": {"type": "array", "items": {"type": "integer", "minimum": 0}},
+        "shape": {"type": "array", "items": {"type": "integer", "minimum": DYNAMIC}},
     },
 }
 CAST_SCHEMA: dict[str, Any] = {
@@ -167,7 +180,8 @@ def check_inputs(
         if not isinstance(tensor, torch.Tensor):
             raise HarnessError(f"{where} input {spec.name!r}: expected a tensor, got {type(tensor).__name__}")
         got = (any_dtype_name(tensor.dtype), tuple(tensor.shape))
-        if got != (spec.dtype, spec.shape):
+        shape = tuple(g if d == DYNAMIC else d for d, g in zip(spec.shape, got[1], strict=False))
+        if got != (spec.dtype, shape) or len(got[1]) != len(spec.shape):
             raise HarnessError(
                 f"{where} input {spec.name!r}: expected {spec.dtype} {spec.shape}, got {got[0]} {got[1]}"
             )
@@ -237,9 +251,17 @@ def default_opset(gm: torch.fx.GraphModule) -> int:
 
 
 def export_onnx(
-    compiled: CompiledGraph, path: str | os.PathLike[str], *, opset: int | None = None
+    compiled: CompiledGraph,
+    path: str | os.PathLike[str],
+    *,
+    opset: int | None = None,
+    batch_dim: int | None = None,
 ) -> OnnxExport:
     """Export ``compiled`` to ``path`` (written atomically) and check what was written.
+
+    With ``batch_dim`` that dimension of every input is dynamic, and so is
+    every output dimension that depends on it; the export is refused
+    (:class:`StaticBatchError`) when the graph pins the batch size.
 
     Raises HarnessError when the exporter cannot translate the graph, when
     the result is not a valid ONNX model (e.g. an op with mixed input types
@@ -260,7 +282,9 @@ def export_onnx(
     if opset < MIN_OPSET:
         raise HarnessError(f"ONNX opset {opset} is too old; the exporter needs opset >= {MIN_OPSET}")
     output_count = _output_count(gm)
-    model = _torch_export(compiled, opset, output_count)
+    model = _torch_export(compiled, opset, output_count, batch_dim)
+    if batch_dim is not None:
+        _check_dynamic_batch(model, batch_dim)
     origins = _origins(model.graph, id(gm.graph))
     weights = _weight_dtypes(gm)
     protected = {n for n, origin in origins.items() if n.op_type == "Cast" and origin in placed}
@@ -269,7 +293,7 @@ def export_onnx(
     _widen_mixed_layer_norms(model.graph)
     proto = ir.to_proto(model)
     _check(proto, path)
-    record = _record(model, Path(path), opset, names, placed)
+    record = _record(model, Path(path), opset, names, placed, dynamic=batch_dim is not None)
     _verify(record, placed, weights)
     atomic_write_bytes(path, proto.SerializeToString())
     return record
@@ -281,9 +305,15 @@ def _output_count(gm: torch.fx.GraphModule) -> int:
     return len(result) if isinstance(result, (tuple, list)) else 1
 
 
-def _torch_export(compiled: CompiledGraph, opset: int, output_count: int) -> ir.Model:
+def _torch_export(compiled: CompiledGraph, opset: int, output_count: int, batch_dim: int | None) -> ir.Model:
     gm = compiled.graph_module
     input_names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    dynamic_shapes = None
+    if batch_dim is not None:
+        # One symbol for every input's batch axis: they are one batch. (torch.export keeps
+        # a dimension symbolic only when the example's size is not 0 or 1.)
+        batch = torch.export.Dim("batch")
+        dynamic_shapes = tuple({batch_dim: batch} for _ in compiled.example_inputs)
     try:
         # The typed graph must be traced as written: no ambient autocast.
         with torch.autocast("cpu", enabled=False), _quiet_exporter():
@@ -296,6 +326,7 @@ def _torch_export(compiled: CompiledGraph, opset: int, output_count: int) -> ir.
                 verbose=False,
                 input_names=input_names,
                 output_names=[f"output_{i}" for i in range(output_count)],
+                dynamic_shapes=dynamic_shapes,
             )
     except torch.onnx.OnnxExporterError as exc:
         raise HarnessError(f"the typed graph cannot be exported to ONNX (opset {opset}): {exc}") from None
@@ -458,19 +489,41 @@ def _check(proto: onnx.ModelProto, path: str | os.PathLike[str]) -> None:
         ) from None
 
 
-def _tensor_spec(value: ir.Value) -> TensorSpec:
+def _check_dynamic_batch(model: ir.Model, batch_dim: int) -> None:
+    """Every input's ``batch_dim`` is dynamic, nothing else of it is (else StaticBatchError)."""
+    for value in model.graph.inputs:
+        shape = value.shape
+        dims = list(shape) if shape is not None else []
+        if len(dims) <= batch_dim or isinstance(dims[batch_dim], int):
+            raise StaticBatchError(
+                f"the typed graph fixes the batch size of input {value.name!r} (shape {dims}): an op "
+                "depends on it (e.g. a reshape to a constant shape), so one engine cannot serve a batch sweep"
+            )
+        others = [i for i, d in enumerate(dims) if i != batch_dim and not isinstance(d, int)]
+        if others:
+            raise HarnessError(f"exported ONNX input {value.name!r} has dynamic dimension(s) {others} besides the batch")
+
+
+def _tensor_spec(value: ir.Value, dynamic: bool = False) -> TensorSpec:
     if value.dtype is None or value.shape is None:
         raise HarnessError(f"exported ONNX value {value.name!r} has no known dtype or shape")
     dims = []
     for dim in value.shape:
         if not isinstance(dim, int):
-            raise HarnessError(f"exported ONNX value {value.name!r} has a dynamic dimension {dim}")
+            if not dynamic:
+                raise HarnessError(f"exported ONNX value {value.name!r} has a dynamic dimension {dim}")
+            dim = DYNAMIC
         dims.append(dim)
     return TensorSpec(str(value.name), onnx_dtype_name(int(value.dtype)), tuple(dims))
 
 
 def _record(
-    model: ir.Model, path: Path, opset: int, names: dict[str, str | None], placed: dict[str, torch.dtype]
+    model: ir.Model,
+    path: Path,
+    opset: int,
+    names: dict[str, str | None],
+    placed: dict[str, torch.dtype],
+    dynamic: bool = False,
 ) -> OnnxExport:
     graph = model.graph
     casts = []
@@ -496,8 +549,8 @@ def _record(
     return OnnxExport(
         path=path,
         opset=opset,
-        inputs=tuple(_tensor_spec(v) for v in graph.inputs),
-        outputs=tuple(_tensor_spec(v) for v in graph.outputs),
+        inputs=tuple(_tensor_spec(v, dynamic) for v in graph.inputs),
+        outputs=tuple(_tensor_spec(v, dynamic) for v in graph.outputs),
         casts=tuple(casts),
         initializers=initializers,
     )

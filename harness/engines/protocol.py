@@ -12,7 +12,7 @@ backend. Backends refuse a precision mode they cannot honour
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -77,6 +77,87 @@ def dtype_from_name(name: str) -> torch.dtype:
 
 
 @dataclass(frozen=True)
+class BatchProfile:
+    """The batch sizes one engine serves: TensorRT's optimization profile over the batch axis.
+
+    A batch sweep on a backend that builds profiles (:func:`builds_batch_profiles`)
+    builds one engine for the whole sweep instead of one per size. ``dim`` is
+    the inputs' batch dimension (``ModelSpec.batch_dim``), ``min`` and ``max``
+    the smallest and largest size of the sweep, and ``opt``, the size TensorRT
+    tunes kernels for, the *first* size listed: the sizes of a sweep are
+    distinct (``--batch-sizes`` refuses repeats), so there is no most common
+    one, and the one a user lists first is the one they care about most (their
+    deployment's usual batch; ``1,8,32`` tunes for 1). The profile is part of
+    the cache provenance and of the engine record: kernels tuned for another
+    range are other kernels.
+    """
+
+    dim: int
+    min: int
+    opt: int
+    max: int
+
+    def __post_init__(self) -> None:
+        if self.dim < 0 or not 1 <= self.min <= self.opt <= self.max:
+            raise HarnessError(f"batch profile {self.to_json()}: need dim >= 0 and 1 <= min <= opt <= max")
+
+    @classmethod
+    def for_sweep(cls, dim: int, sizes: Sequence[int]) -> BatchProfile:
+        if not sizes:
+            raise HarnessError("a batch profile needs at least one batch size")
+        return cls(dim, min(sizes), sizes[0], max(sizes))
+
+    def covers(self, size: int) -> bool:
+        return self.min <= size <= self.max
+
+    def shape(self, shape: Sequence[int], size: int) -> tuple[int, ...]:
+        """``shape`` (its batch dimension dynamic, -1) with the batch dimension set to ``size``."""
+        return tuple(size if i == self.dim else d for i, d in enumerate(shape))
+
+    def to_json(self) -> dict[str, int]:
+        return {"dim": self.dim, "min": self.min, "opt": self.opt, "max": self.max}
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> BatchProfile:
+        return cls(int(obj["dim"]), int(obj["min"]), int(obj["opt"]), int(obj["max"]))
+
+
+def builds_batch_profiles(backend: object) -> bool:
+    """Whether ``backend`` builds one engine for a whole batch sweep (a :class:`BatchProfile`).
+
+    Backends opt in with a true ``batch_profiles`` class attribute; only
+    TensorRT does (see ``TensorRTBackend``). The others build one engine per
+    batch size: the CPU engine times its tactics and lays out its buffers for
+    fixed shapes, and ONNX Runtime and OpenVINO run the static export that the
+    engines of every backend are verified and fingerprinted on.
+    """
+    return bool(getattr(backend, "batch_profiles", False))
+
+
+def settings_differences(recorded: Mapping[str, Any] | None, expected: Mapping[str, Any] | None) -> list[str]:
+    """``autocast.<setting>: recorded != expected`` for every setting that differs (empty: the same).
+
+    The vocabulary of the timing-cache provenance (``builder_options.autocast.<setting>``),
+    so an engine and a cache made under other settings are refused in the same words.
+    """
+    from harness.cache.timing_cache import dict_differences
+
+    if recorded is None or expected is None:  # None: the mode's graph does not depend on them
+        return [] if recorded == expected else [f"autocast: {recorded} != {expected}"]
+    return dict_differences("autocast", dict(recorded), dict(expected))
+
+
+def check_engine_settings(engine: Engine, expected: Mapping[str, Any] | None, where: str) -> None:
+    """Refuse an engine compiled under other autocast settings than ``expected``, naming them."""
+    differences = settings_differences(engine.compiler_settings(), expected)
+    if differences:
+        raise HarnessError(
+            f"{where}: the engine was compiled under other autocast settings (engine != expected):\n  "
+            + "\n  ".join(differences)
+        )
+
+
+@dataclass(frozen=True)
 class BuildConfig:
     """Everything besides the graph that decides which engine a build produces."""
 
@@ -96,6 +177,9 @@ class BuildConfig:
     threads: int | None = None
     # The autocast compiler's settings (exclusions, thresholds, calibration data).
     autocast: AutocastSettings = field(default_factory=AutocastSettings)
+    # One engine for a range of batch sizes (backends that build profiles only; see
+    # builds_batch_profiles). None: the engine serves the example inputs' shapes.
+    batch_profile: BatchProfile | None = None
 
     def compiler_settings(self) -> dict[str, Any] | None:
         """The settings that shape this mode's graph, as JSON (None where they change nothing).
@@ -248,6 +332,14 @@ class Engine(Protocol):
 
     def device_memory_bytes(self) -> int | None:
         """Activation memory the engine needs on its device (TensorRT); None on the host."""
+        ...
+
+    def compiler_settings(self) -> dict[str, Any] | None:
+        """The autocast settings its graph was compiled under, as JSON (None: they did not apply).
+
+        The full settings, not only their digest, so that an engine made under
+        other settings is refused naming them (:func:`check_engine_settings`).
+        """
         ...
 
 

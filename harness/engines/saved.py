@@ -21,24 +21,23 @@ from pathlib import Path
 from typing import Any
 
 from harness.errors import HarnessError
-from harness.fileio import atomic_write_bytes, current_umask, digest, read_json, validate
+from harness.fileio import (
+    MAX_PAYLOAD_BYTES,
+    atomic_write_bytes,
+    check_writable_dir,
+    current_umask,
+    digest,
+    read_json,
+    read_regular_file,
+    validate,
+)
 
 PLAN_FILE = "plan.json"
 
 
 def engine_directory(path: str | os.PathLike[str]) -> Path:
     """The directory an engine is saved into; refused, before any work, when it cannot be written."""
-    target = Path(path)
-    if target.exists() and not target.is_dir():
-        raise HarnessError(f"engine path {target} exists and is not a directory")
-    parent = target.parent
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir():
-        raise HarnessError(f"engine path {target}: {parent} is a file, so nothing can be written below it")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise HarnessError(f"engine path {target}: directory {parent} is not writable")
-    return target
+    return check_writable_dir(path, "engine path", replaced_whole=True)
 
 
 def write_engine_dir(path: str | os.PathLike[str], files: Mapping[str, bytes]) -> Path:
@@ -149,10 +148,7 @@ def read_plan(
 def read_payload(directory: Path, name: str, expected_digest: str, what: str) -> bytes:
     """The payload file beside ``plan.json``, refused when its digest is not the plan's."""
     path = directory / name
-    try:
-        data = path.read_bytes()
-    except OSError as exc:
-        raise HarnessError(f"{what} {path}: cannot read ({exc})") from None
+    data = read_regular_file(path, what, MAX_PAYLOAD_BYTES)  # a FIFO or /dev/zero would never end
     if digest(data) != expected_digest:
         raise HarnessError(
             f"{what} {path}: digest does not match {directory / PLAN_FILE}; it was modified "

@@ -95,7 +95,7 @@ class CpuBackend:
         builder = PlanBuilder(config, cache, timing)
         plan = builder.build(graph.graph_module, graph.example_inputs)
         plan.structure = graph.outputs
-        plan.compiler_settings = config.autocast_digest()
+        plan.compiler_settings = config.compiler_settings()
         engine = CpuEngine(plan)
         log = BuildLog(
             "cpu",

@@ -79,7 +79,7 @@ def layer_key(
             return {"weight": TensorMeta.of(weights[leaf.name]).to_json()}
         return encode_arg(leaf)
 
-    material = {
+    material: dict[str, Any] = {
         "layer": node.name,
         "op": node.op,
         "args": [describe(a) for a in iter_leaves(node.args)],
@@ -91,6 +91,8 @@ def layer_key(
         "epilogue": node.epilogue,
         "precisions": list(precisions),
     }
+    if node.residual is not None:  # keys of layers without one stay as they were
+        material["residual"] = describe(node.residual)
     return "0x" + hashlib.sha256(canonical_json(material)).hexdigest()[:32]
 
 
@@ -177,14 +179,11 @@ class PlanBuilder:
         self._materialize()
         inputs = [self.values[r.name] for r in node.refs()]
         with tactics.layer_failures(node):
-            timed = tuple(
-                Candidate(
-                    name,
-                    tactics.tactic_hash(name),
-                    median_ms(self._timed_fn(variant, impl), inputs, self.timing),
-                )
-                for (variant, impl), name in zip(candidates, names, strict=True)
-            )
+            fns = [self._timed_fn(variant, impl) for variant, impl in candidates]
+            times = median_ms(fns, inputs, self.timing)
+        timed = tuple(
+            Candidate(name, tactics.tactic_hash(name), ms) for name, ms in zip(names, times, strict=True)
+        )
         index = min(range(len(timed)), key=lambda i: timed[i].time_ms)
         best = timed[index]
         if self.cache is not None and self.config.editable_cache:
@@ -278,18 +277,16 @@ class PlanBuilder:
     # --- emission -------------------------------------------------------------------------
 
     def _emit(self, variant: _Variant, key: str, tactic: str, tuned: bool) -> None:
-        casts = iter(variant.casts)  # one per Ref, in argument order
+        casts = iter(variant.casts)  # one per Ref, in refs() order
 
-        def rename(leaf: Any) -> Any:
-            if not isinstance(leaf, Ref):
-                return leaf
+        def rename(ref: Ref) -> Ref:
             cast = next(casts)
-            return leaf if cast is None else Ref(self._cast(leaf.name, cast))
+            return ref if cast is None else Ref(self._cast(ref.name, cast))
 
+        node = replace(variant.node)
+        node.map_refs(rename)
         node = replace(
-            variant.node,
-            args=map_leaves(variant.node.args, rename),
-            kwargs=map_leaves(variant.node.kwargs, rename),
+            node,
             layer_type=tactics.layer_type(variant.node),
             key=key,
             tactic=tactic,

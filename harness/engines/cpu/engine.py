@@ -3,8 +3,9 @@
 At construction every layer's tactic is bound once (weights pre-converted and
 pre-laid-out), then the plan becomes one generated function, as fx's codegen
 does, that calls the bound layers in order and drops each intermediate after
-its last use. A call therefore costs the kernels plus one Python call per
-layer, without interpreting the graph.
+its last use (:mod:`harness.engines.cpu.program`). A call therefore costs the
+kernels plus one Python call per layer, without interpreting the graph.
+:meth:`CpuEngine.profile` runs the same calls with a clock around each layer.
 
 Saved engines are a directory of ``plan.json`` and ``weights.safetensors``.
 Loading checks the schema version, the plan's fingerprint (any edit of the
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import os
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,20 +25,19 @@ import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
-from harness.engines.cpu import tactics
 from harness.engines.cpu.plan import (
-    GETITEM,
     PLAN_FORMAT,
     PLAN_SCHEMA,
     PLAN_VERSION,
     Plan,
-    Ref,
     plan_from_json,
 )
+from harness.engines.cpu.profile import DEFAULT_ITERATIONS, DEFAULT_WARMUP, Profile, check_counts, measure
+from harness.engines.cpu.program import compile_plan
 from harness.engines.protocol import EngineBase, LayerInfo, dtype_from_name, dtype_name
 from harness.engines.saved import PLAN_FILE, read_plan
 from harness.errors import HarnessError
-from harness.fileio import canonical_json, digest, json_bytes
+from harness.fileio import MAX_PAYLOAD_BYTES, canonical_json, digest, json_bytes, read_regular_file
 
 WEIGHTS_FILE = "weights.safetensors"
 
@@ -52,9 +52,54 @@ class CpuEngine(EngineBase):
         self._expected = [
             (name, tuple(meta.shape), dtype_from_name(meta.dtype)) for name, meta in plan.inputs
         ]
-        self._run = _compile(plan)
+        self._program = compile_plan(plan)
 
     def run(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        self._check_inputs(inputs)
+        with torch.inference_mode():
+            return self._program.run(*inputs)
+
+    def profile(
+        self,
+        inputs: Sequence[torch.Tensor] | None = None,
+        iterations: int = DEFAULT_ITERATIONS,
+        warmup: int = DEFAULT_WARMUP,
+        threads: int | None = None,
+    ) -> Profile:
+        """Time every layer of a real run (see :mod:`harness.engines.cpu.profile`).
+
+        ``inputs`` default to :meth:`synthetic_inputs`; ``threads`` sets torch's
+        intra-op thread count for the profile only.
+        """
+        check_counts(iterations, warmup)
+        inputs = tuple(self.synthetic_inputs() if inputs is None else inputs)
+        self._check_inputs(inputs)
+        if threads is not None and not 1 <= threads <= 1024:
+            raise HarnessError(f"profile threads {threads}: expected 1 to 1024")
+        previous = torch.get_num_threads()
+        try:
+            if threads is not None:
+                torch.set_num_threads(threads)
+            return measure(self._program, self.mode, inputs, iterations, warmup)
+        finally:
+            torch.set_num_threads(previous)
+
+    def synthetic_inputs(self, seed: int = 0) -> tuple[torch.Tensor, ...]:
+        """Inputs of the declared shapes and dtypes when the model's own are not at hand.
+
+        Floating inputs are standard normal (seeded); integer and boolean ones
+        are zero, the one value every index op (an embedding, a gather) accepts.
+        Kernel times do not depend on the values beyond that.
+        """
+        generator = torch.Generator().manual_seed(seed)
+        return tuple(
+            torch.randn(shape, generator=generator).to(dtype)
+            if dtype.is_floating_point
+            else torch.zeros(shape, dtype=dtype)
+            for _, shape, dtype in self._expected
+        )
+
+    def _check_inputs(self, inputs: Sequence[Any]) -> None:
         if len(inputs) != len(self._expected):
             raise HarnessError(f"engine takes {len(self._expected)} input(s), got {len(inputs)}")
         for tensor, (name, shape, dtype) in zip(inputs, self._expected, strict=True):
@@ -69,8 +114,6 @@ class CpuEngine(EngineBase):
                     else type(tensor).__name__
                 )
                 raise HarnessError(f"engine input {name!r}: expected {dtype} {shape}, got {got}")
-        with torch.inference_mode():
-            return self._run(*inputs)
 
     def layers(self) -> list[LayerInfo]:
         return self.plan.layers()
@@ -86,6 +129,9 @@ class CpuEngine(EngineBase):
 
     def device_memory_bytes(self) -> int | None:
         return None  # host engine: its memory is in the run's peak RSS
+
+    def compiler_settings(self) -> dict[str, Any] | None:
+        return self.plan.compiler_settings
 
     def weight_bytes_by_dtype(self) -> dict[str, int]:
         sizes: dict[str, int] = defaultdict(int)
@@ -125,56 +171,10 @@ class CpuEngine(EngineBase):
 
 
 def _read_weights(path: Path) -> dict[str, torch.Tensor]:
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        raise HarnessError(f"engine weights {path}: no such file") from None
-    except OSError as exc:
-        raise HarnessError(f"engine weights {path}: cannot read ({exc})") from None
+    data = read_regular_file(path, "engine weights", MAX_PAYLOAD_BYTES)  # no FIFO, no endless device
     try:
         return load_safetensors(data)
     except Exception as exc:  # safetensors raises its own error types for every kind of damage
         raise HarnessError(
             f"engine weights {path}: not a valid safetensors file ({exc}); it may be truncated or corrupt"
         ) from None
-
-
-def _compile(plan: Plan) -> Callable[..., tuple[torch.Tensor, ...]]:
-    """Generate ``def run(a0, ...)`` calling each bound layer in plan order."""
-    metas = plan.value_metas()
-    variables = {name: f"a{i}" for i, (name, _) in enumerate(plan.inputs)}
-    namespace: dict[str, Any] = {}
-    last_use: dict[str, int] = {}
-    for index, node in enumerate(plan.nodes):
-        for ref in node.refs():
-            last_use[ref.name] = index
-    outputs = {o.name for o in plan.outputs if isinstance(o, Ref)}
-    lines = [f"def run({', '.join(variables.values())}):"]
-    for index, node in enumerate(plan.nodes):
-        var = variables[node.name] = f"v{index}"
-        args = ", ".join(variables[r.name] for r in node.refs())
-        if node.op == GETITEM:
-            lines.append(f"    {var} = {args}[{int(node.args[1])}]")
-        else:
-            impl, _ = tactics.parse_tactic(node.tactic)
-            namespace[f"f{index}"] = tactics.bind(node, impl, metas, plan.weights)
-            lines.append(f"    {var} = f{index}({args})")
-        dead = sorted(
-            {
-                variables[r.name]
-                for r in node.refs()
-                if last_use[r.name] == index and r.name not in outputs
-            }
-        )
-        if dead:
-            lines.append(f"    del {', '.join(dead)}")
-    results = []
-    for i, out in enumerate(plan.outputs):
-        if isinstance(out, Ref):
-            results.append(f"{variables[out.name]}.contiguous()")
-        else:
-            namespace[f"w{i}"] = plan.weights[out.name]
-            results.append(f"w{i}.clone()")
-    lines.append(f"    return ({''.join(r + ', ' for r in results)})")
-    exec(compile("\n".join(lines), "<cpu-engine>", "exec"), namespace)
-    return namespace["run"]  # type: ignore[no-any-return]

@@ -8,10 +8,14 @@ keeps the numbers within rounding of the graph's own:
 - an inference ``batch_norm`` right after a convolution is folded into the
   convolution's weight and bias (computed in float64, rounded once to the
   convolution's dtype), as TensorRT and oneDNN do;
-- a relu (after a convolution or linear layer) or gelu (after a linear layer)
-  that is the only consumer of its producer, in the same dtype, becomes that
-  layer's epilogue: one pass over memory instead of two, and oneDNN tactics
-  apply it inside the kernel.
+- an activation (relu, hardswish, hardsigmoid after a convolution or linear
+  layer; gelu after a linear layer) that is the only consumer of its
+  producer, in the same dtype, becomes that layer's epilogue: one pass over
+  memory instead of two, and oneDNN tactics apply it inside the kernel;
+- likewise a residual ``add`` of a convolution's or linear layer's result and
+  a tensor of the same shape and dtype computed before that layer becomes the
+  layer's residual input, added before its epilogue (conv + add + relu of a
+  ResNet block is one layer): tactics add it in place or inside the kernel.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from harness.engines.cpu.plan import (
     Ref,
     TensorMeta,
     WeightRef,
+    check_strided_ops,
     iter_leaves,
     map_leaves,
     op_name,
@@ -61,9 +66,13 @@ def lower(gm: torch.fx.GraphModule, mode: str) -> tuple[Plan, list[str]]:
         messages.append(f"constant-folded {folded} node(s) fed only by weights")
     for conv, bn in _fold_batch_norms(plan):
         messages.append(f"folded batch_norm {bn} into convolution {conv}")
-    for layer, activation in _fuse_epilogues(plan):
-        messages.append(f"fused activation {activation} into {layer}")
+    for layer, fused, residual in _fuse_epilogues(plan):
+        if residual:
+            messages.append(f"fused residual {fused} (adding {residual}) into {layer}")
+        else:
+            messages.append(f"fused activation {fused} into {layer}")
     _drop_dead(plan)
+    check_strided_ops(plan, "graph")
     return plan, messages
 
 
@@ -166,7 +175,7 @@ def _drop_dead(plan: Plan) -> None:
             kept.append(node)
             live.update(
                 leaf.name
-                for leaf in iter_leaves((node.args, node.kwargs))
+                for leaf in iter_leaves((node.args, node.kwargs, node.residual))
                 if isinstance(leaf, (Ref, WeightRef))
             )
     plan.nodes = kept[::-1]
@@ -285,14 +294,23 @@ def _fold_into(conv: Node, bn: Node, plan: Plan) -> None:
     conv.args = tuple(args)
 
 
-def _fuse_epilogues(plan: Plan) -> list[tuple[str, str]]:
+def _fuse_epilogues(plan: Plan) -> list[tuple[str, str, str]]:
+    """(layer, absorbed node, the residual it adds or "") for every activation and add absorbed."""
+    position = {node.name: index for index, node in enumerate(plan.nodes)}
+    metas = plan.value_metas()
+    residuals: dict[str, str] = {}
+
     def absorb(node: Node, producers: dict[str, Node], users: Counter[str]) -> Node | None:
         epilogue = _activation(node)
+        if epilogue is None:
+            taker = _absorb_residual(node, producers, users, position, metas)
+            if taker is not None and taker.residual is not None:
+                residuals[node.name] = taker.residual.name
+            return taker
         source = node.args[0] if node.args else None
         producer = producers.get(source.name) if isinstance(source, Ref) else None
         if (
-            epilogue is None
-            or producer is None
+            producer is None
             or producer.epilogue
             or users[producer.name] != 1
             or producer.outputs != node.outputs
@@ -302,28 +320,66 @@ def _fuse_epilogues(plan: Plan) -> list[tuple[str, str]]:
         producer.epilogue = epilogue
         return producer
 
-    return _absorb_into_producers(plan, absorb)
+    merged = _absorb_into_producers(plan, absorb)
+    return [(layer, fused, residuals.get(fused, "")) for layer, fused in merged]
+
+
+def _absorb_residual(
+    add: Node,
+    producers: dict[str, Node],
+    users: Counter[str],
+    position: dict[str, int],
+    metas: dict[str, TensorMeta],
+) -> Node | None:
+    """The layer taking over ``add(a, b)`` with the other summand as its residual, if any can.
+
+    Of two candidate summands the later-computed one takes the add (the other
+    must already exist where the fused layer runs); addition commutes exactly,
+    so which one is the residual does not change a bit.
+    """
+    if add.op != "aten::add.Tensor" or len(add.args) != 2 or add.kwargs.get("alpha", 1) != 1:
+        return None
+    refs = [a for a in add.args if isinstance(a, Ref)]
+    if len(refs) != 2 or refs[0] == refs[1]:
+        return None
+    for producer_ref, other in sorted(zip(refs, refs[::-1]), key=lambda pair: -position.get(pair[0].name, -1)):
+        producer = producers.get(producer_ref.name)
+        if (
+            producer is not None
+            and not producer.epilogue
+            and producer.residual is None
+            and users[producer.name] == 1
+            and producer.outputs == add.outputs == (metas.get(other.name),)
+            and position.get(other.name, -1) < position[producer.name]
+            and tactics.residual_ok(producer)
+        ):
+            producer.residual = other
+            return producer
+    return None
 
 
 def _activation(node: Node) -> str | None:
-    """The epilogue name of a relu/gelu node, None for anything else."""
-    if node.op == "aten::relu.default" and len(node.args) == 1 and not node.kwargs:
-        return "relu"
+    """The epilogue name of an activation node, None for anything else."""
+    if not node.args or len(node.args) > 2 or not isinstance(node.args[0], Ref):
+        return None
+    if node.op in _PLAIN_ACTIVATIONS and len(node.args) == 1 and not node.kwargs:
+        return _PLAIN_ACTIVATIONS[node.op]
     if node.op == "aten::gelu.default":
         approximate = node.kwargs.get("approximate", node.args[1] if len(node.args) > 1 else "none")
         return {"none": "gelu", "tanh": "gelu_tanh"}.get(approximate)
     return None
 
 
+_PLAIN_ACTIVATIONS = {
+    "aten::relu.default": "relu",
+    "aten::hardswish.default": "hardswish",
+    "aten::hardsigmoid.default": "hardsigmoid",
+}
+
+
 def _substitute(node: Node, replacements: dict[str, Any]) -> None:
-    if not replacements:
-        return
-
-    def swap(leaf: Any) -> Any:
-        return replacements.get(leaf.name, leaf) if isinstance(leaf, Ref) else leaf
-
-    node.args = map_leaves(node.args, swap)
-    node.kwargs = map_leaves(node.kwargs, swap)
+    if replacements:
+        node.map_refs(lambda ref: replacements.get(ref.name, ref))
 
 
 def _weight_value(plan: Plan, leaf: Any) -> Any:

@@ -15,10 +15,12 @@ have their own digest, so "same kernels" and "same weights" are separate facts.
 
 from __future__ import annotations
 
+import logging
 import math
 import operator
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,25 +40,36 @@ from harness.outputs import OutputSpec
 from harness.weights import weights_digest
 
 PLAN_FORMAT = "harness-cpu-plan"
-PLAN_VERSION = 2
+# 3: compiler_settings holds the settings themselves, not their digest;
+# 4: layers may add a residual input to their result (Node.residual), more epilogues.
+PLAN_VERSION = 4
 # No tensor of a loaded plan may be larger (a crafted plan must not exhaust memory).
 MAX_TENSOR_BYTES = 1 << 36
 GETITEM = "builtin::getitem"
 # Activations a convolution or GEMM layer may apply to its own result.
-EPILOGUES = ("", "relu", "gelu", "gelu_tanh")
+EPILOGUES = ("", "relu", "gelu", "gelu_tanh", "hardswish", "hardsigmoid")
 
 # What a plan may name: any ATen op that is a pure function of its inputs.
 # Refused: ops that write an argument or have an out= form (the engine's
 # values are immutable), random ops (an engine is deterministic), and ops that
-# address memory by raw strides or offsets (a crafted plan could read outside
-# a tensor with them); the fake-tensor check at load catches the rest.
+# address memory by raw strides or offsets without checks a plan can rely on
+# (unchecked indexing, uninitialized or aliased memory); the fake-tensor check
+# at load catches the rest.
 _RAW_MEMORY_OPS = frozenset(
     """
-    as_strided as_strided_ as_strided_scatter as_strided_copy _reshape_alias set_ resize_
+    as_strided_ _reshape_alias set_ resize_
     resize_as_ _unsafe_index_put _unsafe_masked_index _unsafe_masked_index_put_accumulate
     from_file empty_strided new_empty_strided _efficientzerotensor
     """.split()
 )
+# Strided ops are allowed (the compiler's functionalization emits as_strided_scatter,
+# models call x.as_strided) on two conditions a plan is checked for, at build and at
+# load (check_strided_ops): they address a compact copy of their input, so the memory
+# order is the value order whatever layout the producing layer's tactic chose; and
+# every element they address lies inside that copy.
+STRIDED_PACKETS = frozenset(("as_strided", "as_strided_copy", "as_strided_scatter"))
+_CLONE = "aten::clone.default"
+_CAST = "aten::_to_copy.default"
 
 _OP_NAME = re.compile(r"^aten::(\w+)\.(\w+)$")
 _MEMORY_FORMATS = {
@@ -111,14 +124,30 @@ class Node:
     tactic_hash: str = ""
     fused: tuple[str, ...] = ()  # graph nodes folded into this layer (conv + batch_norm + relu)
     epilogue: str = ""  # activation applied to the op's result inside the layer (EPILOGUES)
+    # A tensor added to the op's result before the epilogue (a residual connection
+    # folded into the convolution or GEMM producing the other summand).
+    residual: Ref | None = None
 
     @property
     def is_layer(self) -> bool:
         return self.op != GETITEM
 
     def refs(self) -> list[Ref]:
-        """Tensor inputs coming from other nodes, in argument order (one per occurrence)."""
-        return [a for a in iter_leaves((self.args, self.kwargs)) if isinstance(a, Ref)]
+        """Tensor inputs coming from other nodes, in argument order (one per occurrence),
+        then the residual: the order a bound layer takes its inputs in."""
+        refs = [a for a in iter_leaves((self.args, self.kwargs)) if isinstance(a, Ref)]
+        return refs if self.residual is None else [*refs, self.residual]
+
+    def map_refs(self, fn: Callable[[Ref], Ref]) -> None:
+        """Replace every reference to another node (arguments and residual) by ``fn(ref)``, in ``refs()`` order."""
+
+        def swap(leaf: Any) -> Any:
+            return fn(leaf) if isinstance(leaf, Ref) else leaf
+
+        self.args = map_leaves(self.args, swap)
+        self.kwargs = map_leaves(self.kwargs, swap)
+        if self.residual is not None:
+            self.residual = fn(self.residual)
 
     def weight_refs(self) -> list[WeightRef]:
         return [a for a in iter_leaves((self.args, self.kwargs)) if isinstance(a, WeightRef)]
@@ -143,8 +172,8 @@ class Plan:
     weights: dict[str, torch.Tensor] = field(default_factory=dict)
     # How the flat outputs nest in the model's return value (a flat tuple if not given).
     structure: OutputSpec | None = None
-    # Digest of the autocast settings the graph was compiled under (None: they did not apply).
-    compiler_settings: str | None = None
+    # The autocast settings the graph was compiled under, as JSON (None: they did not apply).
+    compiler_settings: dict[str, Any] | None = None
 
     @property
     def output_structure(self) -> OutputSpec:
@@ -380,6 +409,7 @@ def _node_json(node: Node) -> dict[str, Any]:
         "tactic_hash": node.tactic_hash,
         "fused": list(node.fused),
         "epilogue": node.epilogue,
+        "residual": None if node.residual is None else encode_arg(node.residual),
     }
 
 
@@ -442,6 +472,7 @@ PLAN_SCHEMA: dict[str, Any] = {
                     "tactic_hash",
                     "fused",
                     "epilogue",
+                    "residual",
                 ],
                 "additionalProperties": False,
                 "properties": {
@@ -458,12 +489,23 @@ PLAN_SCHEMA: dict[str, Any] = {
                     "tactic_hash": _STR,
                     "fused": {"type": "array", "items": _STR},
                     "epilogue": {"enum": list(EPILOGUES)},
+                    "residual": {
+                        "oneOf": [
+                            {"type": "null"},
+                            {
+                                "type": "object",
+                                "required": ["ref"],
+                                "additionalProperties": False,
+                                "properties": {"ref": _STR},
+                            },
+                        ]
+                    },
                 },
             },
         },
         "outputs": {"type": "array", "minItems": 1},
         "output_structure": _STR,
-        "compiler_settings": {"type": ["string", "null"]},
+        "compiler_settings": {"type": ["object", "null"]},
         "layers": {"type": "array", "items": LAYER_SCHEMA},
         "fingerprint": _STR,
         "weights_digest": _STR,
@@ -503,6 +545,7 @@ def plan_from_json(obj: dict[str, Any], weights: dict[str, torch.Tensor], where:
             tactic_hash=raw["tactic_hash"],
             fused=tuple(raw["fused"]),
             epilogue=raw["epilogue"],
+            residual=None if raw["residual"] is None else Ref(raw["residual"]["ref"]),
         )
         _check_node(node, known, declared, node_where)
         known[node.name] = node
@@ -519,6 +562,23 @@ def plan_from_json(obj: dict[str, Any], weights: dict[str, torch.Tensor], where:
     plan = Plan(obj["mode"], inputs, nodes, outputs_refs, weights, structure, obj["compiler_settings"])
     check_on_fake_tensors(plan, where)
     return plan
+
+
+@contextmanager
+def _fake_tensor_log_silenced() -> Iterator[None]:
+    """Keep torch's fake-tensor logger quiet while an untrusted op runs on fake tensors.
+
+    When an op's meta function refuses its arguments (a pooling kernel of 0),
+    FakeTensorMode logs the whole traceback at ERROR level before raising; the
+    user needs the one error the harness makes of the exception, as for
+    ``torch.export`` (harness/frontend/export.py).
+    """
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    previous, logger.disabled = logger.disabled, True
+    try:
+        yield
+    finally:
+        logger.disabled = previous
 
 
 def check_on_fake_tensors(plan: Plan, where: str) -> None:
@@ -538,6 +598,7 @@ def check_on_fake_tensors(plan: Plan, where: str) -> None:
                 f"{where}: tensor {label!r} of shape {list(meta.shape)} would take {size} bytes "
                 f"(the limit is {MAX_TENSOR_BYTES})"
             )
+    check_strided_ops(plan, where)
     mode = FakeTensorMode()
     with mode:
         env: dict[str, Any] = {
@@ -558,8 +619,9 @@ def check_on_fake_tensors(plan: Plan, where: str) -> None:
         if not random_switch_off(fn, node.args, node.kwargs):
             raise HarnessError(f"{node_where}: draws random numbers (dropout is on)")
         args, kwargs = map_leaves((node.args, node.kwargs), value)
+        _check_strided_bounds(fn, node, args, kwargs, node_where)
         try:
-            with mode:
+            with mode, _fake_tensor_log_silenced():
                 result = fn(*args, **kwargs)
         except Exception as exc:  # noqa: BLE001 - every op raises its own types for bad arguments
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -571,7 +633,68 @@ def check_on_fake_tensors(plan: Plan, where: str) -> None:
             raise HarnessError(
                 f"{node_where}: declares outputs {_describe(declared)} but its op returns {_describe(actual)}"
             )
+        if node.residual is not None:
+            residual = env[node.residual.name]
+            added = (TensorMeta.of(residual) if isinstance(residual, torch.Tensor) else None,)
+            if node.multi or added != actual:
+                raise HarnessError(
+                    f"{node_where}: residual {node.residual.name!r} is {_describe(added)}, "
+                    f"its result {_describe(actual)}; a residual must have the result's shape and dtype"
+                )
         env[node.name] = result
+
+
+def check_strided_ops(plan: Plan, where: str) -> None:
+    """Every strided op reads a compact copy of its input (see ``STRIDED_PACKETS``).
+
+    ``as_strided`` reads memory, not values: given a channels-last tensor (a
+    convolution tactic's choice) where eager had a row-major one, it returns
+    other elements with no error. The compiler gives it a contiguous clone
+    wherever eager's layout allows (lowering pass ``pin_strided_layouts``);
+    the builder may only put a dtype cast in between (which keeps a compact
+    layout). Weights are stored compact.
+    """
+    producers = {node.name: node for node in plan.nodes}
+    for node in plan.nodes:
+        if op_packet(node.op) not in STRIDED_PACKETS:
+            continue
+        source = node.args[0] if node.args else None
+        producer = producers.get(source.name) if isinstance(source, Ref) else None
+        while producer is not None and producer.op == _CAST and "memory_format" not in producer.kwargs:
+            parent = producer.args[0]
+            producer = producers.get(parent.name) if isinstance(parent, Ref) else None
+        compact_copy = producer is not None and producer.op == _CLONE and producer.kwargs.get(
+            "memory_format"
+        ) == torch.contiguous_format
+        if not (isinstance(source, WeightRef) or compact_copy):
+            raise HarnessError(
+                f"{where}: layer {node.name!r} ({node.op}) addresses its input's memory by strides and offset, "
+                "so its values would depend on the memory layout the engine's tactics choose; it must read a "
+                "contiguous copy (aten::clone with memory_format=contiguous_format), which the compiler inserts "
+                "when the memory it addresses is row-major in eager"
+            )
+
+
+def _check_strided_bounds(
+    fn: Callable[..., Any], node: Node, args: Sequence[Any], kwargs: Mapping[str, Any], where: str
+) -> None:
+    """Fake tensors do not check ``as_strided`` against the storage: every addressed element must exist."""
+    if op_packet(node.op) not in STRIDED_PACKETS:
+        return
+    named = dict(zip([a.name for a in fn._schema.arguments], args, strict=False))  # type: ignore[attr-defined]
+    named.update(kwargs)
+    source, size, stride = named["self"], list(named["size"]), list(named["stride"])
+    offset = named.get("storage_offset")
+    offset = source.storage_offset() if offset is None else offset
+    elements = source.untyped_storage().nbytes() // source.element_size()
+    if len(size) != len(stride) or any(s < 0 for s in (*size, *stride)) or offset < 0:
+        raise HarnessError(f"{where}: invalid arguments: size {size}, stride {stride}, offset {offset}")
+    last = offset + sum((n - 1) * st for n, st in zip(size, stride, strict=True)) if all(size) else -1
+    if last >= elements:
+        raise HarnessError(
+            f"{where}: size {size}, stride {stride} and offset {offset} address element {last} "
+            f"of an input holding {elements}"
+        )
 
 
 def _describe(metas: tuple[TensorMeta | None, ...]) -> str:
@@ -588,7 +711,7 @@ def _check_node(
     if not node.outputs or (len(node.outputs) > 1 and not node.multi):
         raise HarnessError(f"{where}: a non-tuple op must declare exactly one output")
     if node.op != GETITEM:
-        _check_refs((node.args, node.kwargs), known, weights, where)
+        _check_refs((node.args, node.kwargs, node.residual), known, weights, where)
         return
     source = node.args[0] if len(node.args) == 2 else None
     producer = known.get(source.name) if isinstance(source, Ref) else None
@@ -599,6 +722,7 @@ def _check_node(
         or not isinstance(index, int)
         or not 0 <= index < len(producer.outputs)
         or node.multi
+        or node.residual is not None
     ):
         raise HarnessError(
             f"{where}: a getitem must pick an output of an earlier tuple-returning node"

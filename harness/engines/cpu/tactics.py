@@ -108,8 +108,14 @@ def impl_names(
     named = _named(node)
     if node.epilogue and not epilogue_ok(node, node.epilogue):
         raise HarnessError(
-            f"layer {node.name!r} ({node.op}) cannot apply epilogue {node.epilogue!r}; "
-            "only convolutions (relu) and linear layers with constant weights (relu, gelu, gelu_tanh) can"
+            f"layer {node.name!r} ({node.op}) cannot apply epilogue {node.epilogue!r}; only convolutions "
+            f"({', '.join(_CONV_EPILOGUES)}) and linear layers with constant weights "
+            f"({', '.join(_LINEAR_EPILOGUES)}) can"
+        )
+    if node.residual is not None and not residual_ok(node):
+        raise HarnessError(
+            f"layer {node.name!r} ({node.op}) cannot add a residual; only convolutions and linear "
+            "layers with constant weights can"
         )
     if packet in ("view", "_unsafe_view"):
         # A view of a channels-last tensor may be impossible; a reshape gives
@@ -124,12 +130,23 @@ def impl_names(
             impls.append("conv_no_mkldnn")
         if packet == "conv2d" and not isinstance(named["padding"], str) and _onednn_ok(precision):
             impls.append("conv_onednn")
+        if _pointwise_conv(packet, named, weights):
+            impls.append("conv1x1_gemm")
+            if precision in _WIDENABLE:
+                impls.append("conv1x1_widened")
+            if _onednn_ok(precision):
+                impls.append("conv1x1_onednn")
         return impls
     if packet in _GEMM_OPERANDS:
         k = _reduction_size(packet, named, metas, weights)
         impls = ["gemm_direct"] + [f"gemm_splitk{n}" for n in (2, 4) if k // n >= _MIN_SPLIT_CHUNK]
-        if packet == "linear" and _linear_ok(named) and _onednn_ok(node.out().dtype):
-            impls.append("gemm_onednn")
+        if packet == "linear" and _linear_ok(named):
+            precision = node.out().dtype
+            impls.append("gemm_nn")
+            if precision in _WIDENABLE:
+                impls.append("gemm_widened")
+            if _onednn_ok(precision):
+                impls.append("gemm_onednn")
         return impls
     if packet in _SOFTMAX_LOG:
         undecomposable = named.get("dtype") is not None or named.get("half_to_float", False)
@@ -152,10 +169,20 @@ def epilogue_ok(node: Node, epilogue: str) -> bool:
     if node.multi or not node.outputs:
         return False
     if packet in ("conv2d", "convolution"):
-        return epilogue == "relu" and _conv_ok(node, _named(node))
+        return epilogue in _CONV_EPILOGUES and _conv_ok(node, _named(node))
     if packet == "linear":
-        return epilogue in ("relu", "gelu", "gelu_tanh") and _linear_ok(_named(node))
+        return epilogue in _LINEAR_EPILOGUES and _linear_ok(_named(node))
     return False
+
+
+def residual_ok(node: Node) -> bool:
+    """Whether ``node`` can add a residual to its result (every tactic of it does)."""
+    if node.multi or not node.outputs:
+        return False
+    packet = op_packet(node.op)
+    if packet in ("conv2d", "convolution"):
+        return _conv_ok(node, _named(node))
+    return packet == "linear" and _linear_ok(_named(node))
 
 
 def bind(
@@ -182,7 +209,8 @@ def bind(
     refs = node.refs()
     low = any(metas[r.name].dtype in ("fp16", "bf16") for r in refs)
     input_shape = metas[refs[0].name].shape if refs else ()
-    return _BINDERS[impl](_Ctx(fn, named, op_packet(node.op), low, node.epilogue, input_shape))
+    ctx = _Ctx(fn, named, op_packet(node.op), low, node.epilogue, input_shape, node.residual is not None)
+    return _BINDERS[impl](ctx)
 
 
 @contextmanager
@@ -207,7 +235,9 @@ def make_call(fn: Callable[..., Any], args: Any, kwargs: Mapping[str, Any]) -> B
     Small scalars become literals, everything else (tensors, dtypes, floats,
     strings) is bound by name, so plan contents never become code.
     """
-    consts: dict[str, Any] = {"fn": fn}
+    # An OpOverload's __call__ only forwards to its C++ op: calling that directly
+    # saves a Python frame per layer per run.
+    consts: dict[str, Any] = {"fn": fn._op if isinstance(fn, torch._ops.OpOverload) else fn}
     slots: set[int] = set()
 
     def expr(value: Any) -> str:
@@ -244,6 +274,7 @@ class _Ctx:
     low: bool  # some dynamic input is fp16/bf16
     epilogue: str  # activation to apply to the result ("" for none)
     input_shape: tuple[int, ...]  # of the first dynamic input
+    residual: bool  # the layer adds its last dynamic input to its result (before the epilogue)
 
     def call(self, **changes: Any) -> Bound:
         """The node's op on the node's arguments, some replaced (e.g. a prepared weight)."""
@@ -272,24 +303,25 @@ def _conv(layout: torch.memory_format, mkldnn: bool = True) -> Callable[[_Ctx], 
         base = ctx.call(weight=ctx.named["weight"].contiguous(memory_format=layout))
         if mkldnn:
             return _with_epilogue(
-                lambda x, *rest: base(x.contiguous(memory_format=layout), *rest), ctx.epilogue
+                lambda x: base(x.contiguous(memory_format=layout)), ctx.epilogue, ctx.residual
             )
 
-        def without_onednn(x: torch.Tensor, *rest: Any) -> Any:
+        def without_onednn(x: torch.Tensor) -> Any:
             previous = bool(torch.backends.mkldnn.enabled)
             torch.backends.mkldnn.enabled = False  # type: ignore[assignment]
             try:
-                return base(x.contiguous(), *rest)
+                return base(x.contiguous())
             finally:
                 torch.backends.mkldnn.enabled = previous  # type: ignore[assignment]
 
-        return _with_epilogue(without_onednn, ctx.epilogue)
+        return _with_epilogue(without_onednn, ctx.epilogue, ctx.residual)
 
     return binder
 
 
 def _conv_onednn(ctx: _Ctx) -> Bound:
-    """oneDNN convolution on a weight reordered once into its blocked layout, activation fused."""
+    """oneDNN convolution on a weight reordered once into its blocked layout, activation
+    (and residual add) fused as post-ops: one pass over the output."""
     named = ctx.named
     padding, stride, dilation = (_pair(named[k]) for k in ("padding", "stride", "dilation"))
     groups, bias = int(named["groups"]), named["bias"]
@@ -297,7 +329,14 @@ def _conv_onednn(ctx: _Ctx) -> Bound:
         named["weight"], padding, stride, dilation, groups, list(ctx.input_shape)
     )
     attr, algorithm = _ONEDNN_ATTRS[ctx.epilogue]
-    conv = torch.ops.mkldnn._convolution_pointwise.default
+    if ctx.residual:
+        binary = torch.ops.mkldnn._convolution_pointwise.binary._op
+        unary = None if attr == "none" else attr
+        return lambda x, r: binary(
+            x.contiguous(memory_format=_CL), r, packed, bias, padding, stride, dilation, groups,
+            "add", None, unary, [], algorithm,
+        )
+    conv = torch.ops.mkldnn._convolution_pointwise.default._op
     return lambda x: conv(
         x.contiguous(memory_format=_CL),
         packed,
@@ -312,24 +351,125 @@ def _conv_onednn(ctx: _Ctx) -> Bound:
     )
 
 
+def _row_gemm(ctx: _Ctx, weight: torch.Tensor, kind: str, rows: int) -> tuple[Bound, bool]:
+    """``x2 (rows, K) -> x2 @ weight.T + bias`` for a 2-D ``weight`` (N, K), and whether it applies the epilogue.
+
+    ``mm``: ``addmm`` on the weight transposed once to (K, N), so both GEMM
+    operands are read row-major. ``widen``: the same in fp32 on operands
+    widened exactly from fp16/bf16 (their products are exact in fp32), then
+    one rounding to the layer's dtype: the numbers of a low-precision GEMM
+    with fp32 accumulation, at fp32 kernel speed, which wins on layers too
+    small to amortize a low-precision kernel's call. ``onednn``: oneDNN's
+    GEMM on a weight prepacked for ``rows`` rows, the activation fused unless
+    a residual must be added first.
+    """
+    bias = ctx.named["bias"]
+    if kind == "onednn":
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), rows)
+        fused = not ctx.residual
+        attr, algorithm = _ONEDNN_ATTRS[ctx.epilogue if fused else ""]
+        linear = torch.ops.mkldnn._linear_pointwise.default._op
+        return (lambda x2: linear(x2, packed, bias, attr, [], algorithm)), fused
+    mm, addmm = torch.mm, torch.addmm
+    if kind == "widen":
+        wt = weight.float().t().contiguous()
+        wide_bias = None if bias is None else bias.float()
+
+        def widened(x2: torch.Tensor) -> torch.Tensor:
+            xf = x2.float()
+            return (mm(xf, wt) if wide_bias is None else addmm(wide_bias, xf, wt)).to(x2.dtype)
+
+        return widened, False
+    wt = weight.t().contiguous()
+    return (lambda x2: mm(x2, wt) if bias is None else addmm(bias, x2, wt)), False
+
+
+def _gemm_rows(kind: str) -> Callable[[_Ctx], Bound]:
+    """A linear layer as one 2-D GEMM over its input's rows (see :func:`_row_gemm`)."""
+
+    def binder(ctx: _Ctx) -> Bound:
+        weight = ctx.named["weight"]
+        n, k = int(weight.shape[0]), int(weight.shape[1])
+        gemm, fused = _row_gemm(ctx, weight, kind, math.prod(ctx.input_shape[:-1]))
+
+        def linear(x: torch.Tensor) -> torch.Tensor:
+            out = gemm(x.reshape(-1, k))
+            return out if x.dim() == 2 else out.view(*x.shape[:-1], n)
+
+        return _with_epilogue(linear, "" if fused else ctx.epilogue, ctx.residual)
+
+    return binder
+
+
+def _conv1x1(kind: str) -> Callable[[_Ctx], Bound]:
+    """A 1x1 convolution as one GEMM over the pixels of a channels-last tensor.
+
+    ``(N*H*W, Cin) @ (Cin, Cout)`` reads the channels-last input in place and
+    writes the channels-last output in place (the GEMM's rows are the
+    pixels), so the layer costs one GEMM call: no convolution primitive, whose
+    per-call setup dominates the small 1x1 layers of mobile networks. The
+    arithmetic is the convolution's (same products, accumulated by the GEMM),
+    so only the summation order differs. ``kind`` as in :func:`_row_gemm`.
+    """
+
+    def binder(ctx: _Ctx) -> Bound:
+        weight = ctx.named["weight"]
+        cout, cin = int(weight.shape[0]), int(weight.shape[1])
+        step_h, step_w = _pair(ctx.named["stride"])
+        strided = (step_h, step_w) != (1, 1)
+        batch, _, height, width = ctx.input_shape
+        rows = batch * len(range(0, height, step_h)) * len(range(0, width, step_w))
+        gemm, fused = _row_gemm(ctx, weight.reshape(cout, cin), kind, rows)
+
+        def pointwise(x: torch.Tensor) -> torch.Tensor:
+            if strided:
+                x = x[:, :, ::step_h, ::step_w]
+            x = x.contiguous(memory_format=_CL)
+            n, _, h, w = x.shape
+            return gemm(x.permute(0, 2, 3, 1).reshape(-1, cin)).view(n, h, w, cout).permute(0, 3, 1, 2)
+
+        return _with_epilogue(pointwise, "" if fused else ctx.epilogue, ctx.residual)
+
+    return binder
+
+
 def _gemm_direct(ctx: _Ctx) -> Bound:
     if ctx.packet == "linear" and isinstance(ctx.named["weight"], torch.Tensor):
-        return _with_epilogue(ctx.call(weight=ctx.named["weight"].contiguous()), ctx.epilogue)
+        return _with_epilogue(
+            ctx.call(weight=ctx.named["weight"].contiguous()), ctx.epilogue, ctx.residual
+        )
     return ctx.call()
 
 
 def _gemm_onednn(ctx: _Ctx) -> Bound:
-    """oneDNN GEMM on a weight reordered once for this batch size, activation fused."""
+    """oneDNN GEMM on a weight reordered once for this batch size, activation fused
+    (a residual is added by oneDNN too, the activation then in place)."""
     rows = math.prod(ctx.input_shape[:-1])
     packed = torch.ops.mkldnn._reorder_linear_weight(ctx.named["weight"], rows)
     bias = ctx.named["bias"]
+    if ctx.residual:
+        binary = torch.ops.mkldnn._linear_pointwise.binary._op
+        post = _EPILOGUE_FNS[ctx.epilogue]
+        if post is None:
+            return lambda x, r: binary(x, r, packed, bias, "add")
+        return lambda x, r: post(binary(x, r, packed, bias, "add"))
     attr, algorithm = _ONEDNN_ATTRS[ctx.epilogue]
-    linear = torch.ops.mkldnn._linear_pointwise.default
+    linear = torch.ops.mkldnn._linear_pointwise.default._op
     return lambda x: linear(x, packed, bias, attr, [], algorithm)
 
 
-def _with_epilogue(fn: Bound, epilogue: str) -> Bound:
+def _with_epilogue(fn: Bound, epilogue: str, residual: bool = False) -> Bound:
+    """``fn``'s result plus the residual (the layer's last input), then the activation.
+
+    Both work in place on the layer's fresh result: the same additions and
+    roundings as the separate add and activation layers, without a new tensor
+    for each.
+    """
     post = _EPILOGUE_FNS[epilogue]
+    if residual:
+        if post is None:
+            return lambda *d: fn(*d[:-1]).add_(d[-1])
+        return lambda *d: post(fn(*d[:-1]).add_(d[-1]))
     if post is None:
         return fn
     return lambda *d: post(fn(*d))
@@ -345,7 +485,7 @@ def _split_k(parts: int) -> Callable[[_Ctx], Bound]:
 
     def binder(ctx: _Ctx) -> Bound:
         if ctx.packet == "linear":
-            return _with_epilogue(_split_linear(ctx, parts), ctx.epilogue)
+            return _with_epilogue(_split_linear(ctx, parts), ctx.epilogue, ctx.residual)
         a_name, b_name = _GEMM_OPERANDS[ctx.packet]
         get_a, get_b = _getter(ctx.named[a_name]), _getter(ctx.named[b_name])
         get_bias = _getter(ctx.named["self"]) if ctx.packet == "addmm" else None
@@ -551,19 +691,27 @@ _PRODUCT_FNS: dict[str, Callable[..., Any]] = {
     "matmul": torch.matmul,
 }
 _SOFTMAX_LOG = ("softmax", "_softmax", "log_softmax", "_log_softmax")
+# Precisions whose products are exact in fp32, so a widened GEMM keeps their numbers.
+_WIDENABLE = ("bf16", "fp16")
 # epilogue -> in-place-or-not PyTorch op applied after the layer's own op
 _EPILOGUE_FNS: dict[str, Callable[[torch.Tensor], torch.Tensor] | None] = {
     "": None,
     "relu": torch.relu_,  # the layer's result is a fresh tensor: in place is safe
     "gelu": torch.nn.functional.gelu,
     "gelu_tanh": lambda t: torch.nn.functional.gelu(t, approximate="tanh"),
+    "hardswish": torch._C._nn.hardswish_,
+    "hardsigmoid": torch._C._nn.hardsigmoid_,
 }
+_CONV_EPILOGUES = ("relu", "hardswish", "hardsigmoid")
+_LINEAR_EPILOGUES = ("relu", "gelu", "gelu_tanh", "hardswish", "hardsigmoid")
 # epilogue -> oneDNN post-op (attr, algorithm)
 _ONEDNN_ATTRS = {
     "": ("none", ""),
     "relu": ("relu", ""),
     "gelu": ("gelu", "none"),
     "gelu_tanh": ("gelu", "tanh"),
+    "hardswish": ("hardswish", ""),
+    "hardsigmoid": ("hardsigmoid", ""),
 }
 
 _BINDERS: dict[str, Callable[[_Ctx], Bound]] = {
@@ -573,6 +721,11 @@ _BINDERS: dict[str, Callable[[_Ctx], Bound]] = {
     "conv_channels_last": _conv(_CL),
     "conv_no_mkldnn": _conv(torch.contiguous_format, mkldnn=False),
     "conv_onednn": _conv_onednn,
+    "conv1x1_gemm": _conv1x1("mm"),
+    "conv1x1_widened": _conv1x1("widen"),
+    "conv1x1_onednn": _conv1x1("onednn"),
+    "gemm_nn": _gemm_rows("mm"),
+    "gemm_widened": _gemm_rows("widen"),
     "gemm_direct": _gemm_direct,
     "gemm_onednn": _gemm_onednn,
     "gemm_splitk2": _split_k(2),
@@ -605,6 +758,17 @@ def _named(node: Node) -> dict[str, Any]:
         elif arg.has_default_value():
             named[arg.name] = arg.default_value
     return named
+
+
+def _pointwise_conv(packet: str, named: Mapping[str, Any], weights: Mapping[str, torch.Tensor]) -> bool:
+    """A 1x1, unpadded, ungrouped 2-D convolution (any stride): a GEMM over pixels."""
+    weight = named["weight"]
+    if packet != "conv2d" or not isinstance(weight, WeightRef) or isinstance(named["padding"], str):
+        return False
+    shape = tuple(weights[weight.name].shape)
+    return len(shape) == 4 and shape[2:] == (1, 1) and int(named["groups"]) == 1 and not any(
+        _pair(named["padding"])
+    )
 
 
 def _conv_ok(node: Node, named: Mapping[str, Any]) -> bool:

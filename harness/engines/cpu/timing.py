@@ -3,8 +3,9 @@
 Each candidate runs on the layer's real input values (shapes, dtypes and
 memory layouts as the engine will see them): a few warm-up calls first, which
 absorb one-off costs such as oneDNN kernel generation and cache fills, then
-several timed calls of which the median is kept, so one preempted call does
-not decide a tactic. Close calls are still decided by noise; that is the
+several timed calls, interleaved with the other candidates', of which the
+median is kept, so neither one preempted call nor a burst of load while one
+candidate is timed decides a tactic. Close calls are still decided by noise; that is the
 point of recording the choice in a timing cache.
 """
 
@@ -44,14 +45,21 @@ class TimingOptions:
         return TimingOptions(warmup_runs=warmup, timing_runs=runs)
 
 
-def median_ms(fn: Callable[..., Any], inputs: Sequence[Any], options: TimingOptions) -> float:
-    """Median wall time of ``fn(*inputs)`` in milliseconds, after warm-up, under inference mode."""
-    samples = []
+def median_ms(fns: Sequence[Callable[..., Any]], inputs: Sequence[Any], options: TimingOptions) -> list[float]:
+    """Median wall time of each ``fn(*inputs)`` in milliseconds, after warm-up, under inference mode.
+
+    The candidates are timed in rounds, one call of each per round, not one
+    candidate's calls after another's: on a shared machine a burst of load
+    then slows every candidate alike instead of deciding the choice.
+    """
+    samples: list[list[int]] = [[] for _ in fns]
     with torch.inference_mode():
-        for _ in range(options.warmup_runs):
-            fn(*inputs)
+        for fn in fns:
+            for _ in range(options.warmup_runs):
+                fn(*inputs)
         for _ in range(options.timing_runs):
-            start = time.perf_counter_ns()
-            fn(*inputs)
-            samples.append(time.perf_counter_ns() - start)
-    return statistics.median(samples) / 1e6
+            for fn, own in zip(fns, samples, strict=True):
+                start = time.perf_counter_ns()
+                fn(*inputs)
+                own.append(time.perf_counter_ns() - start)
+    return [statistics.median(own) / 1e6 for own in samples]

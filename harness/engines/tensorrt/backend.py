@@ -20,19 +20,28 @@ says (:func:`~harness.engines.tensorrt.builder.run_builder`) and the real
 build runs with it (``ERROR_ON_TIMING_CACHE_MISS`` when asked). The binary
 cache of each build is remembered per network for the life of the backend
 object, so repeated builds (``harness rebuild``) discover keys once.
-After a pinned build every key's tactic in the built cache is compared with
-its pin, a pinned key the built cache lacks is an error, and every keyed
-layer's kernel (the inspector's ``TacticName``) is compared with the pinned
-kernel where both are known; a build whose tactics moved fails
+Every cache entry is a selection the build must keep (not only the entries
+a user pinned with ``harness cache pin``: those are merely edited by hand).
+After a build with a non-empty cache every key's tactic in the built cache is
+compared with the cache's selection, a selected key the built cache lacks is
+an error, and every keyed layer's kernel (the inspector's ``TacticName``) is
+compared with the selected kernel where both are known; a build whose tactics moved fails
 (``ERROR_ON_TIMING_CACHE_MISS`` has not stopped re-timing on every TensorRT
 version, and whether a re-time shows in the built cache is unconfirmed). The
 binary cache joined with the VERBOSE log (op names, candidates) then updates
 the JSON cache in place; entries whose tactic did not change are left
-untouched, so a fully pinned rebuild leaves the file as it was. The log's ops
+untouched, so a rebuild from a complete cache leaves the file as it was. The log's ops
 are joined to the inspector's engine layers by the ONNX nodes both list, by
 name, or by a prefix at a name boundary (:mod:`harness.engines.tensorrt.join`),
 which gives each engine layer its key and tactic hash. What the join cannot
 place, and a log without keys, reach the build log's messages.
+
+A batch sweep builds one engine (:class:`~harness.engines.protocol.BatchProfile`
+in the config): the ONNX gets a dynamic batch axis and the build one
+optimization profile over it (:func:`~harness.engines.tensorrt.builder.add_batch_profile`),
+recorded in the kernel options (the cache provenance), the engine record
+(``builder.batch_profile``) and the fingerprint; such an engine sets its
+inputs' shapes on every run.
 
 Engines are saved as a directory with ``engine.plan`` (TensorRT's serialized
 engine, opaque and specific to the GPU model and TensorRT version) and
@@ -74,6 +83,7 @@ from harness.engines.onnx_export import (
 from harness.engines.protocol import (
     LAYER_SCHEMA,
     PRECISION_MODES,
+    BatchProfile,
     BuildConfig,
     BuildLog,
     EngineBase,
@@ -95,7 +105,7 @@ from harness.engines.tensorrt.cache_bridge import (
     UNKNOWN_LAYER,
     export_trt_cache,
     moved_kernels,
-    pins_not_kept,
+    selections_not_kept,
 )
 from harness.engines.tensorrt.inspector import (
     InspectedLayer,
@@ -122,7 +132,8 @@ if TYPE_CHECKING:
 
 BACKEND = "tensorrt"
 PLAN_FORMAT = "harness-tensorrt-engine"
-PLAN_VERSION = 3
+PLAN_VERSION = 4  # 4: compiler_settings holds the settings themselves; builder.batch_profile; the
+# fingerprint covers mode, I/O and casts (EngineRecord.interface)
 ENGINE_FILE = "engine.plan"
 
 
@@ -178,7 +189,26 @@ class EngineRecord:
     weights_digest: str
     weight_bytes: dict[str, int]
     structure: OutputSpec
-    compiler_settings: str | None  # digest of the autocast settings (None: they did not apply)
+    compiler_settings: dict[str, Any] | None  # the autocast settings as JSON (None: they did not apply)
+
+    @property
+    def batch_profile(self) -> BatchProfile | None:
+        """The optimization profile over the batch axis the engine was built with (None: static shapes)."""
+        profile = self.settings.get("batch_profile")
+        return None if profile is None else BatchProfile.from_json(profile)
+
+    def interface(self) -> dict[str, Any]:
+        """Mode, I/O tensors and casts: the fingerprint covers them besides the tactic decisions."""
+        return {
+            "mode": self.mode,
+            "inputs": [s.to_json() for s in self.inputs],
+            "outputs": [s.to_json() for s in self.outputs],
+            "casts": [c.to_json() for c in self.casts],
+        }
+
+    def settings_digest(self) -> str | None:
+        """Digest of :attr:`compiler_settings`, as the fingerprint covers it."""
+        return None if self.compiler_settings is None else digest(canonical_json(self.compiler_settings))
 
     def digest(self) -> str:
         """Digest of everything the record says; the fingerprint covers tactic decisions only."""
@@ -233,7 +263,9 @@ class TensorRTEngine(EngineBase):
         self._fingerprint = trt_fingerprint(
             info.layers,
             [CacheEntry(k, "", h, h, 0.0) for k, h in record.cache_entries],
-            record.compiler_settings,
+            record.settings_digest(),
+            record.batch_profile,
+            record.interface(),
         )
         context = engine.create_execution_context()
         if context is None:
@@ -252,13 +284,22 @@ class TensorRTEngine(EngineBase):
                 raise HarnessError(f"engine tensor {spec.name!r} is not an input")
 
     def run(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Run on the current CUDA stream; inputs may live anywhere, outputs are CUDA tensors."""
+        """Run on the current CUDA stream; inputs may live anywhere, outputs are CUDA tensors.
+
+        An engine with a batch profile takes any batch size in its range: the
+        inputs' shapes are set on the context, which then gives the outputs'.
+        """
         check_inputs(inputs, self.record.inputs, "tensorrt engine")
         device = torch.device("cuda", torch.cuda.current_device())
         staged = [t.detach().to(device).contiguous() for t in inputs]
+        if self.record.batch_profile is not None:
+            self._set_input_shapes(staged, self.record.batch_profile)
+            shapes = [tuple(self._context.get_tensor_shape(spec.name)) for spec in self.record.outputs]
+        else:
+            shapes = [spec.shape for spec in self.record.outputs]
         outputs = [
-            torch.empty(spec.shape, dtype=dtype_from_name(spec.dtype), device=device)
-            for spec in self.record.outputs
+            torch.empty(shape, dtype=dtype_from_name(spec.dtype), device=device)
+            for spec, shape in zip(self.record.outputs, shapes, strict=True)
         ]
         for spec, tensor in zip((*self.record.inputs, *self.record.outputs), (*staged, *outputs), strict=True):
             if not self._context.set_tensor_address(spec.name, tensor.data_ptr()):
@@ -273,11 +314,27 @@ class TensorRTEngine(EngineBase):
         stream.synchronize()
         return tuple(outputs)
 
+    def _set_input_shapes(self, inputs: list[torch.Tensor], profile: BatchProfile) -> None:
+        for spec, tensor in zip(self.record.inputs, inputs, strict=True):
+            if -1 not in spec.shape:
+                continue
+            size = int(tensor.shape[profile.dim])
+            if not profile.covers(size):
+                raise HarnessError(
+                    f"tensorrt engine input {spec.name!r}: batch size {size} is outside the engine's "
+                    f"optimization profile ({profile.min} to {profile.max})"
+                )
+            if not self._context.set_input_shape(spec.name, tuple(tensor.shape)):
+                raise HarnessError(f"TensorRT refused the shape {tuple(tensor.shape)} of input {spec.name!r}")
+
     def layers(self) -> list[LayerInfo]:
         return list(self._layers)
 
     def fingerprint(self) -> str:
         return self._fingerprint
+
+    def compiler_settings(self) -> dict[str, Any] | None:
+        return self.record.compiler_settings
 
     def weights_digest(self) -> str:
         return self.record.weights_digest
@@ -352,7 +409,10 @@ class TensorRTEngine(EngineBase):
             raise HarnessError(f"{where}: the output structure does not match the plan's outputs")
         engine = TensorRTEngine(plan, record, trt_module)
         if engine.fingerprint() != obj["fingerprint"]:
-            raise HarnessError(f"{where}: the fingerprint does not match the engine's layers and cache entries")
+            raise HarnessError(
+                f"{where}: the fingerprint does not match the engine's layers, cache entries, mode, I/O and "
+                "casts; the plan was edited or belongs to another engine, rebuild it"
+            )
         return engine
 
 
@@ -369,12 +429,18 @@ def _layer_info(layer: InspectedLayer, key: str, hashes: dict[str, str]) -> Laye
 
 
 class TensorRTBackend:
+    """Builds TensorRT engines. A batch sweep gets one engine (an optimization profile over the
+    batch axis, :class:`~harness.engines.protocol.BatchProfile`) instead of one per size:
+    TensorRT builds take minutes, and one engine serving every size is how it is deployed."""
+
     name = BACKEND
+    batch_profiles = True
 
     def __init__(self, trt_module: TrtModule | None = None) -> None:
         self._trt_module = trt_module
-        # network id -> serialized ITimingCache of its last build (the keys pins can update)
-        # and the ops its logs named (a pinned rebuild autotunes nothing, so logs nothing).
+        # network id -> serialized ITimingCache of its last build (the keys a cache's selections
+        # can update) and the ops its logs named (a rebuild whose every key the cache selects
+        # autotunes nothing, so logs nothing).
         self._key_sources: dict[str, tuple[bytes, ParsedLog]] = {}
 
     def check_available(self) -> None:
@@ -406,6 +472,7 @@ class TensorRTBackend:
             timing_cache=not config.disable_cache,
             editable=config.editable_cache,
             error_on_cache_miss=config.error_on_cache_miss,
+            batch_profile=config.batch_profile,
         )
 
     def provenance(self, config: BuildConfig) -> Provenance:
@@ -422,25 +489,30 @@ class TensorRTBackend:
         provenance = self.provenance(config)
         if config.disable_cache:
             cache = None
-        pins = cache if cache is not None and len(cache) else None
-        if pins is not None and not config.editable_cache:
+        # Every entry of a non-empty cache is a selection this build must keep.
+        enforced = cache if cache is not None and len(cache) else None
+        if enforced is not None and not config.editable_cache:
             raise HarnessError(
-                "pinning tactics from a timing cache needs an editable TensorRT cache; "
+                "enforcing a timing cache's tactic selections needs an editable TensorRT cache; "
                 "enable editable_cache (the default) or build without the cache"
             )
         start = time.perf_counter()
         with tempfile.TemporaryDirectory(prefix="harness-trt-") as tmp:
-            exported = export_onnx(graph, Path(tmp) / "model.onnx")
+            batch_dim = None if config.batch_profile is None else config.batch_profile.dim
+            exported = export_onnx(graph, Path(tmp) / "model.onnx", batch_dim=batch_dim)
             onnx_bytes = exported.path.read_bytes()
         network_id = digest(onnx_bytes + canonical_json(settings.kernel_options()))
-        base, earlier_log, messages = self._pin_base(trt, onnx_bytes, settings, pins, network_id, config)
+        base, earlier_log, messages = self._selection_base(
+            trt, onnx_bytes, settings, enforced, network_id, config, exported.inputs
+        )
         run = run_builder(
             trt,
             onnx_bytes,
             settings,
             base_cache=base,
-            pins=pins,
+            enforced=enforced,
             ignore_mismatch=config.ignore_cache_mismatch,
+            inputs=exported.inputs,
         )
         parsed = parse_log(run.capture.text)
         entries: list[CacheEntry] = []
@@ -448,7 +520,7 @@ class TensorRTBackend:
         if run.cache is not None:
             self._key_sources[network_id] = (run.cache_bytes, named)
             entries = name_entries(export_trt_cache(run.cache, named, provenance), cache)
-        messages += [*run.pin_messages, *parsed.problems, *run.capture.problems]
+        messages += [*run.selection_messages, *parsed.problems, *run.capture.problems]
         model = onnx.load_from_string(onnx_bytes)
         record = EngineRecord(
             mode=config.mode,
@@ -462,39 +534,40 @@ class TensorRTBackend:
             weights_digest=initializers_digest(model),
             weight_bytes=initializer_bytes_by_dtype(model),
             structure=graph.outputs,
-            compiler_settings=config.autocast_digest(),
+            compiler_settings=config.compiler_settings(),
         )
         engine = TensorRTEngine(run.plan, record, self._trt_module)
-        if pins is not None:
+        if enforced is not None:
             keyed_layers = [(layer.name, layer.key, layer.tactic) for layer in engine.layers() if layer.key]
-            moved = moved_kernels(pins, keyed_layers)
+            moved = moved_kernels(enforced, keyed_layers)
             if moved:
-                raise pins_not_kept(config.mode, moved)
+                raise selections_not_kept(config.mode, moved)
         joined, join_problems = join_ops(parsed.layers, engine.inspected_layers)
         messages = list(dict.fromkeys([*messages, *join_problems, *engine.join_problems]))
-        known = {key.lower() for key in pins.query_keys()} if pins is not None else set()
+        known = {key.lower() for key in enforced.query_keys()} if enforced is not None else set()
         keyed = {layer.name for layer in engine.layers() if layer.key}
         timings = layer_timings(parsed, entries, known, joined, engine.inspected_layers, keyed)
         new_entries = changed_decisions(cache, entries) if cache is not None else []
         log = BuildLog(BACKEND, config.mode, timings, messages, time.perf_counter() - start, new_entries)
         return engine, log
 
-    def _pin_base(
+    def _selection_base(
         self,
         trt: TrtModule,
         onnx_bytes: bytes,
         settings: BuildSettings,
-        pins: TimingCache | None,
+        enforced: TimingCache | None,
         network_id: str,
         config: BuildConfig,
+        inputs: tuple[TensorSpec, ...],
     ) -> tuple[bytes | None, ParsedLog, list[str]]:
-        """The binary cache pins are written into: remembered, or recorded by a discovery build;
+        """The binary cache the selections are written into: remembered, or recorded by a discovery build;
         with the log of the build that recorded it.
 
-        Without pins a build starts from an empty cache and times everything, as
+        Without a cache to enforce a build starts from an empty cache and times everything, as
         an independent build would.
         """
-        if pins is None:
+        if enforced is None:
             return None, ParsedLog(), []
         remembered = self._key_sources.get(network_id)
         if remembered is not None:
@@ -504,8 +577,9 @@ class TensorRTBackend:
             onnx_bytes,
             _without_error_on_miss(settings),
             base_cache=None,
-            pins=None,
+            enforced=None,
             ignore_mismatch=config.ignore_cache_mismatch,
+            inputs=inputs,
         )
         parsed = parse_log(discovery.capture.text)
         note = (
@@ -625,7 +699,7 @@ PLAN_SCHEMA: dict[str, Any] = {
         "weights_digest": _DIGEST,
         "weight_bytes_by_dtype": {"type": "object", "additionalProperties": {"type": "integer"}},
         "output_structure": {"type": "string"},
-        "compiler_settings": {"anyOf": [_DIGEST, {"type": "null"}]},
+        "compiler_settings": {"type": ["object", "null"]},
         "record_digest": _DIGEST,
         "plan_file": {"const": ENGINE_FILE},
         "plan_digest": _DIGEST,

@@ -22,12 +22,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from harness.cache.timing_cache import CacheEntry, TimingCache
-from harness.engines.protocol import LayerTiming
+from harness.engines.onnx_export import TensorSpec
+from harness.engines.protocol import BatchProfile, LayerTiming
 from harness.engines.tensorrt.cache_bridge import (
-    apply_pins,
+    apply_selections,
     built_tactics,
-    moved_pins,
-    pins_not_kept,
+    moved_selections,
+    selections_not_kept,
 )
 from harness.engines.tensorrt.inspector import InspectedLayer
 from harness.engines.tensorrt.join import Joined
@@ -68,6 +69,7 @@ class TrtModule(Protocol):
     TensorIOMode: type[tensorrt.TensorIOMode]
     TimingCacheKey: type[tensorrt.TimingCacheKey]
     TimingCacheValue: type[tensorrt.TimingCacheValue]
+    Dims: type[tensorrt.Dims]
 
 
 def load_trt(trt_module: TrtModule | None = None) -> TrtModule:
@@ -104,14 +106,18 @@ class BuildSettings:
     tf32: bool
     optimization_level: int
     avg_timing_iterations: int
+    # One engine for a batch sweep: the optimization profile over the inputs' batch axis.
+    batch_profile: BatchProfile | None = None
 
     def kernel_options(self) -> dict[str, Any]:
         """The options that change which kernels a build may pick (cache provenance).
 
         Cache-handling flags (editable, error-on-miss, disabled) are left out:
-        they change how a cache is used, not which tactics exist.
+        they change how a cache is used, not which tactics exist. The batch
+        profile is in (TensorRT tunes for its shapes), only when there is one,
+        so caches of static builds stay valid.
         """
-        return {
+        options: dict[str, Any] = {
             "mode": self.mode,
             "network_flags": list(self.network_flags),
             "builder_flags": [f for f in self.builder_flags if f not in _CACHE_FLAGS],
@@ -119,6 +125,9 @@ class BuildSettings:
             "builder_optimization_level": self.optimization_level,
             "avg_timing_iterations": self.avg_timing_iterations,
         }
+        if self.batch_profile is not None:
+            options["batch_profile"] = self.batch_profile.to_json()
+        return options
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -129,6 +138,7 @@ class BuildSettings:
             "tf32": self.tf32,
             "builder_optimization_level": self.optimization_level,
             "avg_timing_iterations": self.avg_timing_iterations,
+            "batch_profile": None if self.batch_profile is None else self.batch_profile.to_json(),
         }
 
 
@@ -140,6 +150,7 @@ def build_settings(
     timing_cache: bool,
     editable: bool,
     error_on_cache_miss: bool,
+    batch_profile: BatchProfile | None = None,
 ) -> BuildSettings:
     """Validate builder options and derive the flag names; refuses what ``version`` cannot do."""
     unknown = sorted(set(options) - set(OPTION_DEFAULTS))
@@ -168,7 +179,7 @@ def build_settings(
     )
     if not timing_cache:
         names = (*names, DISABLE_TIMING_CACHE)
-    return BuildSettings(version, mode, network_flag_names(mode), names, tf32, level, iterations)
+    return BuildSettings(version, mode, network_flag_names(mode), names, tf32, level, iterations, batch_profile)
 
 
 _SEVERITY_TAGS = {"INTERNAL_ERROR": "F", "ERROR": "E", "WARNING": "W", "INFO": "I", "VERBOSE": "V"}
@@ -269,6 +280,45 @@ def set_builder_flags(trt: TrtModule, config: tensorrt.IBuilderConfig, settings:
     config.avg_timing_iterations = settings.avg_timing_iterations
 
 
+def add_batch_profile(
+    trt: TrtModule,
+    builder: tensorrt.Builder,
+    config: tensorrt.IBuilderConfig,
+    inputs: Sequence[TensorSpec],
+    profile: BatchProfile,
+) -> dict[str, list[list[int]]]:
+    """Add the one optimization profile of a batch sweep; returns input -> [min, opt, max] shapes.
+
+    Every input whose batch dimension the ONNX export left dynamic (-1) ranges
+    over ``profile.min`` to ``profile.max`` and is tuned for ``profile.opt``;
+    an input without a dynamic dimension needs no range. A dynamic dimension
+    other than the batch cannot be given a range from a batch sweep, so it is
+    refused, as is a profile TensorRT rejects (``add_optimization_profile``
+    answers -1).
+    """
+    shapes: dict[str, list[list[int]]] = {}
+    optimization_profile = builder.create_optimization_profile()
+    for spec in inputs:
+        dynamic = [i for i, d in enumerate(spec.shape) if d == -1]
+        if not dynamic:
+            continue
+        if dynamic != [profile.dim]:
+            raise HarnessError(
+                f"input {spec.name!r} of shape {list(spec.shape)} has dynamic dimension(s) {dynamic}; a batch "
+                f"profile gives a range to dimension {profile.dim} only"
+            )
+        sizes = [list(profile.shape(spec.shape, n)) for n in (profile.min, profile.opt, profile.max)]
+        optimization_profile.set_shape(spec.name, *(trt.Dims(shape) for shape in sizes))
+        shapes[spec.name] = sizes
+    if not shapes:
+        raise HarnessError(
+            f"a batch profile {profile.to_json()} was asked for, but no input has a dynamic batch dimension"
+        )
+    if config.add_optimization_profile(optimization_profile) < 0:
+        raise HarnessError(f"TensorRT refused the optimization profile {shapes} (input -> [min, opt, max] shapes)")
+    return shapes
+
+
 @dataclass
 class BuilderRun:
     """The products of one builder invocation."""
@@ -277,7 +327,7 @@ class BuilderRun:
     cache: tensorrt.ITimingCache | None
     cache_bytes: bytes
     capture: LogCapture
-    pin_messages: list[str]
+    selection_messages: list[str]
 
 
 def run_builder(
@@ -286,18 +336,23 @@ def run_builder(
     settings: BuildSettings,
     *,
     base_cache: bytes | None,
-    pins: TimingCache | None,
+    enforced: TimingCache | None,
     ignore_mismatch: bool,
+    inputs: Sequence[TensorSpec] = (),
 ) -> BuilderRun:
     """Parse the ONNX into a network, build it, and return the plan with cache and log.
 
+    With a batch profile in ``settings`` the ONNX must have a dynamic batch
+    axis; ``inputs`` (the export's input specs) get the profile's range.
+
     With ``base_cache`` (serialized ``ITimingCache`` bytes) the build starts
-    from that cache; ``pins`` then rewrites it so it says exactly what the
+    from that cache; ``enforced`` (the JSON cache, every entry a selection
+    to keep) then rewrites it so it says exactly what the
     JSON cache says: every JSON entry is pushed with ``update`` and every key
     the JSON lacks is deleted (a NaN time deletes), so such layers are timed
     again, or fail the build under ``ERROR_ON_TIMING_CACHE_MISS``. After a
-    pinned build every key's tactic is checked against its pin, since the flag
-    has not stopped re-timing on every TensorRT version (:func:`moved_pins`);
+    build every key's tactic is checked against the cache's selection, since the flag
+    has not stopped re-timing on every TensorRT version (:func:`moved_selections`);
     the engine's kernels are checked too, once it is inspected
     (:func:`~harness.engines.tensorrt.cache_bridge.moved_kernels`).
     """
@@ -314,12 +369,14 @@ def run_builder(
             raise HarnessError("TensorRT's ONNX parser rejected the exported model:\n  " + "\n  ".join(errors))
         config = builder.create_builder_config()
         set_builder_flags(trt, config, settings)
-        pin_messages: list[str] = []
+        if settings.batch_profile is not None:
+            add_batch_profile(trt, builder, config, inputs, settings.batch_profile)
+        selection_messages: list[str] = []
         use_cache = DISABLE_TIMING_CACHE not in settings.builder_flags
         if use_cache:
             cache = config.create_timing_cache(base_cache or b"")
-            if pins is not None:
-                pin_messages = _pin(trt, cache, pins)
+            if enforced is not None:
+                selection_messages = _enforce(trt, cache, enforced)
             if not config.set_timing_cache(cache, ignore_mismatch):
                 raise HarnessError(
                     "TensorRT refused the timing cache: it was recorded on another device or TensorRT "
@@ -330,22 +387,22 @@ def run_builder(
         details = "\n  ".join(capture.problems[-20:]) or "(no error was logged)"
         raise HarnessError(f"TensorRT failed to build the engine ({settings.mode}):\n  {details}")
     final_cache = config.get_timing_cache() if use_cache else None
-    if final_cache is not None and pins is not None:
-        moved = moved_pins(
-            built_tactics(final_cache), pins, error_on_miss=ERROR_ON_TIMING_CACHE_MISS in settings.builder_flags
+    if final_cache is not None and enforced is not None:
+        moved = moved_selections(
+            built_tactics(final_cache), enforced, error_on_miss=ERROR_ON_TIMING_CACHE_MISS in settings.builder_flags
         )
         if moved:
-            raise pins_not_kept(settings.mode, moved)
+            raise selections_not_kept(settings.mode, moved)
     cache_bytes = bytes(final_cache.serialize()) if final_cache is not None else b""
-    return BuilderRun(bytes(host_plan), final_cache, cache_bytes, capture, pin_messages)
+    return BuilderRun(bytes(host_plan), final_cache, cache_bytes, capture, selection_messages)
 
 
-def _pin(trt: TrtModule, cache: tensorrt.ITimingCache, pins: TimingCache) -> list[str]:
-    wanted = {key.lower() for key in pins.query_keys()}
+def _enforce(trt: TrtModule, cache: tensorrt.ITimingCache, enforced: TimingCache) -> list[str]:
+    wanted = {key.lower() for key in enforced.query_keys()}
     for key in cache.queryKeys():
         if str(key).lower() not in wanted:
             cache.update(key, trt.TimingCacheValue(0, math.nan))
-    return apply_pins(cache, pins, trt)
+    return apply_selections(cache, enforced, trt)
 
 
 def layer_timings(

@@ -82,13 +82,14 @@ def export_trt_cache(
     return cache
 
 
-def apply_pins(
+def apply_selections(
     trt_cache: tensorrt.ITimingCache, cache: TimingCache, trt_module: TrtApi | None = None
 ) -> list[str]:
     """Write every JSON entry into ``trt_cache``; returns one message per entry it refused.
 
-    All entries are pushed, pinned or not, so that TensorRT's cache says
-    exactly what the JSON says. ``trt_module`` replaces ``import tensorrt``
+    All entries are pushed, whether a user pinned them (``CacheEntry.pinned``)
+    or a build recorded them, so that TensorRT's cache says exactly what the
+    JSON says: every entry is a selection the build must keep. ``trt_module`` replaces ``import tensorrt``
     (tests pass a small namespace).
     """
     if cache.provenance.backend != BACKEND:
@@ -104,7 +105,7 @@ def apply_pins(
             errors.append(f"{where}: not a TensorRT cache key (expected 0x and 32 hex digits)")
             continue
         if not entry.hash_known:
-            errors.append(f"{where}: its kernel {entry.tactic} is known by name only, so it cannot be pinned")
+            errors.append(f"{where}: its kernel {entry.tactic} is known by name only, so TensorRT cannot be told to select it")
             continue
         key = trt.TimingCacheKey.parse(entry.key)
         value = trt.TimingCacheValue(int(entry.tactic_hash, 16), entry.time_ms)
@@ -116,39 +117,39 @@ def apply_pins(
     return errors
 
 
-def moved_pins(built: dict[str, str], pins: TimingCache, *, error_on_miss: bool) -> list[str]:
-    """One line per pinned key whose tactic the build changed or that the built cache lacks,
-    and (``error_on_miss``) per key the pins lack.
+def moved_selections(built: dict[str, str], cache: TimingCache, *, error_on_miss: bool) -> list[str]:
+    """One line per key of ``cache`` whose selected tactic the build changed or that the built
+    cache lacks, and (``error_on_miss``) per key ``cache`` lacks.
 
     ``built`` is :func:`built_tactics` of the cache after the build. TensorRT
     11.0 re-timed layers despite ``ERROR_ON_TIMING_CACHE_MISS`` (NVIDIA's
     TensorRT-Model-Connect, PR #449), so the flag alone proves nothing: the
-    tactics the build ended with are compared with the pinned ones, key by key.
-    A pinned key the built cache lacks was never applied (``update`` refuses a
-    key TensorRT's cache does not hold), so nothing says the build used the pin.
+    tactics the build ended with are compared with the cache's selections, key by
+    key. A selected key the built cache lacks was never applied (``update`` refuses
+    a key TensorRT's cache does not hold), so nothing says the build used it.
     Entries that are no TensorRT key (``op:`` entries of a trtexec build) can
-    never be applied and are reported by :func:`apply_pins` instead.
+    never be applied and are reported by :func:`apply_selections` instead.
     """
     lines = []
-    pinned = {entry.key.lower(): entry for entry in pins.entries()}
-    for key, entry in pinned.items():
+    selected = {entry.key.lower(): entry for entry in cache.entries()}
+    for key, entry in selected.items():
         actual = built.get(key)
-        where = f"layer {entry.layer!r} (key {entry.key}): pinned {entry.tactic} ({entry.tactic_hash})"
+        where = f"layer {entry.layer!r} (key {entry.key}): the cache selects {entry.tactic} ({entry.tactic_hash})"
         if actual is None and _KEY.match(key):
-            lines.append(f"{where}, but the built cache has no such key, so the pin was never applied")
+            lines.append(f"{where}, but the built cache has no such key, so the selection was never applied")
         elif actual is not None and normalize_hash(actual) != normalize_hash(entry.tactic_hash):
             lines.append(f"{where}, built {actual}")
     if error_on_miss:
         lines += [
-            f"key {key}: not in the pinned cache, yet the build timed and kept tactic {tactic}"
+            f"key {key}: not in the timing cache, yet the build timed and kept tactic {tactic}"
             for key, tactic in built.items()
-            if key not in pinned
+            if key not in selected
         ]
     return lines
 
 
-def _pinned_kernel(entry: CacheEntry) -> str | None:
-    """The kernel name of a pinned entry, when its candidates tell it (else it is a bare hash)."""
+def _selected_kernel(entry: CacheEntry) -> str | None:
+    """The kernel name an entry selects, when its candidates tell it (else it is a bare hash)."""
     names = {c.tactic for c in entry.candidates}
     if entry.tactic in names:
         return entry.tactic
@@ -157,34 +158,36 @@ def _pinned_kernel(entry: CacheEntry) -> str | None:
     return by_hash.pop() if len(by_hash) == 1 else None
 
 
-def moved_kernels(pins: TimingCache, keyed_layers: Iterable[tuple[str, str, str]]) -> list[str]:
-    """One line per engine layer whose kernel (the inspector's ``TacticName``) is not its pin's.
+def moved_kernels(cache: TimingCache, keyed_layers: Iterable[tuple[str, str, str]]) -> list[str]:
+    """One line per engine layer whose kernel (the inspector's ``TacticName``) is not the one
+    its key's entry in ``cache`` selects.
 
     ``keyed_layers`` are (layer, key, kernel) of the built engine's keyed
-    layers. This does not rely on the timing cache, which :func:`moved_pins`
+    layers. This does not rely on the timing cache, which :func:`moved_selections`
     does: whether a layer TensorRT re-timed shows up in ``get_timing_cache()``
     is unconfirmed on TensorRT 11. A layer is compared only where both sides
-    are known: the pin names its kernel, and the layer's kernel is one of that
+    are known: the entry names its kernel, and the layer's kernel is one of that
     key's measured candidates (a layer joined to a key may also run kernels no
     table lists, such as Myelin's generated ``__myl_*`` kernels). Variants that
     share a kernel name cannot be told apart here.
     """
-    pinned = {entry.key.lower(): entry for entry in pins.entries()}
+    selected = {entry.key.lower(): entry for entry in cache.entries()}
     lines = []
     for layer, key, kernel in keyed_layers:
-        entry = pinned.get(key.lower())
+        entry = selected.get(key.lower())
         if entry is None or not kernel:
             continue
-        wanted = _pinned_kernel(entry)
+        wanted = _selected_kernel(entry)
         if wanted is not None and kernel != wanted and kernel in {c.tactic for c in entry.candidates}:
             lines.append(
-                f"layer {layer!r} (key {entry.key}): pinned {wanted} ({entry.tactic_hash}), the engine runs {kernel}"
+                f"layer {layer!r} (key {entry.key}): the cache selects {wanted} ({entry.tactic_hash}), "
+                f"the engine runs {kernel}"
             )
     return lines
 
 
-def pins_not_kept(mode: str, lines: list[str]) -> HarnessError:
-    """The error of a pinned build whose tactics moved: its engine must not be used."""
+def selections_not_kept(mode: str, lines: list[str]) -> HarnessError:
+    """The error of a build whose tactics moved from its cache's selections: its engine must not be used."""
     return HarnessError(
-        f"TensorRT did not keep the pinned tactics ({mode}); the engine is discarded:\n  " + "\n  ".join(lines)
+        f"TensorRT did not keep the timing cache's tactics ({mode}); the engine is discarded:\n  " + "\n  ".join(lines)
     )

@@ -19,17 +19,17 @@ across layouts; formats are kept as TensorRT wrote them.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from harness.cache.timing_cache import CacheEntry, normalize_hash
+from harness.engines.protocol import BatchProfile
 from harness.engines.tensorrt.log_parser import log_lines, onnx_layers
 from harness.engines.tensorrt.versions import TrtApi, load_tensorrt
 from harness.errors import HarnessError
-from harness.fileio import canonical_json, digest
+from harness.fileio import canonical_json, digest, parse_json
 
 if TYPE_CHECKING:
     import tensorrt
@@ -127,7 +127,7 @@ def _dtype_from_combined(text: str) -> str:
 def _tensor(obj: Any, where: str) -> TensorInfo:
     if not isinstance(obj, Mapping) or not isinstance(obj.get("Name"), str):
         raise HarnessError(f"{where}: tensor entry without a Name: {obj!r}")
-    dims = tuple(int(d) for d in obj.get("Dimensions", []))
+    dims = tuple(_dim(d, f"{where}: tensor {obj['Name']!r}") for d in _list(obj, "Dimensions", where))
     if "Format/Datatype" in obj:
         combined = str(obj["Format/Datatype"])
         return TensorInfo(obj["Name"], _dtype_from_combined(combined), combined, dims)
@@ -138,6 +138,28 @@ def _tensor(obj: Any, where: str) -> TensorInfo:
             "'Datatype'/'DataType' (11.x)"
         )
     return TensorInfo(obj["Name"], _canonical_dtype(str(dtype)), str(obj.get("Format", "")), dims)
+
+
+def _list(obj: Mapping[str, Any], key: str, where: str) -> list[Any]:
+    """``obj[key]`` as a list (absent: empty); anything else is refused, naming the field."""
+    value = obj.get(key, [])
+    if not isinstance(value, list):
+        raise HarnessError(f"{where}: {key!r} must be a list, not {type(value).__name__}")
+    return value
+
+
+_MAX_DIM_DIGITS = 19  # a dimension is an int64 in TensorRT
+
+
+def _dim(value: Any, where: str) -> int:
+    """A tensor dimension: an integer (-1 for a dynamic one), as a number or a numeral."""
+    text = str(value).strip()
+    if isinstance(value, bool) or not isinstance(value, (int, str)) or len(text.lstrip("-")) > _MAX_DIM_DIGITS:
+        raise HarnessError(f"{where}: dimension {text[:30]!r} is not an integer TensorRT can hold")
+    try:
+        return int(text)
+    except ValueError:
+        raise HarnessError(f"{where}: dimension {text[:30]!r} is not an integer") from None
 
 
 def _layer(obj: Any, where: str) -> InspectedLayer:
@@ -154,8 +176,8 @@ def _layer(obj: Any, where: str) -> InspectedLayer:
     return InspectedLayer(
         name=obj["Name"],
         layer_type=str(obj.get("LayerType", "")),
-        inputs=tuple(_tensor(t, here) for t in obj.get("Inputs", [])),
-        outputs=tuple(_tensor(t, here) for t in obj.get("Outputs", [])),
+        inputs=tuple(_tensor(t, here) for t in _list(obj, "Inputs", here)),
+        outputs=tuple(_tensor(t, here) for t in _list(obj, "Outputs", here)),
         tactic_name=str(tactic_name) if tactic_name else None,
         tactic_value=None if tactic_value is None else str(tactic_value),
         onnx_layers=onnx_layers(str(obj.get("Metadata") or "")),
@@ -181,12 +203,7 @@ def parse_engine_information(
 ) -> EngineInformation:
     """Parse ``get_engine_information(LayerInformationFormat.JSON)`` output of either layout."""
     if isinstance(data, str):
-        try:
-            data = json.loads(data)
-        except json.JSONDecodeError as exc:
-            raise HarnessError(
-                f"{where}: not valid JSON ({exc.msg} at line {exc.lineno})"
-            ) from None
+        data = parse_json(data, where)  # the one reader: bounded depth and integers, no NaN
     if not isinstance(data, Mapping) or not isinstance(data.get("Layers"), list):
         raise HarnessError(f"{where}: expected an object with a 'Layers' list")
     raw_layers = data["Layers"]
@@ -194,6 +211,8 @@ def parse_engine_information(
     layout = _layout(data, raw_layers)
     # 10.x lists I/O names; 11.x lists objects that carry the name.
     io_raw = data.get("I/O Tensors", data.get("Bindings", []))
+    if not isinstance(io_raw, list):
+        raise HarnessError(f"{where}: 'I/O Tensors' / 'Bindings' must be a list")
     names = [t.get("Name") if isinstance(t, Mapping) else t for t in io_raw]
     io_tensors = tuple(name for name in names if isinstance(name, str))
     if len(io_tensors) != len(names):
@@ -221,10 +240,10 @@ _ONELINE_VALUE = re.compile(r", TacticValue: (?P<value>0x[0-9a-fA-F]+)")
 _ONELINE_METADATA = re.compile(r", Metadata: (?P<meta>.*)$")
 
 
-def _oneline_tensors(text: str) -> list[dict[str, Any]]:
+def _oneline_tensors(text: str, where: str) -> list[dict[str, Any]]:
     tensors = []
     for match in _ONELINE_TENSOR.finditer(text):
-        dims = [int(d) for d in match["dims"].split(",") if d.strip()]
+        dims = [_dim(d, f"{where}: tensor {match['name']!r}") for d in match["dims"].split(",") if d.strip()]
         fields = {m["field"]: m["value"].strip() for m in _ONELINE_FIELD.finditer(match["rest"])}
         tensors.append({"Name": match["name"], "Dimensions": dims, **fields})
     return tensors
@@ -245,8 +264,8 @@ def oneline_document(text: str, where: str) -> dict[str, Any]:
             {
                 "Name": match["name"],
                 "LayerType": match["type"].strip(),
-                "Inputs": _oneline_tensors(match["inputs"]),
-                "Outputs": _oneline_tensors(match["outputs"]),
+                "Inputs": _oneline_tensors(match["inputs"], where),
+                "Outputs": _oneline_tensors(match["outputs"], where),
                 **({"TacticName": tactic["name"].strip()} if tactic else {}),
                 **({"TacticValue": value["value"]} if value else {}),
                 "Metadata": metadata["meta"] if metadata else "",
@@ -276,13 +295,21 @@ def engine_information_json(engine: tensorrt.ICudaEngine, trt_module: TrtApi | N
 
 
 def trt_fingerprint(
-    layers: Iterable[InspectedLayer], cache_entries: Iterable[CacheEntry], compiler_settings: str | None = None
+    layers: Iterable[InspectedLayer],
+    cache_entries: Iterable[CacheEntry],
+    compiler_settings: str | None = None,
+    batch_profile: BatchProfile | None = None,
+    interface: Mapping[str, Any] | None = None,
 ) -> str:
     """Digest of the tactic decisions: per-key tactic hashes and per-layer tactic names.
 
     Never plan or cache bytes: those differ between two GPUs of the same model
     even when every decision is identical. Both lists are sorted, so the order
     in which the inspector or the cache lists things does not matter.
+    ``interface`` is what else describes the engine to its users (its
+    precision mode, I/O tensors and compiler casts, as the backend records
+    them): two engines that differ there are different engines, even with the
+    same kernels, and an edited plan.json must not keep the fingerprint.
     """
     payload: dict[str, Any] = {
         "keys": sorted([e.key.lower(), normalize_hash(e.tactic_hash)] for e in cache_entries),
@@ -290,4 +317,8 @@ def trt_fingerprint(
     }
     if compiler_settings is not None:  # graphs the autocast settings shaped
         payload["compiler_settings"] = compiler_settings
+    if batch_profile is not None:  # kernels tuned for a range of batch sizes, not one shape
+        payload["batch_profile"] = batch_profile.to_json()
+    if interface is not None:
+        payload["interface"] = dict(interface)
     return digest(canonical_json(payload))

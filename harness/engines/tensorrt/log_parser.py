@@ -33,10 +33,10 @@ import math
 import os
 import re
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 
 from harness.cache.timing_cache import CacheEntry, Candidate, normalize_hash
 from harness.errors import HarnessError
+from harness.fileio import read_text_file
 
 # The op name may itself contain parentheses ("(Unnamed Layer* 3) [Convolution]"),
 # so the name ends at the *first* "(key: 0x...)", or at the ":" before the ONNX layers.
@@ -340,13 +340,4 @@ def parse_log(text: str) -> ParsedLog:
 
 
 def parse_log_file(path: str | os.PathLike[str]) -> ParsedLog:
-    p = Path(path)
-    try:
-        text = p.read_text(encoding="utf-8", errors="replace")
-    except FileNotFoundError:
-        raise HarnessError(f"build log {p}: no such file") from None
-    except IsADirectoryError:
-        raise HarnessError(f"build log {p}: is a directory, not a log file") from None
-    except OSError as exc:
-        raise HarnessError(f"build log {p}: cannot read ({exc})") from None
-    return parse_log(text)
+    return parse_log(read_text_file(path, "build log"))

@@ -38,6 +38,7 @@ from harness.engines.tensorrt.inspector import (
 from harness.engines.tensorrt.join import Joined, join_ops, ops_by_layer
 from harness.engines.tensorrt.log_parser import ParsedLayer, ParsedLog, parse_log
 from harness.errors import HarnessError
+from harness.fileio import read_text_file
 
 # Prefix of the cache keys of ops the log gives no timing-cache key: such entries can be
 # compared with `harness cache diff`, never pinned into TensorRT (not 0x + 32 hex digits).
@@ -50,17 +51,6 @@ _VERSIONS = (
 _DEVICE = re.compile(r"Selected Device: (?P<name>.+?)\s*$")
 _CAPABILITY = re.compile(r"Compute Capability: (?P<major>\d+)\.(?P<minor>\d+)")
 _RESOURCE_SM = re.compile(r"libnvinfer_builder_resource_sm(?P<sm>\d+)\.so")
-
-
-def _read(path: Path, what: str) -> str:
-    try:
-        return path.read_text(encoding="utf-8", errors="replace")
-    except FileNotFoundError:
-        raise HarnessError(f"{what} {path}: no such file") from None
-    except IsADirectoryError:
-        raise HarnessError(f"{what} {path}: is a directory, not a file") from None
-    except OSError as exc:
-        raise HarnessError(f"{what} {path}: cannot read ({exc})") from None
 
 
 def _first(patterns: tuple[re.Pattern[str], ...], text: str) -> str | None:
@@ -215,8 +205,8 @@ def read_trtexec_build(
 ) -> TrtexecBuild:
     """Read and join a verbose build log and the same build's layer information."""
     log_file, layers_file = Path(log_path), Path(layers_path)
-    text = _read(log_file, "--trt-log")
-    info = read_engine_information(_read(layers_file, "--trt-layers"), f"--trt-layers {layers_file}")
+    text = read_text_file(log_file, "--trt-log")
+    info = read_engine_information(read_text_file(layers_file, "--trt-layers"), f"--trt-layers {layers_file}")
     parsed = parse_log(text)
     if not parsed.layers:
         raise HarnessError(
