@@ -23,7 +23,7 @@ import torch
 
 from harness.cache.timing_cache import TimingCache, check_compatible
 from harness.engines.modes import compile_for_mode
-from harness.engines.protocol import Backend, BuildConfig, BuildLog, Engine
+from harness.engines.protocol import Backend, BuildConfig, BuildLog, Engine, engine_inputs
 from harness.engines.saved import write_engine_dir
 from harness.fileio import check_writable, json_bytes, locked
 from harness.globalstate import preserves_global_state
@@ -202,7 +202,7 @@ def rebuild(
         engine, _ = backend.build(compiled, config, cache)
         fingerprints.append(engine.fingerprint())
         per_build.append({layer.name: layer.tactic for layer in engine.layers()})
-        outputs = tuple(t.detach().cpu() for t in engine.run(*spec.example_inputs))
+        outputs = tuple(t.detach().cpu() for t in engine.run(*engine_inputs(engine, spec.example_inputs)))
         if first is None:
             first = outputs
         elif not _bits_equal(first, outputs):

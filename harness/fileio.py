@@ -7,9 +7,11 @@ old file or the new one, never half of one, and a corrupt input that failed to
 load is never overwritten by accident because readers raise before writers run.
 
 Files that several processes read, change and write back (timing caches,
-baselines) are changed under :func:`locked`, an exclusive ``flock`` (as
-trtexec and Polygraphy lock timing caches): two processes editing one cache
-at once both keep their changes.
+results files of resumed runs) are changed under :func:`locked`, an
+exclusive ``flock`` (as trtexec and Polygraphy lock timing caches): two
+processes editing one cache at once both keep their changes. Every read is
+bounded (:func:`read_regular_file`: regular files only, a size limit; JSON
+through :func:`parse_json`), so no input can hang a command or exhaust memory.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -18,6 +18,41 @@ DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp
 
 def dtype_name(dtype: torch.dtype) -> str:
     return DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
+
+
+def cast_floating(batch: Sequence[Any], dtypes: Sequence[torch.dtype]) -> tuple[Any, ...]:
+    """``batch`` with each floating tensor cast to the floating dtype declared for its position.
+
+    The one place model inputs (fp32 example or calibration batches) are put
+    in the dtypes a typed graph or an engine takes: with ``keep_io_types=False``
+    the compiler lowers a floating input to the low precision, and its
+    consumers must be fed that dtype. Everything else is passed as is (an
+    integer input, a count mismatch, an int tensor where a float is declared),
+    so that the consumer's own input check names what is wrong instead of a
+    silent conversion hiding it.
+    """
+    if len(batch) != len(dtypes):
+        return tuple(batch)
+    return tuple(
+        x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() and dtype.is_floating_point else x
+        for x, dtype in zip(batch, dtypes, strict=True)
+    )
+
+
+def has_eager_kernel(op: torch._ops.OpOverload, key: str) -> bool:
+    """Whether eager's C++ dispatcher holds a kernel for ``op`` under dispatch key ``key``.
+
+    The composite questions (does eager run ``op`` as a composite of other ATen
+    ops, whose code a pass then runs through ``op._op_dk(key)``?) need the C++
+    dispatcher's answer. The public ``OpOverload.has_kernel_for_dispatch_key``
+    also counts Python kernels (``py_impl``), which only Python dispatch runs:
+    in torch 2.13 ``native_batch_norm`` and the ``upsample_nearest`` overloads
+    have a Python ``CompositeImplicitAutograd`` kernel and no C++ one, so the
+    public call answers True where eager has no composite and ``_op_dk`` has
+    nothing to call. For every other key the two agree on every ATen op, and
+    callers asking about a backend or autocast key use the public call.
+    """
+    return torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), key)
 
 
 def fake_mode_of(gm: torch.fx.GraphModule) -> FakeTensorMode:

@@ -23,6 +23,8 @@ MAX_MIN_DURATION_S = 3600.0
 # and a million samples (about 10 MB of JSON) keep a whole run within what the
 # results reader accepts (fileio.MAX_JSON_BYTES).
 MAX_ITERS = 1_000_000
+# Batches of a calibration file: each is a run of the model during compilation.
+MAX_CALIBRATION_BATCHES = 10_000
 
 
 def check_int(value: object, name: str, least: int, most: int) -> int:

@@ -254,7 +254,8 @@ def _file_key(path_text: str, factory_name: str, original: str) -> tuple[str, in
     if path.suffix != ".py":
         raise HarnessError(f"model file {path_text!r} is not a .py file; {form}")
     if not path.is_file():
-        raise HarnessError(f"model file {path_text!r} does not exist; {form}")
+        problem = "is not a regular file" if path.exists() else "does not exist"
+        raise HarnessError(f"model file {path_text!r} {problem}; {form}")
     return str(path), path.stat().st_mtime_ns, factory_name
 
 

@@ -44,10 +44,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from harness.autocast import options
 from harness.autocast.settings import AutocastSettings
@@ -56,6 +56,9 @@ from harness.engines.registry import BACKEND_NAMES
 from harness.errors import HarnessError
 from harness.fileio import parse_toml_file, validate
 from harness.limits import MAX_BATCH_SIZE, MAX_ITERS, MAX_MIN_DURATION_S, MAX_WARMUP_S
+
+if TYPE_CHECKING:
+    from harness.models import ModelSpec
 
 _PERCENT = {"anyOf": [{"type": "string", "pattern": r"^\s*[0-9.]+\s*%?\s*$"}, {"type": "number", "minimum": 0}]}
 _NONNEG = {"type": "number", "minimum": 0}
@@ -141,6 +144,21 @@ class Project:
             return f"{self.root / path}:{factory}"
         return ref
 
+    def load_model(self, ref: str) -> ModelSpec:
+        """The model ``--model REF`` names, as every command loads it from the command line.
+
+        A file in ``ref`` is relative to the current directory, not to the
+        project file's (only references written in the file are:
+        :meth:`model_reference`), and the file's ``[model."<key>"]`` tables
+        are checked against it (:meth:`check_model_tables`), so a table for
+        another model is a named error here too.
+        """
+        from harness import models
+
+        spec = models.load(ref)
+        self.check_model_tables({ref: spec.name}, lambda other: models.load(other).name)
+        return spec
+
     def models(self) -> list[str] | None:
         given = self.data.get("models")
         return None if given is None else [self.model_reference(m) for m in given]
@@ -207,15 +225,34 @@ class Project:
         return {**self.section("autocast"), **self._model_table(ref, name).get("autocast", {})}
 
     def autocast_settings(
-        self, ref: str, cli: Mapping[str, Any], name: str | None = None, **fixed: Any
+        self,
+        ref: str,
+        cli: Mapping[str, Any],
+        name: str | None = None,
+        *,
+        example_inputs: Sequence[Any] | None = None,
+        **fixed: Any,
     ) -> AutocastSettings:
-        """Defaults < project file (global, then the model's table) < command line."""
+        """Defaults < project file (global, then the model's table) < command line.
+
+        With the model's ``example_inputs``, a calibration file is checked
+        against them here, where its path is known: the compiler's own check
+        comes later and can only say "calibration batch 0", not which file.
+        """
         merged = {**self.autocast_values(ref, name), **cli}
         file_paths = {k: v for k, v in merged.items() if k == "calibration_data" and k not in cli}
         settings = options.settings_from({k: v for k, v in merged.items() if k not in file_paths}, **fixed)
         if file_paths:
             calibration = options.settings_from(file_paths, base_dir=self.root).calibration_data
             settings = dataclasses.replace(settings, calibration_data=calibration)
+        source = cli.get("calibration_data") or (self.root / file_paths["calibration_data"] if file_paths else None)
+        if source is not None and example_inputs is not None and settings.calibration_data is not None:
+            from harness.autocast.calibrate import check_calibration_data
+
+            try:
+                check_calibration_data(settings.calibration_data, example_inputs)
+            except HarnessError as exc:
+                raise HarnessError(f"calibration data {source}: {exc}") from None
         return settings
 
     def explicit_for(self, ref: str, name: str | None = None) -> str | None:

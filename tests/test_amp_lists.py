@@ -13,6 +13,7 @@ the real ``AutocastCUDA`` kernels, with no GPU needed since only dtypes matter.
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -22,28 +23,24 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from harness.autocast import amp_lists, compile, jit
 from harness.autocast.amp_lists import (
     SUPPORTED_DEVICES,
     CastPolicy,
     PolicyEntry,
+    autocast_registrations,
+    check_amp_table,
     listed_ops,
     lower_precision_dtypes,
     policy_for,
+    table_mismatch,
 )
 from harness.errors import HarnessError
 
 aten = torch.ops.aten
 F32 = torch.float32
 
-_DISPATCH_KEY = {"cpu": "AutocastCPU", "cuda": "AutocastCUDA"}
-
-
-def _registered(dispatch_key: str) -> set[str]:
-    return {
-        name
-        for name in torch._C._dispatch_get_all_op_names()
-        if torch._C._dispatch_has_kernel_for_dispatch_key(name, dispatch_key)
-    }
+_DISPATCH_KEY = {"cpu": torch._C.DispatchKey.AutocastCPU, "cuda": torch._C.DispatchKey.AutocastCUDA}
 
 
 def _resolve(qualified: str) -> torch._ops.OpOverload:
@@ -59,10 +56,65 @@ def _resolve(qualified: str) -> torch._ops.OpOverload:
 
 @pytest.mark.parametrize("device", SUPPORTED_DEVICES)
 def test_listed_ops_are_exactly_the_dispatcher_autocast_kernels(device: str) -> None:
-    registered = _registered(_DISPATCH_KEY[device])
-    listed = set(listed_ops(device))
-    assert listed - registered == set(), "listed but no autocast kernel in this torch"
-    assert registered - listed == set(), "autocast kernel in this torch but not listed"
+    # the comparison AMP mode runs before its first use, on the installed torch
+    mismatch = table_mismatch(device)
+    assert mismatch.listed_only == (), "listed but no autocast kernel in this torch"
+    assert mismatch.registered_only == (), "autocast kernel in this torch but not listed"
+    assert not mismatch
+    check_amp_table(device)
+
+
+@pytest.mark.parametrize("device", SUPPORTED_DEVICES)
+def test_the_dispatcher_view_is_every_op_overload_with_an_autocast_kernel(device: str) -> None:
+    """The dispatcher's list of a key's registrations, against asking each op overload in turn."""
+    key = _DISPATCH_KEY[device]
+    per_op = {
+        name for name in torch._C._dispatch_get_all_op_names() if _resolve(name).has_kernel_for_dispatch_key(key)
+    }
+    assert autocast_registrations(device) == per_op and len(per_op) > 100
+
+
+@pytest.fixture
+def changed_torch(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
+    """The dispatcher of a torch that no longer autocasts ``mm`` and autocasts a new op; yields the devices asked."""
+    real = amp_lists.autocast_registrations
+    asked: list[str] = []
+
+    def registrations(device: str) -> frozenset[str]:
+        asked.append(device)
+        return (real(device) - {"aten::mm"}) | {"aten::flash_new_op"}
+
+    monkeypatch.setattr(amp_lists, "autocast_registrations", registrations)
+    table_mismatch.cache_clear()
+    yield asked
+    table_mismatch.cache_clear()  # the next test compares with the real dispatcher again
+
+
+def test_amp_mode_and_jit_refuse_a_torch_whose_autocast_lists_differ(changed_torch: list[str]) -> None:
+    model, x = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()).eval(), torch.randn(2, 4)
+    message = (
+        rf"AMP mode is refused: its cpu autocast op lists are those of torch 2\.13, and the installed torch "
+        rf"{re.escape(torch.__version__)} autocasts other ops \(listed here but not autocast by it: aten::mm; "
+        r"autocast by it but not listed here: aten::flash_new_op\)"
+    )
+    with pytest.raises(HarnessError, match=message):
+        compile(model, (x,), mode="amp", low_precision_type="bf16")
+    with pytest.raises(HarnessError, match=message):
+        jit(model, (x,))
+    assert changed_torch == ["cpu"]  # compared once for the process, not per compile
+    # modes that do not follow the AMP lists are unaffected
+    assert compile(model, (x,), mode="rule", low_precision_type="bf16")(x).shape == (2, 4)
+
+
+def test_a_long_difference_names_the_first_ops_and_counts_the_rest(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(amp_lists, "autocast_registrations", lambda device: frozenset())
+    table_mismatch.cache_clear()
+    try:
+        listed = sorted(listed_ops("cuda"))
+        with pytest.raises(HarnessError, match=rf"{re.escape(', '.join(listed[:5]))} and {len(listed) - 5} more\)"):
+            check_amp_table("cuda")
+    finally:
+        table_mismatch.cache_clear()
 
 
 @pytest.mark.parametrize("device", SUPPORTED_DEVICES)

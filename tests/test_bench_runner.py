@@ -218,6 +218,9 @@ class GraphEngine(EngineBase):
     def run(self, *inputs):
         return self.graph.run(*inputs)
 
+    def input_dtypes(self):
+        return self.graph.input_dtypes
+
     def layers(self):
         return []
 

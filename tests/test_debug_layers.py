@@ -313,3 +313,41 @@ def test_inputs_of_the_wrong_shape_are_named(model_file, tmp_path, capsys):
     assert code == 2
     err = capsys.readouterr().err
     assert "bad.safetensors: batch 0, input 0: got float32[16, 31], expected float32[16, 32]" in err
+
+
+DECOY = """
+from harness.models import ModelSpec
+import torch
+from torch import nn
+
+
+def harmless():
+    x = torch.ones(16, 32)
+    return ModelSpec("decoy", "the project directory's file", nn.Linear(32, 8).eval(), (x,), [(x,)])
+"""
+
+
+def test_a_model_file_on_the_command_line_is_relative_to_the_current_directory_as_for_build(
+    model_file, tmp_path, capsys, monkeypatch
+):
+    """``--model file.py:f`` names the file in the current directory for every command, debug included;
+    only references written in the project file are relative to its directory."""
+    here, project = tmp_path / "here", tmp_path / "project"
+    here.mkdir()
+    project.mkdir()
+    (here / "planted.py").write_text(model_file.read_text())
+    (project / "planted.py").write_text(DECOY)  # same relative path, seen from the project's directory
+    (project / "harness.toml").write_text("threads = 1\n")
+    monkeypatch.chdir(here)
+    common = ["--model", "planted.py:harmless", "--config", str(project / "harness.toml")]
+    assert main(["build", *common, "--mode", "fp32", "-o", "engine", "--option", "timing_runs=1"]) == 0
+    assert capsys.readouterr().out.startswith("built harmless (fp32)")
+    assert main(["debug", "layers", *common, "--mode", "bf16", "--json", "--no-plot", "--no-progress"]) == 0
+    assert json.loads(capsys.readouterr().out)["model"] == "harmless"
+    assert main(["debug", "precision", *common, "--low", "bf16", "--target", "max-abs-err<=1", "--json",
+                 "--no-plot", "--seconds", "0.02", "--final-seconds", "0.1", "--no-progress"]) == 0  # fmt: skip
+    assert json.loads(capsys.readouterr().out)["model"] == "harmless"
+    # the project's [model."<key>"] tables are checked against it, as build checks them
+    (project / "harness.toml").write_text('[model."typo.py:harmless"]\nautocast = { data_max = 8 }\n')
+    assert main(["debug", "layers", *common, "--mode", "bf16", "--no-plot", "--no-progress"]) == 2
+    assert '[model."typo.py:harmless"] matches no model' in capsys.readouterr().err

@@ -160,6 +160,32 @@ def test_fold_batch_norm_matches_unfolded_in_fp32():
     assert torch.allclose(out, ref, rtol=1e-4, atol=1e-5) and not torch.equal(out, ref)
 
 
+def test_the_batch_norm_fold_keeps_float64_precision_bit_for_bit_on_resnet():
+    """The fold (torch's fuse_conv_bn_weights on float64 copies) against the fold formula written
+    out in float64: bit-identical on every conv+bn pair of the zoo resnet, and, as the reason for
+    float64, not what torch's fold gives when run in the weights' own fp32."""
+    from torch.nn.utils.fusion import fuse_conv_bn_weights
+
+    from harness import models
+    from harness.lowering.fold_batch_norm import fold_conv_batch_norm
+
+    modules = [m for m in models.load("resnet").module.modules() if isinstance(m, (nn.Conv2d, nn.BatchNorm2d))]
+    pairs = [(c, b) for c, b in zip(modules, modules[1:]) if isinstance(c, nn.Conv2d) and isinstance(b, nn.BatchNorm2d)]
+    fp32_differs = 0
+    for conv, bn in pairs:
+        w, b = conv.weight.detach(), None if conv.bias is None else conv.bias.detach()
+        gamma, beta = bn.weight.detach(), bn.bias.detach()
+        folded_w, folded_b = fold_conv_batch_norm(w, b, gamma, beta, bn.running_mean, bn.running_var, bn.eps)
+        scale = gamma.double() / torch.sqrt(bn.running_var.double() + bn.eps)  # w' = w g / sqrt(var + eps)
+        want_w = (w.double() * scale.reshape(-1, 1, 1, 1)).float()
+        want_b = (((b.double() if b is not None else 0.0) - bn.running_mean.double()) * scale + beta.double()).float()
+        assert torch.equal(folded_w.view(torch.int32), want_w.view(torch.int32))
+        assert torch.equal(folded_b.view(torch.int32), want_b.view(torch.int32))
+        in_fp32 = fuse_conv_bn_weights(w, b, bn.running_mean, bn.running_var, bn.eps, gamma, beta)
+        fp32_differs += int((in_fp32[0].detach() != folded_w).sum())
+    assert len(pairs) == 9 and fp32_differs > 0
+
+
 def test_conv_weights_channels_last_outside_the_exact_modes():
     from harness import models
     from harness.autocast import compile
@@ -204,3 +230,23 @@ def test_as_strided_reads_eager_memory_order_even_after_channels_last_weights(mo
     tolerance = {"rtol": 0, "atol": 0} if mode == "fp32" else {"rtol": 2e-2, "atol": 2e-2}
     for got, want in zip(compiled(x), module(x), strict=True):
         torch.testing.assert_close(got.float(), want, **tolerance)
+
+
+def test_composites_are_eager_cpp_kernels_not_python_ones_the_public_query_also_counts():
+    """Why decompositions and the AMP expansion ask the C++ dispatcher (fxutil.has_eager_kernel).
+
+    ``native_batch_norm`` has a Python CompositeImplicitAutograd kernel and no C++ one: the public
+    ``OpOverload.has_kernel_for_dispatch_key`` says it has one, eager runs no such composite, and its
+    decomposition is torch's table entry, not ``op.decompose`` (that Python kernel).
+    """
+    from torch._decomp import get_decompositions
+
+    from harness.fxutil import has_eager_kernel
+
+    cia = torch._C.DispatchKey.CompositeImplicitAutograd
+    op = torch.ops.aten.native_batch_norm.default
+    assert op.has_kernel_for_dispatch_key(cia) and not has_eager_kernel(op, "CompositeImplicitAutograd")
+    assert DecompositionTable(frozenset({"aten.native_batch_norm.default"})).functions()[op] is get_decompositions([op])[op]
+    einsum = torch.ops.aten.einsum.default  # a C++ composite: both agree, and eager's own code decomposes it
+    assert einsum.has_kernel_for_dispatch_key(cia) and has_eager_kernel(einsum, "CompositeImplicitAutograd")
+    assert DecompositionTable(frozenset({"aten.einsum.default"})).functions()[einsum] == einsum.decompose

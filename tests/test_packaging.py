@@ -45,3 +45,18 @@ def test_no_top_level_models_module_outside_the_checkout(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "ModelSpec"
+
+
+def test_no_module_imports_another_modules_private_names():
+    # A helper two modules share is public in the one that defines it (one definition, a stable
+    # name): a private import from elsewhere (``from harness.bench.plots import _save``) breaks
+    # silently when its owner renames what it believes only it uses.
+    import ast
+
+    found = []
+    for path in sorted((ROOT / "harness").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("harness"):
+                private = [a.name for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+                found += [f"{path.relative_to(ROOT)}: from {node.module} import {name}" for name in private]
+    assert found == []

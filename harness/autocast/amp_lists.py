@@ -24,11 +24,18 @@ against eager autocast):
   the wheel). That revision still lists the named-tensor overloads
   ``prod.dim_Dimname`` and ``index_copy.dimname``; torch 2.13 no longer has
   those overloads at all, so they are left out.
+
+Another torch release may list other ops, and exact AMP would then silently
+differ from eager. So before AMP mode (and :func:`harness.autocast.jit`) is
+first used, :func:`check_amp_table` compares the table with the running
+dispatcher's autocast registrations, once per process and device, and refuses
+AMP on a mismatch naming the ops.
 """
 
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -434,3 +441,70 @@ def lower_precision_dtypes(device: str) -> tuple[torch.dtype, ...]:
     """Dtypes ``torch.autocast`` accepts as the lower precision on ``device``, default first."""
     _table(device)  # validates the device name
     return _LOWER_PRECISION_DTYPES[device]
+
+
+# The torch release the tables above were transcribed from.
+TABLE_TORCH_VERSION = "2.13"
+_DISPATCH_KEYS: Mapping[str, str] = {"cpu": "AutocastCPU", "cuda": "AutocastCUDA"}
+_SHOWN = 5  # differing ops named in an error; the rest are counted
+
+
+def autocast_registrations(device: str) -> frozenset[str]:
+    """The running torch's view: every op overload with a kernel under ``device``'s autocast key.
+
+    Named as the tables are (``aten::conv2d.padding``). torch has no public
+    API that lists a dispatch key's registrations; this is the dispatcher's
+    own list (one call, well under a millisecond), the same set as asking
+    ``OpOverload.has_kernel_for_dispatch_key`` of every op (the tests compare
+    the two). CPU builds register the CUDA table too.
+    """
+    _table(device)  # validates the device name
+    return frozenset(torch._C._dispatch_get_registrations_for_dispatch_key(_DISPATCH_KEYS[device]))
+
+
+@dataclass(frozen=True)
+class TableMismatch:
+    """How the table of a device differs from the running dispatcher's registrations."""
+
+    device: str
+    listed_only: tuple[str, ...]  # in the table, but this torch autocasts no such op
+    registered_only: tuple[str, ...]  # autocast by this torch, missing from the table
+
+    def __bool__(self) -> bool:
+        return bool(self.listed_only or self.registered_only)
+
+    def describe(self) -> str:
+        parts = []
+        for label, names in (("listed here but not autocast by it", self.listed_only),
+                             ("autocast by it but not listed here", self.registered_only)):  # fmt: skip
+            if names:
+                more = f" and {len(names) - _SHOWN} more" if len(names) > _SHOWN else ""
+                parts.append(f"{label}: {', '.join(names[:_SHOWN])}{more}")
+        return "; ".join(parts)
+
+
+@functools.cache
+def table_mismatch(device: str) -> TableMismatch:
+    """The table of ``device`` against :func:`autocast_registrations`, computed once per process.
+
+    The one comparison: the tests assert it is empty on the installed torch,
+    and :func:`check_amp_table` refuses AMP when it is not.
+    """
+    listed, registered = set(_table(device)), autocast_registrations(device)
+    return TableMismatch(device, tuple(sorted(listed - registered)), tuple(sorted(registered - listed)))
+
+
+def check_amp_table(device: str) -> None:
+    """Refuse exact AMP when the installed torch autocasts other ops than the table says.
+
+    AMP mode promises eager ``torch.autocast``'s types bit for bit; with a
+    table from another torch release it would type some ops differently and
+    say nothing. Cheap after the first call (:func:`table_mismatch` is cached).
+    """
+    mismatch = table_mismatch(device)
+    if mismatch:
+        raise HarnessError(
+            f"AMP mode is refused: its {device} autocast op lists are those of torch {TABLE_TORCH_VERSION}, "
+            f"and the installed torch {torch.__version__} autocasts other ops ({mismatch.describe()}); "
+            f"exact AMP would not match eager torch.autocast. Use torch {TABLE_TORCH_VERSION}.x, or rule mode"
+        )

@@ -21,7 +21,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.export import ExportedProgram
 
-from harness.autocast.amp_lists import policy_for
+from harness.autocast.amp_lists import check_amp_table, policy_for
 from harness.autocast.calibrate import (
     Calibration,
     calibrate,
@@ -38,7 +38,14 @@ from harness.autocast.settings import DTYPES, AutocastSettings, compile_patterns
 from harness.autocast.verify import verify_graph
 from harness.errors import HarnessError
 from harness.frontend.export import export_program, standalone_graph
-from harness.fxutil import fake_mode_of, input_nodes, splice, trace_call
+from harness.fxutil import (
+    cast_floating,
+    fake_mode_of,
+    has_eager_kernel,
+    input_nodes,
+    splice,
+    trace_call,
+)
 from harness.globalstate import preserves_global_state
 from harness.lowering.decompose import DecompositionTable, decompose
 from harness.lowering.functionalize import functionalize_inplace
@@ -49,7 +56,16 @@ from harness.outputs import OutputSpec, output_spec_of
 
 @dataclass
 class CompiledGraph:
-    """An explicitly typed graph: what engines consume."""
+    """An explicitly typed graph: what engines consume.
+
+    Its inputs are typed like every other value: with ``keep_io_types=False`` a
+    floating input consumed only in the low precision takes that dtype
+    (:attr:`input_dtypes`). ``example_inputs`` are therefore held in those
+    dtypes (converted on construction), so that everything that runs or
+    traces the graph on them (the CPU builder's timing runs, the ONNX export,
+    an engine's first run) feeds what the graph declares; other batches of
+    model inputs go through :meth:`typed_inputs`.
+    """
 
     graph_module: torch.fx.GraphModule
     report: PrecisionReport
@@ -60,36 +76,58 @@ class CompiledGraph:
     device: str = "cpu"
     timings: dict[str, float] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        self.example_inputs = self.typed_inputs(self.example_inputs)
+
     @property
     def input_dtypes(self) -> tuple[torch.dtype, ...]:
         return tuple(n.meta["val"].dtype for n in self.graph_module.graph.nodes if n.op == "placeholder")
+
+    def typed_inputs(self, batch: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """A batch of the model's inputs in the dtypes the graph takes (see :func:`cast_floating`)."""
+        return cast_floating(batch, self.input_dtypes)
 
     def __call__(self, *inputs: torch.Tensor) -> Any:
         """The model's outputs in the structure the eager model returns (dict, ModelOutput, ...)."""
         return self.outputs.unflatten(self.run(*inputs))
 
     def run(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """The flat output tuple, in :attr:`outputs` order (what engines compute)."""
+        """The flat output tuple, in :attr:`outputs` order (what engines compute).
+
+        Inputs must have :attr:`input_dtypes`; an input of another floating
+        dtype is refused by name (checked only once the graph has failed, so
+        a call costs nothing more than the graph).
+        """
         # Ambient autocast must not re-type an explicitly typed graph.
         with ExitStack() as stack:
             for device in {"cpu", self.device}:
                 stack.enter_context(torch.autocast(device, enabled=False))
             stack.enter_context(torch.inference_mode())
-            return tuple(self.graph_module(*inputs))
+            try:
+                return tuple(self.graph_module(*inputs))
+            except Exception:
+                self._check_input_dtypes(inputs)
+                raise
+
+    def _check_input_dtypes(self, inputs: Sequence[Any]) -> None:
+        placeholders = [n.name for n in self.graph_module.graph.nodes if n.op == "placeholder"]
+        for name, x, want in zip(placeholders, inputs, self.input_dtypes, strict=False):
+            if isinstance(x, torch.Tensor) and x.dtype != want:
+                raise HarnessError(
+                    f"typed graph input {name!r}: expected {want}, got {x.dtype} (a graph compiled with "
+                    "keep_io_types=False takes its floating inputs in the low precision; convert a batch "
+                    "with CompiledGraph.typed_inputs)"
+                )
 
 
 _log = logging.getLogger(__name__)
 
-_BACKEND_KEYS = {"cpu": "CPU", "cuda": "CUDA"}
+_BACKEND_KEYS = {"cpu": torch._C.DispatchKey.CPU, "cuda": torch._C.DispatchKey.CUDA}
 # Kernels written once in other ATen ops for every backend; eager runs them when
 # the backend has no kernel of its own, and their calls re-enter the dispatcher,
 # autocast included.
 _COMPOSITE_KEYS = ("CompositeImplicitAutograd", "CompositeExplicitAutogradNonFunctional", "CompositeExplicitAutograd")
 _MAX_EXPANSION_DEPTH = 4
-
-
-def _has_kernel(op: torch._ops.OpOverload, key: str) -> bool:
-    return torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), key)
 
 
 def _mutates(sub: torch.fx.GraphModule) -> bool:
@@ -148,13 +186,13 @@ def _composite_body(node: torch.fx.Node, device: str, fake_mode: FakeTensorMode)
     which computes differently.
     """
     op = node.target
-    if not isinstance(op, torch._ops.OpOverload) or _has_kernel(op, _BACKEND_KEYS[device]):
+    if not isinstance(op, torch._ops.OpOverload) or op.has_kernel_for_dispatch_key(_BACKEND_KEYS[device]):
         return None
     if op._schema.is_mutable or any(r.alias_info is not None for r in op._schema.returns):
         return None
     if not any(isinstance(v := a.meta.get("val"), torch.Tensor) and v.is_floating_point() for a in input_nodes(node)):
         return None  # autocast casts floating-point tensor arguments only (factories, integer ops)
-    key = next((k for k in _COMPOSITE_KEYS if _has_kernel(op, k)), None)
+    key = next((k for k in _COMPOSITE_KEYS if has_eager_kernel(op, k)), None)  # the C++ kernel, called below
     if key is None:
         return None
     kernel = functools.partial(op._op_dk, getattr(torch._C.DispatchKey, key))
@@ -256,6 +294,8 @@ def compile(
     """
     if mode not in MODES:
         raise HarnessError(f"unknown compile mode {mode!r}; valid: {', '.join(MODES)}")
+    if mode == "amp":
+        check_amp_table(device)  # exact only with this torch's own autocast lists
     if settings is None:
         settings = AutocastSettings(low_precision_type=low_precision_type or torch.float16)
     elif low_precision_type is not None and parse_dtype(low_precision_type, "low_precision_type") != settings.low:
@@ -323,8 +363,8 @@ def compile(
         timings["casts"] = time.perf_counter() - t3
         if verify:
             t4 = time.perf_counter()
-            placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-            verify_graph(gm, [x.to(p.meta["val"].dtype) for x, p in zip(examples, placeholders, strict=True)])
+            input_dtypes = [n.meta["val"].dtype for n in gm.graph.nodes if n.op == "placeholder"]
+            verify_graph(gm, cast_floating(examples, input_dtypes))
             timings["verify"] = time.perf_counter() - t4
 
     report = build_report(gm, decisions, mode, low, stats)

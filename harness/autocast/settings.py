@@ -29,6 +29,7 @@ import torch
 
 from harness.errors import HarnessError
 from harness.fileio import canonical_json, digest, read_regular_file
+from harness.limits import MAX_CALIBRATION_BATCHES
 from harness.lowering.decompose import resolve_op_names
 
 LOW_PRECISION_TYPES = {"fp16": torch.float16, "float16": torch.float16, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
@@ -186,6 +187,8 @@ def load_calibration_file(path: str | os.PathLike[str]) -> list[tuple[torch.Tens
     if len(counts) != 1 or 0 in counts:
         raise HarnessError(f"{where}: every input must hold the same number (>= 1) of batches on dimension 0")
     (count,) = counts
+    if count > MAX_CALIBRATION_BATCHES:  # empty batches cost no bytes, but each is a model run
+        raise HarnessError(f"{where}: {count} batches; valid: 1..{MAX_CALIBRATION_BATCHES}")
     return [tuple(tensors[n][b].clone() for n in names) for b in range(count)]
 
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from harness.autocast.amp_lists import check_amp_table
 from harness.autocast.compiler import CompiledGraph, compile
 from harness.frontend.export import export_program
 from harness.globalstate import preserves_global_state
@@ -28,6 +29,7 @@ class AutocastModule(torch.nn.Module):
     @preserves_global_state
     def __init__(self, module: torch.nn.Module, example_inputs: Sequence[torch.Tensor], device: str = "cpu") -> None:
         super().__init__()
+        check_amp_table(device)  # every specialization is AMP mode: refused now, not at the first call
         with torch.autocast(device, enabled=False):
             self._program = export_program(module, example_inputs)
         self._examples = tuple(example_inputs)

@@ -14,6 +14,7 @@ append the resulting case to a :class:`~harness.bench.results.ResultsWriter`:
 - :mod:`.gate`: regression gate between a baseline and a run
 - :mod:`.compare`: determinism comparison of two runs (across machines too)
 - :mod:`.tables`, :mod:`.plots`: terminal/Markdown tables and Pareto plots
+- :mod:`.peers`: plain runtimes (eager, inductor, ONNX Runtime, OpenVINO) timed as reference rows
 
 Submodules are not imported here on purpose: plotting pulls in matplotlib and
 telemetry may load NVML, and a runner that only times a callable should not

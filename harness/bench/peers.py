@@ -356,10 +356,10 @@ class OnnxExports:
 
 def export_eager_onnx(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...], path: Path) -> None:
     """``torch.onnx.export`` as a user runs it (dynamo exporter with its optimizer, opset 18)."""
-    from harness.engines.onnx_export import _quiet_exporter
+    from harness.engines.onnx_export import quiet_exporter
 
     try:
-        with torch.autocast("cpu", enabled=False), _quiet_exporter():
+        with torch.autocast("cpu", enabled=False), quiet_exporter():
             torch.onnx.export(module, inputs, os.fspath(path), dynamo=True, opset_version=ONNX_OPSET, verbose=False)
     except torch.onnx.OnnxExporterError as exc:
         raise HarnessError(f"torch.onnx.export of the eager model failed: {exc}") from None

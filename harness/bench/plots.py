@@ -134,7 +134,7 @@ def _plot_model(
         top = max(ys, default=1.0) * 10
         ax.scatter([x for _, x in placed], [top] * len(placed), marker="X", s=90,
                    color="tab:red", label="no error to plot (non-finite outputs)", zorder=3)
-        _label_points(ax, [(x, top) for _, x in placed], [label for label, _ in placed])
+        label_points(ax, [(x, top) for _, x in placed], [label for label, _ in placed])
     failed = [a.label for a in absent if a.median_ms is None]
     if failed:
         fig.text(0.01, 0.01, "not plotted: " + "; ".join(failed), fontsize=7, color="tab:red")
@@ -181,7 +181,7 @@ def _plot_model(
     ax.grid(True, which="major", alpha=0.3)
     ax.legend(loc="best", fontsize=8)
     ax.margins(x=0.12, y=0.08)  # room for the labels right of the outermost points
-    _label_points(
+    label_points(
         ax,
         [(xs[i], ys[i]) for i in range(len(points))],
         [
@@ -193,7 +193,7 @@ def _plot_model(
     return fig
 
 
-def _label_points(ax: Any, xy: Sequence[tuple[float, float]], texts: Sequence[str]) -> None:
+def label_points(ax: Any, xy: Sequence[tuple[float, float]], texts: Sequence[str]) -> None:
     """Label every point, moving a label down a line while it overlaps one already placed.
 
     Modes close in latency and error (bf16 and autocast-bf16 often are)
@@ -262,7 +262,7 @@ def plot_results(
         sweep = _plot_throughput(model, cases)
         if sweep is not None:
             path = plot_path(results_path, model, "throughput")
-            _save(sweep, path)
+            save_figure(sweep, path)
             written.append(path)
         # the latency-vs-error plot compares modes at one batch size: the model's own
         cases = [c for c in cases if c.get("batch") is None] or cases
@@ -271,12 +271,13 @@ def plot_results(
             continue
         fig = _plot_model(model, points, absent, error_metric, f" on {doc['machine']['id']}")
         path = plot_path(results_path, model)
-        _save(fig, path)
+        save_figure(fig, path)
         written.append(path)
     return written
 
 
-def _save(fig: Figure, path: Path) -> None:
+def save_figure(fig: Figure, path: Path) -> None:
+    """Write ``fig`` as PNG in one step (atomically): an interrupted run never leaves half a plot."""
     buf = io.BytesIO()
     fig.savefig(buf, format="png")
     atomic_write_bytes(path, buf.getvalue())

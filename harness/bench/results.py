@@ -48,9 +48,7 @@ from harness.fileio import (
     check_writable,
     digest,
     locked,
-    parse_json,
     read_json,
-    read_regular_file,
     validate,
 )
 
@@ -625,15 +623,14 @@ def sealed(doc: Mapping[str, Any], where: str) -> dict[str, Any]:
     return out
 
 
-def write_results(path: str | os.PathLike[str], doc: Mapping[str, Any]) -> str:
-    """Seal (digest), validate, then replace ``path`` atomically; returns the digest written.
+def write_results(path: str | os.PathLike[str], doc: Mapping[str, Any]) -> None:
+    """Seal (digest), validate, then replace ``path`` atomically.
 
     Compact JSON: a run holds thousands of raw samples per case, and the
     tables are the human view.
     """
     body = sealed(doc, f"results for {path}")
     atomic_write_bytes(path, json.dumps(body, allow_nan=False, separators=(",", ":")).encode() + b"\n")
-    return str(body["digest"])
 
 
 def utc_now() -> str:
@@ -652,10 +649,10 @@ class ResultsWriter:
     each re-read the other's cases before writing, so neither loses any.
     """
 
-    def __init__(self, path: str | os.PathLike[str], doc: dict[str, Any], written: str | None = None) -> None:
+    def __init__(self, path: str | os.PathLike[str], doc: dict[str, Any]) -> None:
         self.path = Path(path)
         self._doc = doc
-        self._written = written  # digest of the file as this writer last wrote or read it
+        self._seen = _stamp(self.path)  # the file as this writer last wrote or read it
         # Cases this writer recorded or started from; others may appear in the file meanwhile.
         self._mine = {case_key(c) for c in doc["cases"]}
 
@@ -685,7 +682,8 @@ class ResultsWriter:
                     f"results file {path} already exists; choose a new path, or continue an "
                     "interrupted run with `harness bench --resume -o FILE`"
                 )
-            return cls(path, doc, write_results(path, doc))
+            write_results(path, doc)
+            return cls(path, doc)
 
     @classmethod
     def resume(
@@ -703,6 +701,7 @@ class ResultsWriter:
         """
         with locked(path):  # the file as a writer left it, never between two writers' steps
             doc = load_results(path)
+            writer = cls(path, doc)
         if doc["complete"]:
             raise HarnessError(f"results file {path} is complete; there is nothing to resume")
         now = {
@@ -717,7 +716,7 @@ class ResultsWriter:
                 f"cannot resume {path}: its {what} is {was!r}, this run's is {this!r}; "
                 "repeat the interrupted command's flags exactly or start a new run"
             )
-        return cls(path, doc, doc["digest"])
+        return writer
 
     @property
     def doc(self) -> dict[str, Any]:
@@ -754,18 +753,17 @@ class ResultsWriter:
     def _update(self, change: Callable[[dict[str, Any]], None]) -> None:
         """Apply ``change`` to the file as it is now, under its lock, and write it back.
 
-        The file is re-read only when another writer changed it since this
-        one wrote (its digest differs): a run's own writes cost no re-read.
+        The file is re-read (and validated) only when another writer replaced
+        it since this one wrote: every write is a rename, so its inode, size
+        and time tell, and a run's own writes cost no re-read.
         """
         with locked(self.path):
             doc = self._doc
-            if self.path.exists():
-                on_disk = parse_json(read_regular_file(self.path, "results file"), f"results file {self.path}")
-                if not isinstance(on_disk, dict) or on_disk.get("digest") != self._written:
-                    doc = self._reread()
+            if self.path.exists() and _stamp(self.path) != self._seen:
+                doc = self._reread()
             change(doc)
-            self._written = write_results(self.path, doc)
-            self._doc = doc
+            write_results(self.path, doc)
+            self._doc, self._seen = doc, _stamp(self.path)
 
     def _reread(self) -> dict[str, Any]:
         """The file another writer changed, refused unless it is still this run."""
@@ -788,6 +786,15 @@ class ResultsWriter:
     ) -> None:
         if exc_type is None:
             self.finish()
+
+
+def _stamp(path: Path) -> tuple[int, int, int] | None:
+    """(inode, mtime, size) of ``path``, None if absent: what changes when another writer replaces it."""
+    try:
+        info = path.stat()
+    except FileNotFoundError:
+        return None
+    return info.st_ino, info.st_mtime_ns, info.st_size
 
 
 def _run_mismatch(a: Mapping[str, Any], b: Mapping[str, Any]) -> tuple[str, Any, Any] | None:

@@ -49,6 +49,7 @@ from harness.engines.protocol import (
     BuildConfig,
     Engine,
     builds_batch_profiles,
+    engine_inputs,
 )
 from harness.errors import HarnessError
 from harness.globalstate import preserves_global_state
@@ -188,7 +189,9 @@ class _CountingRun:
     """An engine call that counts the examples (rows of the first input) fed to it.
 
     ``ModelSpec.evaluate`` returns only the metric; the sample count the
-    results record needs is observed here instead of assumed.
+    results record needs is observed here instead of assumed. ``evaluate``
+    feeds the model's own (fp32) inputs: they reach the engine in the dtypes
+    it declares (:func:`engine_inputs`).
     """
 
     def __init__(self, engine: Engine) -> None:
@@ -198,7 +201,7 @@ class _CountingRun:
     def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if inputs and inputs[0].dim() > 0:
             self.samples += int(inputs[0].shape[0])
-        return self.engine(*inputs)
+        return self.engine(*engine_inputs(self.engine, inputs))
 
 
 @dataclass
@@ -392,7 +395,7 @@ class BenchRunner:
         stage[0] = "build"
         built, build = self._build(model, mode, batch, spec)
         engine = built.engine
-        inputs = spec.example_inputs
+        inputs = engine_inputs(engine, spec.example_inputs)  # the reference ran on the originals
         stage[0] = "run"
         with torch.inference_mode():
             outputs = engine(*inputs)

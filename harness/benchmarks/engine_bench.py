@@ -9,7 +9,12 @@ prints, per zoo model:
   mode ``amp-bf16`` (the same typing eager autocast applies), with max and
   mean absolute errors against eager fp32;
 - build: a cold build (every layer timed, empty cache) vs a warm build (every
-  layer from the cache the cold build filled).
+  layer from the cache the cold build filled);
+- peers: per precision, every CPU-engine mode and the ``onnxruntime`` backend
+  next to the plain runtimes of :mod:`harness.bench.peers` (eager, inductor,
+  ONNX Runtime, OpenVINO; ``--peers``, default every one installed), with our
+  best mode against the fastest peer and the onnxruntime backend against plain
+  ONNX Runtime (:mod:`harness.benchmarks.peer_bench`).
 
 The two sides of each ratio are measured in alternating rounds and each side
 keeps the median of its round medians, so a burst of load from another
@@ -32,15 +37,20 @@ import torch
 
 from harness import models
 from harness.bench.latency import measure_latency
+from harness.bench.peers import PEER_NAMES, PRECISIONS, Peer, resolve_peers
 from harness.bench.runner import DEFAULT_THREADS
+from harness.benchmarks.peer_bench import report as peer_report
+from harness.benchmarks.peer_bench import side_by_side
 from harness.build import compile_graph
 from harness.cache.timing_cache import TimingCache
 from harness.engines.cpu import CpuBackend
-from harness.engines.protocol import BuildConfig
+from harness.engines.protocol import BuildConfig, Engine
 from harness.errors import HarnessError
 from harness.globalstate import pinned_threads
-from harness.models import THIRD_PARTY_PREFIX
 from harness.outputs import flat_tensors
+
+# The four models of issue 14's table (mobilenet: MobileNetV3-small-like, depthwise, hardswish, SE).
+DEFAULT_MODELS = ("resnet", "transformer", "digits", "mobilenet")
 
 ROUNDS = 3
 
@@ -74,8 +84,12 @@ def abs_errors(run: Callable[..., Any], module: torch.nn.Module, batches: Sequen
     return f"{float(diffs.max()):.2e}/{float(diffs.mean()):.1e}"
 
 
-def bench_model(name: str, seconds: float, threads: int) -> dict[str, Any]:
-    """One model's rows; ``threads`` goes into every build configuration (its provenance and timings)."""
+def bench_model(name: str, seconds: float, threads: int, engines: dict[str, Engine] | None = None) -> dict[str, Any]:
+    """One model's rows; ``threads`` goes into every build configuration (its provenance and timings).
+
+    The engines it builds go into ``engines`` (by mode), for the peers' side by side to reuse.
+    """
+    engines = {} if engines is None else engines
     spec = models.load(name)
     backend = CpuBackend()
     inputs = spec.example_inputs
@@ -103,6 +117,7 @@ def bench_model(name: str, seconds: float, threads: int) -> dict[str, Any]:
         )
         row["warm_build_s"] = time.perf_counter() - start
         row["warm_same_engine"] = warm_engine.fingerprint() == engine.fingerprint()
+        engines["fp32"] = engine
         row["eager_fp32_ms"], row["engine_fp32_ms"] = medians_alternating(
             [eager, lambda: engine(*inputs)], seconds
         )
@@ -120,6 +135,7 @@ def bench_model(name: str, seconds: float, threads: int) -> dict[str, Any]:
                 row[f"{mode}_failure"] = str(exc)
                 continue
             row[f"{mode}_err"] = abs_errors(bf16_engines[mode], module, batches)
+            engines[mode] = bf16_engines[mode]
 
         def autocast_run(*batch: torch.Tensor) -> object:
             with torch.inference_mode(), torch.autocast("cpu", torch.bfloat16):
@@ -204,8 +220,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument(
         "--models",
-        default=",".join(m for m in models.available() if not m.startswith(THIRD_PARTY_PREFIX)),
-        help="comma-separated zoo names (the hf-* models: python -m harness.benchmarks.conformance_bench)",
+        default=",".join(DEFAULT_MODELS),
+        help="comma-separated zoo names; one not registered is skipped with a note (default: "
+        f"{','.join(DEFAULT_MODELS)}; the hf-* models: python -m harness.benchmarks.conformance_bench)",
+    )
+    parser.add_argument(
+        "--peers",
+        default=None,
+        help=f"comma-separated peers to time side by side, or 'none' (default: every one installed of "
+        f"{','.join(PEER_NAMES)})",
+    )
+    parser.add_argument(
+        "--precisions", default=",".join(PRECISIONS), help=f"precisions of the side by side (default: {','.join(PRECISIONS)})"
     )
     parser.add_argument("--seconds", type=float, default=3.0, help="measuring time per ratio")
     parser.add_argument(
@@ -216,15 +242,49 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{DEFAULT_THREADS}, as harness bench: far less sensitive to other processes on a shared machine)",
     )
     args = parser.parse_args(argv)
+    try:
+        peers, notes = _peers(args.peers)
+        precisions = [p.strip() for p in args.precisions.split(",") if p.strip()]
+        if not precisions or set(precisions) - set(PRECISIONS):
+            raise HarnessError(f"--precisions {args.precisions!r}: valid: {', '.join(PRECISIONS)}")
+    except HarnessError as exc:
+        parser.error(str(exc))
+    names = [m.strip() for m in args.models.split(",") if m.strip()]
+    notes += [f"model {m!r} is not in the zoo here: skipped" for m in names if m not in models.available()]
+    names = [m for m in names if m in models.available()]
     with ExitStack() as stack:
         try:
             stack.enter_context(pinned_threads(args.threads))
         except HarnessError as exc:
             parser.error(f"--threads: {exc}")
         print(f"threads: {args.threads} (pinned for eager, engines and builds)", flush=True)
-        rows = [bench_model(name, args.seconds, args.threads) for name in args.models.split(",")]
+        for note in notes:
+            print(f"note: {note}", flush=True)
+        rows, groups = [], []
+        for name in names:
+            engines: dict[str, Engine] = {}
+            rows.append(bench_model(name, args.seconds, args.threads, engines))
+            if peers:
+                groups += side_by_side(name, peers, precisions, args.threads, args.seconds, medians_alternating, engines)
     print(report(rows, args.threads))
+    if groups:
+        print()
+        print(peer_report(groups, args.threads))
     return 0
+
+
+def _peers(text: str | None) -> tuple[list[Peer], list[str]]:
+    """The peers asked for (all of them must be installed), or every installed one with notes on the rest."""
+    if text is not None:
+        names = [n.strip() for n in text.split(",") if n.strip()]
+        return ([] if names == ["none"] else resolve_peers(names)), []
+    peers, notes = [], []
+    for name in PEER_NAMES:
+        try:
+            peers += resolve_peers([name])
+        except HarnessError as exc:
+            notes.append(f"left out: {exc}")
+    return peers, notes
 
 
 if __name__ == "__main__":

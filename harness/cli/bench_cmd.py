@@ -338,7 +338,8 @@ def run_bench(args: argparse.Namespace) -> int:
     except HarnessError as exc:  # the bounds of harness.limits; NaN passes the file's schema
         raise HarnessError(f"{project.where}: {exc}" if timing else str(exc)) from None
     if spread is not None:
-        measure = dataclasses.replace(measure, spread_threshold=parse_threshold(str(spread), "--spread-threshold"))
+        source = "--spread-threshold" if args.spread_threshold is not None else f"{project.where}: [timing] spread_threshold"
+        measure = dataclasses.replace(measure, spread_threshold=parse_threshold(str(spread), source))
     if args.summary_md is not None:
         check_writable(args.summary_md, "--summary-md")
     machine = machine_info()
@@ -560,18 +561,28 @@ def run_gate(args: argparse.Namespace) -> int:
     from harness.project import load_project
 
     # defaults < the project file's [gate] table < flags
-    chosen = {**load_project(args.config).section("gate"), **{k: v for k, v in vars(args).items() if v is not None}}
+    project = load_project(args.config)
+    given = {k: v for k, v in vars(args).items() if v is not None}
+    chosen = {**project.section("gate"), **given}
+
+    def source(key: str) -> str:
+        """Who set ``key``: its flag, else the project file (NaN passes the file's schema)."""
+        return f"--{key.replace('_', '-')}" if key in given else f"{project.where}: [gate] {key}"
+
     defaults, tol = GateSettings(), AccuracyTolerances()
     values = {k: chosen.get(k, getattr(tol, k)) for k in ("max_abs_error_increase", "cosine_drop", "top1_drop", "task_accuracy_drop")}
-    for flag, value in values.items():
+    for key, value in values.items():
         if not 0 <= value < float("inf"):
-            raise HarnessError(f"--{flag.replace('_', '-')} {value}: must be a finite number >= 0")
+            raise HarnessError(f"{source(key)} {value}: must be a finite number >= 0")
     alpha = chosen.get("alpha", defaults.alpha)
     if not 0 < alpha < 1:
-        raise HarnessError(f"--alpha {alpha}: must be strictly between 0 and 1")
+        raise HarnessError(f"{source('alpha')} {alpha}: must be strictly between 0 and 1")
     threshold = chosen.get("latency_threshold")
     settings = GateSettings(
-        latency_threshold=defaults.latency_threshold if threshold is None else parse_threshold(str(threshold)),
+        latency_threshold=(
+            defaults.latency_threshold if threshold is None
+            else parse_threshold(str(threshold), source("latency_threshold"))
+        ),
         alpha=alpha,
         tolerances=AccuracyTolerances(**values),
         fail_on_unstable=bool(chosen.get("fail_on_unstable", False)),

@@ -3,7 +3,8 @@
 ``build`` writes an engine directory (plan, weights, ``build_log.json``) and
 keeps a timing cache file up to date; ``rebuild`` builds N times and reports
 what moved; ``inspect`` loads a saved engine (verifying it) and lists its
-layers like TensorRT's engine inspector.
+layers like TensorRT's engine inspector, or with ``--profile`` runs it and
+times every layer (:mod:`harness.cli.profile_report`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from harness.autocast import options
 from harness.cache.timing_cache import TimingCache
+from harness.cli import profile_report
 from harness.engines.protocol import PRECISION_MODES, Backend, BuildConfig, BuildLog, Engine
 from harness.engines.registry import BACKEND_NAMES, get_backend
 from harness.engines.saved import engine_directory, plan_backend
@@ -75,6 +77,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     inspect.add_argument(
         "--save-cache", metavar="FILE", help="with --trt-log: write the build as a timing cache (for cache diff)"
     )
+    profile_report.add_arguments(inspect)
     inspect.set_defaults(func=run_inspect)
 
 
@@ -118,7 +121,6 @@ def _config(args: argparse.Namespace) -> tuple[ModelSpec, BuildConfig, Backend]:
     file may name it by reference or by its ModelSpec name, as for ``bench``.
     A model given on the command line is relative to the current directory.
     """
-    from harness import models
     from harness.project import load_project
 
     project = load_project(args.config)
@@ -128,8 +130,7 @@ def _config(args: argparse.Namespace) -> tuple[ModelSpec, BuildConfig, Backend]:
     backend = get_backend(args.backend or project.get("backend") or DEFAULT_BACKEND)
     settings_given = options.given(args)
     project.autocast_settings(args.model, settings_given)  # bad settings fail before the model loads
-    spec = models.load(args.model)
-    project.check_model_tables({args.model: spec.name}, lambda ref: models.load(ref).name)
+    spec = project.load_model(args.model)
     config = BuildConfig(
         mode=args.mode,
         # the model table's explicit file is for mode explicit; --explicit with another mode is refused
@@ -140,7 +141,7 @@ def _config(args: argparse.Namespace) -> tuple[ModelSpec, BuildConfig, Backend]:
         ignore_cache_mismatch=args.ignore_mismatch,
         options=_options(args.option),
         threads=threads,
-        autocast=project.autocast_settings(args.model, settings_given, spec.name),
+        autocast=project.autocast_settings(args.model, settings_given, spec.name, example_inputs=spec.example_inputs),
     )
     return spec, config, backend
 
@@ -270,6 +271,9 @@ def run_rebuild(args: argparse.Namespace) -> int:
 
 
 def run_inspect(args: argparse.Namespace) -> int:
+    profile_report.check_arguments(args)
+    if args.profile and (args.trt_log or args.trt_layers):
+        raise HarnessError("--profile runs a saved engine; a trtexec build (--trt-log, --trt-layers) cannot be run here")
     if args.trt_log or args.trt_layers:
         from harness.cli.trtexec_report import run_inspect_trtexec
 
@@ -280,6 +284,8 @@ def run_inspect(args: argparse.Namespace) -> int:
         raise HarnessError("--save-cache needs a trtexec build (--trt-log and --trt-layers)")
     backend = args.backend or plan_backend(args.engine)[1]
     engine = get_backend(backend).load(args.engine)
+    if args.profile:
+        return profile_report.run_profile(args, engine)
     layers = engine.layers()
     if args.json:
         print(

@@ -23,7 +23,6 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 
 def run(args: argparse.Namespace) -> int:
-    from harness import models
     from harness.autocast import compile
     from harness.project import load_project
 
@@ -32,9 +31,10 @@ def run(args: argparse.Namespace) -> int:
     # validated before the model is built, so a bad flag fails fast
     project.autocast_settings(args.model, given, low_precision_type=args.low)
     # then again with the model's name: its [model."<key>"] table may use either
-    spec = models.load(args.model)
-    project.check_model_tables({args.model: spec.name}, lambda ref: models.load(ref).name)
-    settings = project.autocast_settings(args.model, given, spec.name, low_precision_type=args.low)
+    spec = project.load_model(args.model)
+    settings = project.autocast_settings(
+        args.model, given, spec.name, example_inputs=spec.example_inputs, low_precision_type=args.low
+    )
     if settings.calibration_data is None:
         settings = dataclasses.replace(settings, calibration_data=spec.calibration_data)
     compiled = compile(spec.module, spec.example_inputs, mode=args.mode, settings=settings)

@@ -123,7 +123,6 @@ def _plot_path(args: argparse.Namespace, default: Path) -> Path | None:
 def run_layers(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from harness import models
     from harness.debug.inputs import load_batches
     from harness.debug.layers import debug_layers
     from harness.engines.registry import get_backend
@@ -133,19 +132,23 @@ def run_layers(args: argparse.Namespace) -> int:
     threads = _threads(args, project)
     if args.top < 1:
         raise HarnessError(f"--top {args.top}: expected a positive number of layers")
-    settings = project.autocast_settings(args.model, options.given(args))
-    explicit = args.explicit or (project.explicit_for(args.model) if args.mode == "explicit" else None)
+    given = options.given(args)
+    project.autocast_settings(args.model, given)  # bad settings fail before the model loads
+    if args.explicit is not None and args.mode != "explicit":
+        raise HarnessError(f"--explicit was given, but --mode is {args.mode!r}; use --mode explicit")
+    backend = get_backend(args.backend)
+    backend.check_mode(args.mode)
+    # Loaded as build loads it (relative to the current directory); then the model's table,
+    # keyed by its reference or its name, applies.
+    spec = project.load_model(args.model)
+    settings = project.autocast_settings(args.model, given, spec.name, example_inputs=spec.example_inputs)
+    explicit = args.explicit or (project.explicit_for(args.model, spec.name) if args.mode == "explicit" else None)
     if args.mode == "explicit" and explicit is None:
         raise HarnessError("--mode explicit needs an explicit precision file (--explicit FILE)")
     if explicit is not None:
         from harness.engines.modes import load_explicit
 
-        if args.mode != "explicit":
-            raise HarnessError(f"--explicit was given, but --mode is {args.mode!r}; use --mode explicit")
-        load_explicit(explicit)  # refused now, not after the model is built
-    backend = get_backend(args.backend)
-    backend.check_mode(args.mode)
-    spec = models.load(project.model_reference(args.model))
+        load_explicit(explicit)  # refused now, not after the graphs are built
     batches = load_batches(spec, args.inputs)
     plot = _plot_path(args, Path(f"{_file_part(spec.name)}-{args.mode}-layers.png"))
     with tqdm(total=len(batches), desc="debug layers", unit="batch", file=sys.stderr, disable=args.no_progress) as bar:
@@ -167,7 +170,6 @@ def run_layers(args: argparse.Namespace) -> int:
 
 
 def run_precision(args: argparse.Namespace) -> int:
-    from harness import models
     from harness.build import load_cache
     from harness.cache.timing_cache import TimingCache
     from harness.cli.bench_cmd import parse_threshold
@@ -188,7 +190,7 @@ def run_precision(args: argparse.Namespace) -> int:
             raise HarnessError(f"{flag} {value}: expected a number of seconds above 0 and at most 600")
     backend = get_backend(args.backend)
     backend.check_mode(args.low)
-    spec = models.load(project.model_reference(args.model))
+    spec = project.load_model(args.model)  # as build loads it: relative to the current directory
     output = check_writable(args.output or f"{_file_part(spec.name)}-{args.low}-plan.json", "-o")
     plot = _plot_path(args, output.with_suffix(".png"))
     cache = None

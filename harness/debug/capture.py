@@ -36,18 +36,12 @@ class _Recorder(torch.fx.Interpreter):
         return result
 
 
-def graph_inputs(compiled: CompiledGraph, batch: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """``batch`` in the dtypes the graph's placeholders take (low ones when I/O types are not kept)."""
-    placeholders = [n for n in compiled.graph_module.graph.nodes if n.op == "placeholder"]
-    return [x.to(p.meta["val"].dtype) for x, p in zip(batch, placeholders, strict=True)]
-
-
 def _run(recorder: _Recorder, compiled: CompiledGraph, batch: Sequence[torch.Tensor]) -> Any:
     with ExitStack() as stack:
         for device in {"cpu", compiled.device}:
             stack.enter_context(torch.autocast(device, enabled=False))
         stack.enter_context(torch.inference_mode())
-        return recorder.run(*graph_inputs(compiled, batch))
+        return recorder.run(*compiled.typed_inputs(batch))
 
 
 def node_values(compiled: CompiledGraph, batch: Sequence[torch.Tensor]) -> dict[str, Any]:

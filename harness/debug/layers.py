@@ -41,7 +41,7 @@ from harness.debug.inputs import Batch
 from harness.debug.metrics import ERROR_METRICS, ErrorStats, check_metric, format_error
 from harness.debug.taps import engine_values
 from harness.engines.modes import compile_for_mode, is_weak
-from harness.engines.protocol import BuildConfig, Engine
+from harness.engines.protocol import BuildConfig, Engine, engine_inputs
 from harness.errors import HarnessError
 from harness.globalstate import preserves_global_state
 from harness.models import ModelSpec
@@ -322,7 +322,8 @@ def engine_output_error(engine: Engine, module: torch.nn.Module, batches: Sequen
     worst = ErrorStats.exact()
     with torch.inference_mode():
         for batch in batches:
-            worst = worst.worst(ErrorStats.of(compare_outputs(engine(*batch), module(*batch))))
+            outputs = engine(*engine_inputs(engine, batch))
+            worst = worst.worst(ErrorStats.of(compare_outputs(outputs, module(*batch))))
     return worst
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from harness.bench.plots import _label_points, _save, pareto_front
+from harness.bench.plots import label_points, pareto_front, save_figure
 from harness.debug.layers import LayerReport, short_module
 from harness.debug.precision import SearchResult
 
@@ -60,7 +60,7 @@ def plot_layers(report: LayerReport, path: str | os.PathLike[str], named: int = 
     marked = [(depth[position[w.name]], ys[report.rank_on][position[w.name]]) for w in worst]
     ax.scatter([x for x, _ in marked], [y for _, y in marked], s=160, facecolors="none", edgecolors="tab:red",
                label=f"worst {len(worst)} by {report.rank_on}", zorder=3)  # fmt: skip
-    _label_points(ax, marked, [f"#{rank}" for rank in range(1, len(worst) + 1)])
+    label_points(ax, marked, [f"#{rank}" for rank in range(1, len(worst) + 1)])
     names = "\n".join(f"#{rank} {w.name} ({w.precision})\n    {short_module(w.module)}" for rank, w in enumerate(worst, start=1))
     ax.text(1.02, 1.0, f"worst by {report.rank_on} {metric}:\n{names}", transform=ax.transAxes, va="top", fontsize=8)
     ax.set_yscale("log")
@@ -70,7 +70,7 @@ def plot_layers(report: LayerReport, path: str | os.PathLike[str], named: int = 
     ax.grid(True, which="major", alpha=0.3)
     ax.legend(loc="best", fontsize=8)
     fig.tight_layout(rect=(0, 0, 0.77, 1))  # the list of named layers sits right of the axes
-    _save(fig, Path(path))
+    save_figure(fig, Path(path))
     return Path(path)
 
 
@@ -103,7 +103,7 @@ def plot_search(result: SearchResult, path: str | os.PathLike[str]) -> Path:
     minimal = next((i for i, s in reversed(list(enumerate(steps))) if s.kept == result.minimal.kept), None)
     if minimal is not None:
         labels[minimal] = f"pruned: {len(result.minimal.kept)} fp32"
-    _label_points(ax, [(xs[i], ys[i]) for i in labels], list(labels.values()))
+    label_points(ax, [(xs[i], ys[i]) for i in labels], list(labels.values()))
     ax.set_yscale("log")
     ax.set_ylim(top=ceiling * 3)
     ax.set_xlabel(f"latency, median (ms) on {result.backend}, {result.threads} thread(s)")
@@ -112,5 +112,5 @@ def plot_search(result: SearchResult, path: str | os.PathLike[str]) -> Path:
     ax.grid(True, which="major", alpha=0.3)
     ax.legend(loc="best", fontsize=8)
     fig.tight_layout()
-    _save(fig, Path(path))
+    save_figure(fig, Path(path))
     return Path(path)

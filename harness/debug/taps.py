@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from harness.engines.protocol import Engine
+from harness.engines.protocol import Engine, engine_inputs
 
 
 def engine_values(engine: Engine, batch: Sequence[torch.Tensor]) -> dict[str, Any] | None:
@@ -29,7 +29,8 @@ def engine_values(engine: Engine, batch: Sequence[torch.Tensor]) -> dict[str, An
         return None
     plan = engine.plan
     metas = plan.value_metas()
-    values: dict[str, Any] = {name: tensor for (name, _), tensor in zip(plan.inputs, batch, strict=True)}
+    typed = engine_inputs(engine, batch)
+    values: dict[str, Any] = {name: tensor for (name, _), tensor in zip(plan.inputs, typed, strict=True)}
     exposed: dict[str, Any] = {}
     with torch.inference_mode():
         for node in plan.nodes:

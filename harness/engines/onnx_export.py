@@ -56,7 +56,7 @@ import onnx_ir.passes.common as ir_passes
 import torch
 from onnxscript.optimizer import fold_constants_ir
 
-from harness.engines.protocol import dtype_name
+from harness.engines.protocol import dtype_from_name, dtype_name
 from harness.errors import HarnessError
 from harness.fileio import atomic_write_bytes, canonical_json
 from harness.fxutil import dtype_name as any_dtype_name
@@ -108,6 +108,10 @@ class TensorSpec:
     name: str
     dtype: str
     shape: tuple[int, ...]
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return dtype_from_name(self.dtype)
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
@@ -316,7 +320,7 @@ def _torch_export(compiled: CompiledGraph, opset: int, output_count: int, batch_
         dynamic_shapes = tuple({batch_dim: batch} for _ in compiled.example_inputs)
     try:
         # The typed graph must be traced as written: no ambient autocast.
-        with torch.autocast("cpu", enabled=False), _quiet_exporter():
+        with torch.autocast("cpu", enabled=False), quiet_exporter():
             program = torch.onnx.export(
                 gm,
                 tuple(compiled.example_inputs),
@@ -335,7 +339,7 @@ def _torch_export(compiled: CompiledGraph, opset: int, output_count: int, batch_
 
 
 @contextlib.contextmanager
-def _quiet_exporter() -> Iterator[None]:
+def quiet_exporter() -> Iterator[None]:
     """Silence the exporter's progress chatter (deprecation notes, "torchvision is not installed")."""
     logger = logging.getLogger("torch.onnx")
     level = logger.level

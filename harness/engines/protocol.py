@@ -21,6 +21,7 @@ import torch
 from harness.autocast.settings import AutocastSettings
 from harness.errors import HarnessError
 from harness.fileio import canonical_json, digest
+from harness.fxutil import cast_floating
 from harness.fxutil import dtype_name as fx_dtype_name
 from harness.outputs import OutputSpec
 
@@ -318,6 +319,11 @@ class Engine(Protocol):
         """Write the engine as a directory, replaced as a whole (see :class:`EngineBase`)."""
         ...
 
+    def input_dtypes(self) -> tuple[torch.dtype, ...]:
+        """The dtype of each input, as built: the typed graph's, so a floating input is in the
+        low precision when the graph was compiled with ``keep_io_types=False``."""
+        ...
+
     def layers(self) -> list[LayerInfo]: ...
 
     def fingerprint(self) -> str:
@@ -341,6 +347,19 @@ class Engine(Protocol):
         other settings is refused naming them (:func:`check_engine_settings`).
         """
         ...
+
+
+def engine_inputs(engine: Engine, batch: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """A batch of the model's inputs as ``engine`` takes them (its :meth:`Engine.input_dtypes`).
+
+    Example and calibration batches are the model's (fp32); an engine built
+    from a graph compiled with ``keep_io_types=False`` takes low-precision
+    inputs, which its caller supplies: the conversion happens here, before a
+    run or a timing loop, never inside the engine (whose latency must not
+    include it). Accuracy is still measured against eager fp32 on the
+    original batch.
+    """
+    return cast_floating(batch, engine.input_dtypes())
 
 
 class EngineBase:

@@ -17,7 +17,7 @@ import torch
 from torch._decomp import get_decompositions
 
 from harness.errors import HarnessError
-from harness.fxutil import fake_mode_of, op_name, splice, trace_call
+from harness.fxutil import fake_mode_of, has_eager_kernel, op_name, splice, trace_call
 
 aten = torch.ops.aten
 
@@ -62,8 +62,13 @@ def resolve_op_names(names: Iterable[str]) -> set[str]:
 
 
 def _composite(op: torch._ops.OpOverload) -> bool:
-    """Eager runs ``op`` as a C++ composite of other ATen ops, which is then its decomposition."""
-    return torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd")
+    """Eager runs ``op`` as a C++ composite of other ATen ops, which is then its decomposition.
+
+    The C++ dispatcher's answer (:func:`has_eager_kernel`): an op with only a
+    Python composite kernel (``native_batch_norm``) has no eager composite and
+    takes torch's decomposition table instead.
+    """
+    return has_eager_kernel(op, "CompositeImplicitAutograd")
 
 
 def _functional(op: torch._ops.OpOverload) -> bool:

@@ -12,6 +12,7 @@ normalization). It changes the last bits relative to eager, so the exact modes
 from __future__ import annotations
 
 import torch
+from torch.nn.utils.fusion import fuse_conv_bn_weights
 
 from harness.fxutil import drop_unused_attributes, fake_mode_of
 from harness.lowering.pass_manager import register_pass
@@ -31,15 +32,24 @@ def fold_conv_batch_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The folded (weight, bias), computed in float64 and stored in the weight's dtype.
 
+    PyTorch's own fold (``torch.nn.utils.fusion.fuse_conv_bn_weights``, what
+    ``torch.fx``'s and quantization's conv-bn fusions use) run on float64
+    copies: it computes in its inputs' dtype, and in fp32 it rounds every
+    intermediate (on the zoo resnet 126297 folded weight and 258 bias values
+    differ from the float64 fold). The float64 route gives, bit for bit, the
+    values of this module's former hand-written fold on the zoo resnet.
+
     Shared by this pass and the CPU engine's own fold (which runs in the exact
     modes, where the compiler leaves batch norm alone), so both fold alike.
     """
-    mean64 = mean.double()
-    scale = torch.rsqrt(var.double() + eps) * (gamma.double() if gamma is not None else 1.0)
-    new_weight = weight.double() * scale.reshape(-1, *([1] * (weight.dim() - 1)))
-    old_bias = bias.double() if bias is not None else torch.zeros_like(mean64)
-    new_bias = (old_bias - mean64) * scale + (beta.double() if beta is not None else 0.0)
-    return new_weight.to(weight.dtype).contiguous(), new_bias.to(weight.dtype).contiguous()
+
+    def f64(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.detach().double()
+
+    new_weight, new_bias = fuse_conv_bn_weights(
+        weight.detach().double(), f64(bias), mean.detach().double(), var.detach().double(), eps, f64(gamma), f64(beta)
+    )
+    return new_weight.detach().to(weight.dtype).contiguous(), new_bias.detach().to(weight.dtype).contiguous()
 
 
 def _const(gm: torch.fx.GraphModule, node: object) -> torch.Tensor | None:

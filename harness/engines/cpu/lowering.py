@@ -20,6 +20,7 @@ keeps the numbers within rounding of the graph's own:
 
 from __future__ import annotations
 
+import math
 import operator
 from collections import Counter
 from collections.abc import Callable, Iterable
@@ -296,16 +297,23 @@ def _fold_into(conv: Node, bn: Node, plan: Plan) -> None:
 
 def _fuse_epilogues(plan: Plan) -> list[tuple[str, str, str]]:
     """(layer, absorbed node, the residual it adds or "") for every activation and add absorbed."""
-    position = {node.name: index for index, node in enumerate(plan.nodes)}
+    position: dict[str, float] = {node.name: index for index, node in enumerate(plan.nodes)}
     metas = plan.value_metas()
     residuals: dict[str, str] = {}
+    hoists: list[tuple[str, str]] = []  # (node, the layer it must now run before)
 
     def absorb(node: Node, producers: dict[str, Node], users: Counter[str]) -> Node | None:
         epilogue = _activation(node)
         if epilogue is None:
-            taker = _absorb_residual(node, producers, users, position, metas)
-            if taker is not None and taker.residual is not None:
-                residuals[node.name] = taker.residual.name
+            chosen = _residual_taker(node, producers, users, position, metas, plan.weights)
+            if chosen is None:
+                return None
+            taker, other, hoist = chosen
+            taker.residual = other
+            residuals[node.name] = other.name
+            if hoist:
+                hoists.append((other.name, taker.name))
+                position[other.name] = position[taker.name] - 0.5  # for later decisions
             return taker
         source = node.args[0] if node.args else None
         producer = producers.get(source.name) if isinstance(source, Ref) else None
@@ -321,41 +329,62 @@ def _fuse_epilogues(plan: Plan) -> list[tuple[str, str, str]]:
         return producer
 
     merged = _absorb_into_producers(plan, absorb)
+    for name, before in hoists:
+        node = next(n for n in plan.nodes if n.name == name)
+        plan.nodes.remove(node)
+        plan.nodes.insert(next(i for i, n in enumerate(plan.nodes) if n.name == before), node)
     return [(layer, fused, residuals.get(fused, "")) for layer, fused in merged]
 
 
-def _absorb_residual(
+def _residual_taker(
     add: Node,
     producers: dict[str, Node],
     users: Counter[str],
-    position: dict[str, int],
+    position: dict[str, float],
     metas: dict[str, TensorMeta],
-) -> Node | None:
-    """The layer taking over ``add(a, b)`` with the other summand as its residual, if any can.
+    weights: dict[str, torch.Tensor],
+) -> tuple[Node, Ref, bool] | None:
+    """The layer taking over ``add(a, b)``, the other summand as its residual, and whether
+    that summand must be computed earlier than in the graph; None if no layer can.
 
-    Of two candidate summands the later-computed one takes the add (the other
-    must already exist where the fused layer runs); addition commutes exactly,
-    so which one is the residual does not change a bit.
+    A summand's producer can take the add if the add is its only user and the
+    other summand exists where it runs, or can be computed there (its inputs
+    do): the plan then computes that summand first. Of two candidates the one
+    with more multiply-adds takes it, so the add rides on the larger kernel
+    (the 3x3 convolution of a ResNet block rather than its 1x1 shortcut).
+    Addition commutes exactly: which summand is the residual changes no bit.
     """
     if add.op != "aten::add.Tensor" or len(add.args) != 2 or add.kwargs.get("alpha", 1) != 1:
         return None
     refs = [a for a in add.args if isinstance(a, Ref)]
     if len(refs) != 2 or refs[0] == refs[1]:
         return None
-    for producer_ref, other in sorted(zip(refs, refs[::-1]), key=lambda pair: -position.get(pair[0].name, -1)):
+    options = []
+    for producer_ref, other in zip(refs, refs[::-1], strict=True):
         producer = producers.get(producer_ref.name)
         if (
-            producer is not None
-            and not producer.epilogue
-            and producer.residual is None
-            and users[producer.name] == 1
-            and producer.outputs == add.outputs == (metas.get(other.name),)
-            and position.get(other.name, -1) < position[producer.name]
-            and tactics.residual_ok(producer)
+            producer is None
+            or producer.epilogue
+            or producer.residual is not None
+            or users[producer.name] != 1
+            or not producer.outputs == add.outputs == (metas.get(other.name),)
+            or not tactics.residual_ok(producer)
         ):
-            producer.residual = other
-            return producer
-    return None
+            continue
+        here = position[producer.name]
+        if position.get(other.name, -1) < here:
+            options.append((producer, other, False))
+        elif all(position.get(r.name, -1) < here for r in producers[other.name].refs()):
+            options.append((producer, other, True))
+    if not options:
+        return None
+    return max(options, key=lambda option: _multiply_adds(option[0], weights))
+
+
+def _multiply_adds(layer: Node, weights: dict[str, torch.Tensor]) -> int:
+    """Multiply-adds of a convolution or linear layer with a constant weight."""
+    weight = weights[layer.weight_refs()[0].name]
+    return math.prod(layer.out().shape) * (weight.numel() // int(weight.shape[0]))
 
 
 def _activation(node: Node) -> str | None:

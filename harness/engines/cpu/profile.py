@@ -42,6 +42,9 @@ PROFILE_SCHEMA: dict[str, Any] = {
     "additionalProperties": False,
     "properties": {
         "backend": {"const": "cpu"},
+        # What `harness inspect --profile --json` adds: the engine directory and its inputs.
+        "engine": {"type": "string"},
+        "inputs": {"type": "string"},
         "mode": {"type": "string"},
         "threads": {"type": "integer", "minimum": 1},
         "iterations": {"type": "integer", "minimum": 1},

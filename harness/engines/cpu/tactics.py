@@ -391,12 +391,12 @@ def _gemm_rows(kind: str) -> Callable[[_Ctx], Bound]:
         weight = ctx.named["weight"]
         n, k = int(weight.shape[0]), int(weight.shape[1])
         gemm, fused = _row_gemm(ctx, weight, kind, math.prod(ctx.input_shape[:-1]))
+        shape = (*ctx.input_shape[:-1], n)  # engine shapes are static
 
         def linear(x: torch.Tensor) -> torch.Tensor:
-            out = gemm(x.reshape(-1, k))
-            return out if x.dim() == 2 else out.view(*x.shape[:-1], n)
+            return gemm(x.reshape(-1, k)).view(shape)
 
-        return _with_epilogue(linear, "" if fused else ctx.epilogue, ctx.residual)
+        return _with_epilogue(gemm if len(shape) == 2 else linear, "" if fused else ctx.epilogue, ctx.residual)
 
     return binder
 
@@ -417,16 +417,17 @@ def _conv1x1(kind: str) -> Callable[[_Ctx], Bound]:
         cout, cin = int(weight.shape[0]), int(weight.shape[1])
         step_h, step_w = _pair(ctx.named["stride"])
         strided = (step_h, step_w) != (1, 1)
-        batch, _, height, width = ctx.input_shape
-        rows = batch * len(range(0, height, step_h)) * len(range(0, width, step_w))
+        batch, _, height, width = ctx.input_shape  # engine shapes are static
+        pixels = (batch, len(range(0, height, step_h)), len(range(0, width, step_w)))
+        rows = math.prod(pixels)
         gemm, fused = _row_gemm(ctx, weight.reshape(cout, cin), kind, rows)
+        nhwc = (*pixels, cout)
 
         def pointwise(x: torch.Tensor) -> torch.Tensor:
             if strided:
                 x = x[:, :, ::step_h, ::step_w]
-            x = x.contiguous(memory_format=_CL)
-            n, _, h, w = x.shape
-            return gemm(x.permute(0, 2, 3, 1).reshape(-1, cin)).view(n, h, w, cout).permute(0, 3, 1, 2)
+            rows_in = x.contiguous(memory_format=_CL).permute(0, 2, 3, 1).reshape(rows, cin)
+            return gemm(rows_in).view(nhwc).permute(0, 3, 1, 2)
 
         return _with_epilogue(pointwise, "" if fused else ctx.epilogue, ctx.residual)
 
@@ -466,13 +467,15 @@ def _with_epilogue(fn: Bound, epilogue: str, residual: bool = False) -> Bound:
     for each.
     """
     post = _EPILOGUE_FNS[epilogue]
+    # Layers with an epilogue or a residual have one other dynamic input (convolutions
+    # and linear layers with constant weights), so these wrappers take it alone.
     if residual:
         if post is None:
-            return lambda *d: fn(*d[:-1]).add_(d[-1])
-        return lambda *d: post(fn(*d[:-1]).add_(d[-1]))
+            return lambda x, r: fn(x).add_(r)
+        return lambda x, r: post(fn(x).add_(r))
     if post is None:
         return fn
-    return lambda *d: post(fn(*d))
+    return lambda x: post(fn(x))
 
 
 def _split_k(parts: int) -> Callable[[_Ctx], Bound]:

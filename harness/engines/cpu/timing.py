@@ -48,9 +48,12 @@ class TimingOptions:
 def median_ms(fns: Sequence[Callable[..., Any]], inputs: Sequence[Any], options: TimingOptions) -> list[float]:
     """Median wall time of each ``fn(*inputs)`` in milliseconds, after warm-up, under inference mode.
 
-    The candidates are timed in rounds, one call of each per round, not one
-    candidate's calls after another's: on a shared machine a burst of load
-    then slows every candidate alike instead of deciding the choice.
+    The candidates are timed in rounds, not one candidate's calls after
+    another's: on a shared machine a burst of load then slows every candidate
+    alike instead of deciding the choice. In each round a candidate is called
+    once untimed before its timed call, so its time does not depend on what
+    the candidate before it left in the caches (a slow candidate streaming
+    megabytes would otherwise penalize whichever is timed next).
     """
     samples: list[list[int]] = [[] for _ in fns]
     with torch.inference_mode():
@@ -59,6 +62,7 @@ def median_ms(fns: Sequence[Callable[..., Any]], inputs: Sequence[Any], options:
                 fn(*inputs)
         for _ in range(options.timing_runs):
             for fn, own in zip(fns, samples, strict=True):
+                fn(*inputs)
                 start = time.perf_counter_ns()
                 fn(*inputs)
                 own.append(time.perf_counter_ns() - start)

@@ -107,6 +107,9 @@ class OpenVinoEngine(EngineBase):
             raise HarnessError(f"openvino failed to run the engine: {error_text(exc)}") from None
         return tuple(to_torch(self._request.get_tensor(port)) for port in self._outputs)
 
+    def input_dtypes(self) -> tuple[torch.dtype, ...]:
+        return tuple(spec.torch_dtype for spec in self.record.inputs)
+
     def layers(self) -> list[LayerInfo]:
         return [layer.info() for layer in self.executed]
 

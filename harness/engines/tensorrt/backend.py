@@ -191,6 +191,24 @@ class EngineRecord:
     structure: OutputSpec
     compiler_settings: dict[str, Any] | None  # the autocast settings as JSON (None: they did not apply)
 
+    @classmethod
+    def from_plan(cls, obj: dict[str, Any], where: str) -> EngineRecord:
+        """The record of a plan.json validated against PLAN_SCHEMA (its digests are checked by the caller)."""
+        return cls(
+            mode=obj["mode"],
+            settings=obj["builder"],
+            device=obj["device"],
+            inputs=tuple(TensorSpec.from_json(s) for s in obj["inputs"]),
+            outputs=tuple(TensorSpec.from_json(s) for s in obj["outputs"]),
+            casts=tuple(CastRecord.from_json(c) for c in obj["casts"]),
+            autotuned=tuple(AutotunedOp.from_json(op) for op in obj["autotuned_ops"]),
+            cache_entries=tuple((e["key"], e["tactic_hash"]) for e in obj["cache_entries"]),
+            weights_digest=obj["weights_digest"],
+            weight_bytes=dict(obj["weight_bytes_by_dtype"]),
+            structure=OutputSpec.from_json(obj["output_structure"], where),
+            compiler_settings=obj["compiler_settings"],
+        )
+
     @property
     def batch_profile(self) -> BatchProfile | None:
         """The optimization profile over the batch axis the engine was built with (None: static shapes)."""
@@ -327,6 +345,9 @@ class TensorRTEngine(EngineBase):
             if not self._context.set_input_shape(spec.name, tuple(tensor.shape)):
                 raise HarnessError(f"TensorRT refused the shape {tuple(tensor.shape)} of input {spec.name!r}")
 
+    def input_dtypes(self) -> tuple[torch.dtype, ...]:
+        return tuple(spec.torch_dtype for spec in self.record.inputs)
+
     def layers(self) -> list[LayerInfo]:
         return list(self._layers)
 
@@ -389,20 +410,7 @@ class TensorRTEngine(EngineBase):
             payload=ENGINE_FILE,
         )
         plan = read_payload(directory, obj["plan_file"], obj["plan_digest"], "engine")
-        record = EngineRecord(
-            mode=obj["mode"],
-            settings=obj["builder"],
-            device=obj["device"],
-            inputs=tuple(TensorSpec.from_json(s) for s in obj["inputs"]),
-            outputs=tuple(TensorSpec.from_json(s) for s in obj["outputs"]),
-            casts=tuple(CastRecord.from_json(c) for c in obj["casts"]),
-            autotuned=tuple(AutotunedOp.from_json(op) for op in obj["autotuned_ops"]),
-            cache_entries=tuple((e["key"], e["tactic_hash"]) for e in obj["cache_entries"]),
-            weights_digest=obj["weights_digest"],
-            weight_bytes=dict(obj["weight_bytes_by_dtype"]),
-            structure=OutputSpec.from_json(obj["output_structure"], where),
-            compiler_settings=obj["compiler_settings"],
-        )
+        record = EngineRecord.from_plan(obj, where)
         if record.digest() != obj["record_digest"]:
             raise HarnessError(f"{where}: the plan's fields do not match its record digest; it was edited")
         if record.structure.count != len(record.outputs):
@@ -668,7 +676,22 @@ PLAN_SCHEMA: dict[str, Any] = {
         "version": {"const": PLAN_VERSION},
         "backend": {"const": BACKEND},
         "mode": {"enum": list(PRECISION_MODES)},
-        "builder": {"type": "object"},
+        "builder": {
+            "type": "object",
+            # read back by EngineRecord.batch_profile: a loaded plan must hold what it needs
+            "properties": {
+                "batch_profile": {
+                    "anyOf": [
+                        {"type": "null"},
+                        {
+                            "type": "object",
+                            "required": ["dim", "min", "opt", "max"],
+                            "properties": {k: {"type": "integer", "minimum": 0} for k in ("dim", "min", "opt", "max")},
+                        },
+                    ]
+                }
+            },
+        },
         "device": {"type": "string"},
         "inputs": {"type": "array", "items": TENSOR_SPEC_SCHEMA},
         "outputs": {"type": "array", "items": TENSOR_SPEC_SCHEMA},
