@@ -6,6 +6,7 @@ import os
 
 import pytest
 import torch
+from harness.zoo import digits
 
 from harness import models
 from harness.bench import runner as runner_mod
@@ -17,7 +18,6 @@ from harness.engines.modes import is_weak
 from harness.engines.onnx_export import StaticBatchError
 from harness.engines.protocol import BatchProfile, BuildConfig, BuildLog, EngineBase
 from harness.errors import HarnessError
-from harness.zoo import digits
 
 TINY = MeasureSettings(warmup_s=0.01, min_iters=5, min_duration_s=0.02, max_iters=50, telemetry_interval_s=0.02)
 

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
+
+from harness.fileio import parse_toml_file
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _declared_packages() -> set[str]:
-    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    setuptools = parse_toml_file(ROOT / "pyproject.toml", "pyproject")["tool"]["setuptools"]
     return set(setuptools["packages"])
 
 
@@ -25,7 +26,7 @@ def test_every_harness_subpackage_on_disk_is_declared():
 
 
 def test_the_zoo_ships_as_harness_zoo():
-    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    setuptools = parse_toml_file(ROOT / "pyproject.toml", "pyproject")["tool"]["setuptools"]
     assert setuptools["package-dir"] == {"harness.zoo": "models"}
     assert "harness.zoo" in _declared_packages()
     assert {p for p in _declared_packages() if not p.startswith("harness")} == set()

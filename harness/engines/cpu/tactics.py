@@ -3,10 +3,15 @@
 Like GPU kernels, the implementations of one layer compute the same function
 with different memory layouts, libraries or orders of accumulation, so their
 results can differ in the last bits while all stay close to the exact value:
-convolution in NCHW, channels-last or without oneDNN; GEMM directly or split-K
-(partial products over chunks of the reduction dimension, accumulated in the
-layer's own dtype); softmax, layer norm and attention fused or decomposed.
-Every other op has the single tactic ``direct``.
+convolution in NCHW, channels-last, without oneDNN or on oneDNN with a
+prepacked weight, and a 1x1 convolution as one GEMM over the pixels of its
+channels-last input; GEMM directly, on a pre-transposed weight, on oneDNN, or
+split-K (partial products over chunks of the reduction dimension,
+accumulated in the layer's own dtype); fp16/bf16 GEMMs also widened exactly
+to fp32 and rounded once; softmax, layer norm and attention fused or
+decomposed. Every other op has the single tactic ``direct``. A convolution or
+linear layer may carry an epilogue activation and a residual input (see
+:mod:`harness.engines.cpu.lowering`), which every one of its tactics applies.
 
 A tactic is named ``impl[precision]`` (``gemm_splitk2[bf16]``): the precision
 is part of the name because in weak modes it is one of the builder's choices.
