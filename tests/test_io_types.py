@@ -111,6 +111,8 @@ def test_cli_build_and_rebuild_with_no_keep_io_types(tmp_path, capsys):
     engine = CpuEngine.load(out)
     assert engine.input_dtypes() == (torch.bfloat16,)
     assert engine.compiler_settings()["keep_io_types"] is False
+    # the per-layer profile feeds the model's fp32 batch as the engine takes it
+    assert main(["inspect", str(out), "--profile", "--model", "resnet", "--iters", "2", "--warmup", "1"]) == 0
     assert main(["rebuild", *common, "--cache", cache, "--times", "2"]) == 0
     assert "bit-identical across all builds" in capsys.readouterr().out
     assert main(["compile", "--model", "resnet", "--low", "bf16", "--no-keep-io-types", "--json"]) == 0

@@ -64,7 +64,11 @@ def run_profile(args: argparse.Namespace, engine: Engine) -> int:
         raise HarnessError(
             f"--profile needs a cpu engine; {engine.backend} engines do not time their layers one by one"
         )
+    from harness.engines.protocol import engine_inputs
+
     inputs, source = _inputs(args.model)
+    if inputs is not None:  # the model's fp32 batch, as the engine takes it (keep_io_types=False)
+        inputs = engine_inputs(engine, inputs)
     profile = engine.profile(
         inputs,
         iterations=DEFAULT_ITERATIONS if args.iters is None else args.iters,
