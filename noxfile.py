@@ -3,7 +3,9 @@
 torch is installed before the project so that pip never resolves a bare
 ``torch`` requirement on a CPU-only machine (that would pull a multi-GB CUDA
 build). GPU machines (``nvidia-smi`` on PATH) get the default CUDA build;
-``HARNESS_TORCH`` overrides the requirement either way.
+``HARNESS_TORCH`` overrides the requirement either way. Each session installs
+the extras it uses (``tests``: ``test``, which holds them all; ``bench``: what
+a default run needs); ``gate`` installs no torch at all.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import nox
@@ -24,24 +27,56 @@ CPU_TORCH = "torch==2.13.0"
 GPU_TORCH = "torch>=2.13,<2.14"  # pyproject.toml's tested range; PyPI's default build is CUDA
 
 
-def _install(session: nox.Session, *extras: str) -> None:
-    """Install torch, then the project (editable) with ``extras``, unless nothing changed.
+# What `harness gate` imports (harness/cli/results_cmd.py and the modules it reads
+# results with): the gate session installs the project without its dependencies and
+# only these, taken with their bounds from pyproject.toml. No torch, no ONNX, no plots.
+GATE_PACKAGES = ("jsonschema", "numpy", "scipy", "tabulate", "psutil", "nvidia-ml-py", "tomli")
 
-    A stamp in the virtualenv records what was installed (the torch requirement, the
-    extras and pyproject.toml's contents): a re-run with the same stamp skips pip,
-    which otherwise re-resolves every dependency each time.
+
+def _is_gpu_machine() -> bool:
+    return shutil.which("nvidia-smi") is not None
+
+
+def _skip_if_unchanged(session: nox.Session, *what: str) -> Callable[[], None] | None:
+    """None when the virtualenv's stamp says ``what`` (and pyproject.toml) is installed already.
+
+    Else the function that writes the stamp, to call once the installs succeeded. A re-run
+    with the same stamp skips pip, which otherwise re-resolves every dependency each time.
     """
-    torch_req = os.environ.get("HARNESS_TORCH") or (GPU_TORCH if shutil.which("nvidia-smi") else CPU_TORCH)
-    spec = f".[{','.join(extras)}]" if extras else "."
     pyproject = Path(__file__).with_name("pyproject.toml").read_bytes()
-    wanted = hashlib.sha256(b"\0".join([torch_req.encode(), spec.encode(), pyproject])).hexdigest()
+    wanted = hashlib.sha256(b"\0".join([*(w.encode() for w in what), pyproject])).hexdigest()
     stamp = Path(session.virtualenv.location) / ".harness-install-stamp"
     if stamp.is_file() and stamp.read_text(encoding="utf-8") == wanted:
-        session.log(f"install skipped: {torch_req} and {spec} unchanged since the last run")
+        session.log(f"install skipped: {', '.join(what)} unchanged since the last run")
+        return None
+    return lambda: stamp.write_text(wanted, encoding="utf-8")
+
+
+def _install(session: nox.Session, *extras: str) -> None:
+    """Install torch, then the project (editable) with ``extras``, unless nothing changed."""
+    torch_req = os.environ.get("HARNESS_TORCH") or (GPU_TORCH if _is_gpu_machine() else CPU_TORCH)
+    spec = f".[{','.join(extras)}]" if extras else "."
+    done = _skip_if_unchanged(session, torch_req, spec)
+    if done is None:
         return
     session.install(torch_req)
     session.install("-e", spec)
-    stamp.write_text(wanted, encoding="utf-8")
+    done()
+
+
+def _gate_requirements() -> list[str]:
+    """pyproject.toml's requirements of :data:`GATE_PACKAGES` (bounds and markers kept)."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10: nox's own dependencies bring tomli
+        import tomli as tomllib  # type: ignore[no-redef]
+
+    project = tomllib.loads(Path(__file__).with_name("pyproject.toml").read_text(encoding="utf-8"))["project"]
+    found = [req for req in project["dependencies"] if re.split(r"[<>=!~;\s\[]", req, maxsplit=1)[0] in GATE_PACKAGES]
+    names = {re.split(r"[<>=!~;\s\[]", req, maxsplit=1)[0] for req in found}
+    if names != set(GATE_PACKAGES):
+        raise RuntimeError(f"pyproject.toml lists no {sorted(set(GATE_PACKAGES) - names)}; update GATE_PACKAGES")
+    return found
 
 
 @nox.session
@@ -94,8 +129,9 @@ def lint(session: nox.Session) -> None:
     """ruff and mypy; the TensorRT backend is type-checked against tensorrt-stubs."""
     # Not the "lint" extra: tensorrt-stubs depends on the tensorrt wheel, whose
     # native libraries only download from NVIDIA's host, so pip cannot install
-    # the extra as a whole. Take the stubs alone.
-    _install(session)
+    # the extra as a whole. Take the stubs alone. The extras whose packages the code
+    # imports are installed so that mypy checks the calls into them.
+    _install(session, "onnx", "plots", "digits")
     session.install("ruff>=0.5", "mypy>=1.10")
     session.install("--no-deps", "tensorrt-stubs>=10.8")
     session.run("ruff", "check", "harness", "models", "tests", "noxfile.py")
@@ -111,13 +147,26 @@ def lint(session: nox.Session) -> None:
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """Benchmark the model zoo across precision modes (posargs go to ``harness bench``)."""
-    _install(session)
+    """Benchmark the model zoo across precision modes (posargs go to ``harness bench``).
+
+    The extras of the default run: ``plots`` (its PNGs) and ``digits`` (a default
+    model); on a GPU machine also ``onnx``, the TensorRT backend's hand-off.
+    """
+    _install(session, "plots", "digits", *(("onnx",) if _is_gpu_machine() else ()))
     session.run("harness", "bench", *session.posargs)
 
 
 @nox.session
 def gate(session: nox.Session) -> None:
-    """Gate the newest run against this machine's baseline (posargs go to ``harness gate``)."""
-    _install(session)
+    """Gate the newest run against this machine's baseline (posargs go to ``harness gate``).
+
+    The gate compares two JSON files: no torch. The project is installed without its
+    dependencies, plus what the gate imports (:data:`GATE_PACKAGES`).
+    """
+    requirements = _gate_requirements()
+    done = _skip_if_unchanged(session, "gate", *requirements)
+    if done is not None:
+        session.install(*requirements)
+        session.install("--no-deps", "-e", ".")
+        done()
     session.run("harness", "gate", *session.posargs)

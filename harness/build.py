@@ -10,11 +10,18 @@ cache holding every key and error-on-miss, every build takes each tactic from
 the cache and must come out identical. (Every entry of a cache is a selection a
 build keeps; "pinned" is only the mark ``harness cache pin`` leaves on an entry
 a user chose by hand.)
+
+Every step logs one DEBUG line on this module's logger (``harness -v`` shows
+them): the timing cache read, each compiler phase (export, lowering, ...,
+with its time), the typed graph (nodes, casts inserted, weights converted),
+the engine build (backend, layers, cache hits, time) and the cache write.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -32,6 +39,8 @@ from harness.limits import MAX_REBUILDS, check_int
 if TYPE_CHECKING:
     from harness.autocast import CompiledGraph
     from harness.models import ModelSpec
+
+logger = logging.getLogger(__name__)
 
 BUILD_LOG_FILE = "build_log.json"
 
@@ -56,7 +65,46 @@ class BuildResult:
 def compile_graph(spec: ModelSpec, config: BuildConfig, backend: Backend) -> CompiledGraph:
     """The typed graph for ``config.mode``, refused early if ``backend`` cannot build that mode."""
     backend.check_mode(config.mode)
-    return compile_for_mode(spec, config.mode, config.explicit_path, config.autocast)
+    start = time.perf_counter()
+    compiled = compile_for_mode(spec, config.mode, config.explicit_path, config.autocast)
+    _log_compiled(spec.name, config.mode, compiled, time.perf_counter() - start)
+    return compiled
+
+
+def _log_compiled(model: str, mode: str, compiled: CompiledGraph, seconds: float) -> None:
+    """One DEBUG line per compiler phase, then one for the typed graph it produced."""
+    for phase, phase_seconds in compiled.timings.items():
+        if phase != "total":
+            logger.debug("build: compile %s: %s (%.1f ms)", model, phase, phase_seconds * 1e3)
+    report = compiled.report
+    rules = ", ".join(f"{rule} {count}" for rule, count in report.counts().items())
+    logger.debug(
+        "build: compiled %s mode=%s: policy %s, %d nodes, %d casts inserted, %d weights converted, rules: %s (%.1f ms)",
+        model,
+        mode,
+        compiled.policy,
+        len(compiled.graph_module.graph.nodes),
+        report.casts_inserted,
+        report.weights_converted,
+        rules or "none",
+        seconds * 1e3,
+    )
+
+
+def _log_engine(log: BuildLog, seconds: float, what: str = "engine") -> None:
+    hits = sum(1 for layer in log.layers if layer.from_cache)
+    timed = sum(1 for layer in log.layers if layer.candidates and not layer.from_cache)
+    logger.debug(
+        "build: %s backend=%s mode=%s: %d layers, %d from the cache, %d timed, %d new cache entries (%.1f ms)",
+        what,
+        log.backend,
+        log.mode,
+        len(log.layers),
+        hits,
+        timed,
+        len(log.new_entries),
+        seconds * 1e3,
+    )
 
 
 def load_cache(path: str | os.PathLike[str], backend: Backend, config: BuildConfig) -> TimingCache:
@@ -95,12 +143,17 @@ def build_engine(
     provenance = backend.provenance(config)
     if config.disable_cache:
         cache = None
+        logger.debug("build: timing cache disabled")
     elif path is not None and path.exists():
         cache = load_cache(path, backend, config)
+        logger.debug("build: timing cache %s: %d entries read", path, len(cache))
     else:
         cache = TimingCache(provenance)
+        logger.debug("build: timing cache %s: new, empty", path if path is not None else "(in memory)")
     compiled = compile_graph(spec, config, backend)
+    start = time.perf_counter()
     engine, log = backend.build(compiled, config, cache)
+    _log_engine(log, time.perf_counter() - start)
     new = log.new_entries if cache is not None and config.editable_cache else []
     foreign = cache is not None and bool(cache.provenance.mismatches(provenance))
     if foreign and new:
@@ -118,6 +171,13 @@ def build_engine(
                     added += 1
             if added:
                 current.save(path)
+    if path is not None:
+        logger.debug(
+            "build: timing cache %s: %d new entries written%s",
+            path,
+            added,
+            " (read-only: recorded for another configuration)" if foreign and new else "",
+        )
     return BuildResult(engine, log, path, added)
 
 
@@ -199,7 +259,9 @@ def rebuild(
     for index in range(times):
         # Backends never change the cache they read, so every build starts from the same one.
         cache = base if base is not None else TimingCache(backend.provenance(config))
-        engine, _ = backend.build(compiled, config, cache)
+        start = time.perf_counter()
+        engine, log = backend.build(compiled, config, cache)
+        _log_engine(log, time.perf_counter() - start, f"rebuild {index + 1}/{times}")
         fingerprints.append(engine.fingerprint())
         per_build.append({layer.name: layer.tactic for layer in engine.layers()})
         outputs = tuple(t.detach().cpu() for t in engine.run(*engine_inputs(engine, spec.example_inputs)))

@@ -13,3 +13,11 @@ class HarnessError(Exception):
     """A failure caused by input the user can correct."""
 
     exit_code = 2
+
+
+class StaticBatchError(HarnessError):
+    """The typed graph fixes its batch size, so no engine can serve other sizes with it.
+
+    Raised by the ONNX hand-off; defined here so that code catching it (the
+    bench runner) does not import the ONNX exporter, an optional extra.
+    """

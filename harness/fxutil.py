@@ -12,12 +12,7 @@ from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
-FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64"}
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
+from harness.naming import fresh_name
 
 
 def cast_floating(batch: Sequence[Any], dtypes: Sequence[torch.dtype]) -> tuple[Any, ...]:
@@ -52,7 +47,8 @@ def has_eager_kernel(op: torch._ops.OpOverload, key: str) -> bool:
     nothing to call. For every other key the two agree on every ATen op, and
     callers asking about a backend or autocast key use the public call.
     """
-    return torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), key)
+    name = op.name()  # type: ignore[no-untyped-call]  # torch leaves OpOverload.name() unannotated
+    return torch._C._dispatch_has_kernel_for_dispatch_key(name, key)
 
 
 def fake_mode_of(gm: torch.fx.GraphModule) -> FakeTensorMode:
@@ -84,17 +80,6 @@ def module_path(node: torch.fx.Node) -> str:
     return str(path)
 
 
-def op_name(target: Any) -> str:
-    """``aten.conv2d.default`` style names; what users write in ``targets_to_exclude``."""
-    if isinstance(target, torch._ops.OpOverload):
-        ns, _, rest = target.name().partition("::")
-        base, _, overload = rest.partition(".")
-        return f"{ns}.{base}.{overload or 'default'}"
-    if isinstance(target, torch._ops.HigherOrderOperator):
-        return f"higher_order.{target.name()}"
-    return getattr(target, "__name__", str(target))
-
-
 def trace_call(
     node: torch.fx.Node,
     fn: Callable[..., Any],
@@ -121,14 +106,6 @@ def trace_call(
 
     with fake_mode:
         return make_fx(call, decomposition_table=decomposition_table, pre_dispatch=pre_dispatch)(*[flat[i].meta["val"] for i in positions])
-
-
-def fresh_attr(owner: torch.nn.Module, base: str) -> str:
-    name, i = base, 0
-    while hasattr(owner, name):
-        i += 1
-        name = f"{base}_{i}"
-    return name
 
 
 def copy_body(
@@ -163,7 +140,7 @@ def copy_body(
                 result = mapped(sn.args[0])
                 continue
             if sn.op == "get_attr":
-                name = fresh_attr(owner, f"{prefix}{sn.target}")
+                name = fresh_name(f"{prefix}{sn.target}", lambda n: hasattr(owner, n))
                 value = getattr(body, str(sn.target))
                 if isinstance(value, torch.Tensor):
                     owner.register_buffer(name, value)
@@ -198,7 +175,9 @@ def splice(gm: torch.fx.GraphModule, node: torch.fx.Node, sub: torch.fx.GraphMod
     else:
         for user in list(node.users):
             if user.target is operator.getitem:
-                user.replace_all_uses_with(result[user.args[1]])
+                index = user.args[1]
+                assert isinstance(index, int)  # getitem of a tuple result: a position
+                user.replace_all_uses_with(result[index])
                 gm.graph.erase_node(user)
     gm.graph.erase_node(node)
     return created

@@ -68,7 +68,8 @@ class GlobalState:
 def preserved_global_state() -> Iterator[None]:
     """Restore grad mode, autocast state, CPU RNG and thread count on exit, whatever happened."""
     state = GlobalState.capture()
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    initialized = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
+    cuda_rng = torch.cuda.get_rng_state_all() if initialized else None
     try:
         yield
     finally:

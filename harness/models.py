@@ -40,7 +40,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from harness.autocast.calibrate import default_calibration_data  # noqa: F401  (re-exported for model files)
+from harness.autocast.calibrate import (
+    default_calibration_data as default_calibration_data,  # re-exported for model files
+)
 from harness.errors import HarnessError
 from harness.globalstate import preserved_global_state
 
@@ -200,7 +202,9 @@ def _takes_batch_size(factory: Callable[..., Any]) -> bool:
     return "batch_size" in inspect.signature(factory).parameters
 
 
-def _for_batch(factory: Callable[..., Any], batch_size: int | None, build: Callable[..., Any], culprit: str) -> ModelSpec:
+def _for_batch(
+    factory: Callable[..., Any], batch_size: int | None, build: Callable[..., ModelSpec], culprit: str
+) -> ModelSpec:
     """Build with the factory's own ``batch_size`` argument, or resize along ``batch_dim``."""
     if batch_size is not None and _takes_batch_size(factory):
         return build(batch_size=batch_size)

@@ -2,7 +2,7 @@
 
 Read from ``--config FILE``, else ``./harness.toml``, else the ``[tool.harness]``
 table of ``./pyproject.toml`` (nothing found: no project, defaults apply). It
-is TOML read with the standard reader and validated against :data:`SCHEMA`;
+is TOML read with the standard reader and validated against :func:`schema`;
 an unknown key is an error naming it. Command-line flags override it, and the
 effective configuration is stored in every results file.
 
@@ -49,21 +49,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from harness.autocast import options
-from harness.autocast.settings import AutocastSettings
-from harness.bench.peers import PEER_NAMES
+from harness.bench.peer_names import PEER_NAMES
 from harness.engines.registry import BACKEND_NAMES
 from harness.errors import HarnessError
 from harness.fileio import parse_toml_file, validate
 from harness.limits import MAX_BATCH_SIZE, MAX_ITERS, MAX_MIN_DURATION_S, MAX_WARMUP_S
 
 if TYPE_CHECKING:
+    from harness.autocast.settings import AutocastSettings
     from harness.models import ModelSpec
 
 _PERCENT = {"anyOf": [{"type": "string", "pattern": r"^\s*[0-9.]+\s*%?\s*$"}, {"type": "number", "minimum": 0}]}
 _NONNEG = {"type": "number", "minimum": 0}
 
-SCHEMA: dict[str, Any] = {
+# Stands for the autocast tables' schema (harness.autocast.options.SCHEMA), which
+# imports torch: :func:`schema` puts in the real one, or leaves this for ``gate``.
+_ANY_TABLE: dict[str, Any] = {"type": "object"}
+
+_SCHEMA: dict[str, Any] = {
     "type": "object",
     "additionalProperties": False,
     "properties": {
@@ -78,13 +81,13 @@ SCHEMA: dict[str, Any] = {
         },
         "cache_dir": {"type": "string", "minLength": 1},
         "peers": {"type": "array", "items": {"enum": list(PEER_NAMES)}, "minItems": 1, "uniqueItems": True},
-        "autocast": options.SCHEMA,
+        "autocast": _ANY_TABLE,
         "model": {
             "type": "object",
             "additionalProperties": {
                 "type": "object",
                 "additionalProperties": False,
-                "properties": {"autocast": options.SCHEMA, "explicit": {"type": "string", "minLength": 1}},
+                "properties": {"autocast": _ANY_TABLE, "explicit": {"type": "string", "minLength": 1}},
             },
         },
         "timing": {
@@ -118,6 +121,40 @@ SCHEMA: dict[str, Any] = {
         },
     },
 }
+
+
+def schema(autocast: bool = True) -> dict[str, Any]:
+    """The project file's JSON schema; ``autocast=False`` checks its autocast tables only as tables.
+
+    The autocast keys' schema lives with the autocast options, which import
+    torch; ``harness gate`` reads no autocast settings and runs without torch.
+    """
+    if not autocast:
+        return _SCHEMA
+    from harness.autocast import options
+
+    model_table = _SCHEMA["properties"]["model"]["additionalProperties"]
+    return {
+        **_SCHEMA,
+        "properties": {
+            **_SCHEMA["properties"],
+            "autocast": options.SCHEMA,
+            "model": {
+                **_SCHEMA["properties"]["model"],
+                "additionalProperties": {
+                    **model_table,
+                    "properties": {**model_table["properties"], "autocast": options.SCHEMA},
+                },
+            },
+        },
+    }
+
+
+def __getattr__(name: str) -> Any:
+    """``SCHEMA``: the full schema (:func:`schema`), built on first use (it imports torch)."""
+    if name == "SCHEMA":
+        return schema()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass(frozen=True)
@@ -239,6 +276,8 @@ class Project:
         against them here, where its path is known: the compiler's own check
         comes later and can only say "calibration batch 0", not which file.
         """
+        from harness.autocast import options
+
         merged = {**self.autocast_values(ref, name), **cli}
         file_paths = {k: v for k, v in merged.items() if k == "calibration_data" and k not in cli}
         settings = options.settings_from({k: v for k, v in merged.items() if k not in file_paths}, **fixed)
@@ -310,8 +349,12 @@ def find_project_file(explicit: str | os.PathLike[str] | None = None) -> tuple[P
     return None
 
 
-def load_project(explicit: str | os.PathLike[str] | None = None) -> Project:
-    """The project of ``--config FILE`` or of the current directory (an empty Project if none)."""
+def load_project(explicit: str | os.PathLike[str] | None = None, *, autocast: bool = True) -> Project:
+    """The project of ``--config FILE`` or of the current directory (an empty Project if none).
+
+    ``autocast=False`` (``harness gate``) checks the autocast tables only as
+    tables (:func:`schema`): the commands that use them check them in full.
+    """
     found = find_project_file(explicit)
     if found is None:
         return Project()
@@ -325,5 +368,5 @@ def load_project(explicit: str | os.PathLike[str] | None = None) -> Project:
             raise HarnessError(f"{where}: no [{'.'.join(table)}] table")
         doc = doc[key]
     where += f" [{'.'.join(table)}]" if table else ""
-    validate(doc, SCHEMA, where)
+    validate(doc, schema(autocast), where)
     return Project(path, doc)

@@ -1,5 +1,7 @@
 """An MLP trained on scikit-learn's bundled 8x8 digits: the task-accuracy model.
 
+scikit-learn is the ``digits`` extra (``pip install 'mixed-precision-harness[digits]'``).
+
 Logit errors do not say whether a precision mode changes answers; a model
 with labelled held-out data does. Training happens in process (no files, no
 network) and is deterministic: a seeded generator for initialization, full
@@ -18,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from harness.errors import HarnessError
+from harness.extras import require
 from harness.models import ModelSpec, register, seeded_init
 
 SEED = 5000
@@ -34,7 +37,9 @@ def make_mlp() -> nn.Sequential:
 
 def load_split() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(x_train, y_train, x_test, y_test), standardized with training statistics."""
-    # Imported here: scikit-learn takes a while to import and only this model needs it.
+    # Imported here: scikit-learn takes a while to import, only this model needs it, and it is
+    # optional (the 'digits' extra): without it, loading this model is an error naming the extra.
+    require("sklearn", "digits", "the zoo model 'digits' (its data set and split)")
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
 
@@ -69,7 +74,7 @@ def train(x: torch.Tensor, y: torch.Tensor, seed: int = SEED) -> nn.Sequential:
             optimizer = torch.optim.Adam(module.parameters(), lr=LEARNING_RATE)
             for _ in range(STEPS):
                 optimizer.zero_grad()
-                F.cross_entropy(module(x), y).backward()
+                torch.autograd.backward(F.cross_entropy(module(x), y))
                 optimizer.step()
     finally:
         torch.set_num_threads(threads)
@@ -83,7 +88,7 @@ def make_evaluate(
         """Held-out top-1 accuracy of ``fn``'s logits, fed one example-shaped batch at a time."""
         correct = 0
         with torch.no_grad():
-            for xb, yb in zip(x_test.split(BATCH), y_test.split(BATCH), strict=True):
+            for xb, yb in zip(torch.split(x_test, BATCH), torch.split(y_test, BATCH), strict=True):
                 logits = fn(xb)
                 if isinstance(logits, (tuple, list)) and len(logits) == 1:
                     logits = logits[0]
@@ -101,7 +106,7 @@ def make_evaluate(
 @register("digits")
 def build() -> ModelSpec:
     x_train, y_train, x_test, y_test = load_split()
-    calibration = x_train[: CALIBRATION_BATCHES * BATCH].split(BATCH)
+    calibration = torch.split(x_train[: CALIBRATION_BATCHES * BATCH], BATCH)
     return ModelSpec(
         name="digits",
         description="MLP 64-64-10 (ReLU) trained on sklearn digits (8x8, standardized); "

@@ -1,4 +1,4 @@
-"""The CNN from the Torch-TensorRT rule-based autocast design page (seed 000).
+"""The CNN of Torch-TensorRT's rule-based autocast design page.
 
 Kept op for op so that ``torch.export`` yields the node names the page's
 classifier example refers to (``conv2d``, ``relu``, ``max_pool2d``,
@@ -46,7 +46,7 @@ def build() -> ModelSpec:
     example = (torch.rand(8, 1, 28, 28, generator=generator) * 2 - 1,)
     return ModelSpec(
         name="lenet",
-        description="seed-000 CNN: 2x(conv3x3-relu-maxpool), fc1 + add inside autocast(fp32); "
+        description="Torch-TensorRT rule-based autocast example CNN: 2x(conv3x3-relu-maxpool), fc1 + add inside autocast(fp32); "
         "input (8, 1, 28, 28)",
         module=module.eval(),
         example_inputs=example,

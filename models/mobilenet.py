@@ -99,7 +99,7 @@ class InvertedResidual(nn.Module):
         self.residual = stride == 1 and cin == cout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.block(x)
+        out: torch.Tensor = self.block(x)
         return x + out if self.residual else out
 
 
@@ -119,7 +119,8 @@ class MobileNetV3Small(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = F.adaptive_avg_pool2d(self.features(x), 1)
-        return self.classifier(torch.flatten(x, 1))
+        logits: torch.Tensor = self.classifier(torch.flatten(x, 1))
+        return logits
 
 
 @register("mobilenet")

@@ -31,7 +31,8 @@ class Overflow(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = F.relu(self.linear1(x))
         x = self.linear2(x) * SCALE
-        return self.linear3(self.norm(x))
+        out: torch.Tensor = self.linear3(self.norm(x))
+        return out
 
 
 @register("overflow")

@@ -55,7 +55,8 @@ class ResNet(nn.Module):
         x = F.relu(self.bn(self.stem(x)))
         x = self.stages(x)
         x = F.adaptive_avg_pool2d(x, 1)
-        return self.fc(torch.flatten(x, 1))
+        logits: torch.Tensor = self.fc(torch.flatten(x, 1))
+        return logits
 
 
 def _randomize_batchnorm(module: nn.Module, generator: torch.Generator) -> None:

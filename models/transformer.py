@@ -40,7 +40,8 @@ class SelfAttention(nn.Module):
             return t.view(batch, seq, self.heads, d_model // self.heads).transpose(1, 2)
 
         y = F.scaled_dot_product_attention(split(self.q(x)), split(self.k(x)), split(self.v(x)))
-        return self.out(y.transpose(1, 2).reshape(batch, seq, d_model))
+        out: torch.Tensor = self.out(y.transpose(1, 2).reshape(batch, seq, d_model))
+        return out
 
 
 class Block(nn.Module):
@@ -54,7 +55,8 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.norm1(x))
-        return x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
+        out: torch.Tensor = x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
+        return out
 
 
 class Encoder(nn.Module):
@@ -69,7 +71,8 @@ class Encoder(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.tokens(ids) + self.positions[: ids.shape[1]]
         x = self.norm(self.blocks(x))
-        return self.head(x.mean(dim=1))
+        logits: torch.Tensor = self.head(x.mean(dim=1))
+        return logits
 
 
 @register("transformer")

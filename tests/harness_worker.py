@@ -48,8 +48,13 @@ class Outcome:
 
     @property
     def clean_error(self) -> bool:
-        """Exit 2 with one ``error: ...`` line and nothing else on stderr."""
-        return self.code == 2 and self.err.startswith("error: ") and self.err.count("\n") == 1
+        """Exit 2 with one ``error: ...`` line, or argparse's usage and its one error naming the flag."""
+        if self.code != 2:
+            return False
+        if self.err.startswith("usage: harness "):
+            last = self.err.rstrip("\n").splitlines()[-1]
+            return ": error: argument " in last and "Traceback" not in self.err
+        return self.err.startswith("error: ") and self.err.count("\n") == 1
 
 
 def _run_captured(argv: Sequence[str], env: Mapping[str, str]) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""AMP mode's contract: bit-identical to eager ``torch.autocast`` on CPU."""
+"""The amp policy's contract: bit-identical to eager ``torch.autocast`` on CPU."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ DTYPES = [torch.bfloat16, torch.float16]
 
 
 def assert_matches_eager(module, inputs, dtype):
-    cg = compile(module, inputs, mode="amp", low_precision_type=dtype)
+    cg = compile(module, inputs, policy="amp", low_precision_type=dtype)
     with torch.autocast("cpu", dtype=dtype), torch.inference_mode():
         ref = module(*inputs)
     assert_same_outputs(cg(*inputs), ref)
@@ -39,7 +39,7 @@ def test_lenet_fails_exactly_where_eager_fails(dtype):
     with pytest.raises(RuntimeError, match="same dtype"), torch.autocast("cpu", dtype=dtype):
         spec.module(*spec.example_inputs)
     with pytest.raises(HarnessError, match=r"node linear \(aten.linear.default\) cannot run with the types.*same dtype"):
-        compile(spec.module, spec.example_inputs, mode="amp", low_precision_type=dtype)
+        compile(spec.module, spec.example_inputs, policy="amp", low_precision_type=dtype)
 
 
 class Ops(nn.Module):
@@ -88,14 +88,14 @@ def test_op_coverage_bit_identical(dtype):
 
 def test_amp_disabled_is_the_plain_model():
     spec = models.load("transformer")
-    cg = compile(spec.module, spec.example_inputs, mode="amp", low_precision_type=torch.bfloat16, amp_enabled=False)
+    cg = compile(spec.module, spec.example_inputs, policy="amp", low_precision_type=torch.bfloat16, amp_enabled=False)
     assert_same_outputs(cg(*spec.example_inputs), spec.module(*spec.example_inputs))
     assert cg.report.casts_inserted == 0
 
 
 def test_typed_graph_ignores_ambient_autocast():
     spec = models.load("resnet")
-    cg = compile(spec.module, spec.example_inputs, mode="rule", low_precision_type=torch.bfloat16)
+    cg = compile(spec.module, spec.example_inputs, policy="rule", low_precision_type=torch.bfloat16)
     plain = cg(*spec.example_inputs)
     with torch.autocast("cpu", dtype=torch.float16):
         under = cg(*spec.example_inputs)

@@ -56,7 +56,7 @@ def _resolve(qualified: str) -> torch._ops.OpOverload:
 
 @pytest.mark.parametrize("device", SUPPORTED_DEVICES)
 def test_listed_ops_are_exactly_the_dispatcher_autocast_kernels(device: str) -> None:
-    # the comparison AMP mode runs before its first use, on the installed torch
+    # the comparison the amp policy runs before its first use, on the installed torch
     mismatch = table_mismatch(device)
     assert mismatch.listed_only == (), "listed but no autocast kernel in this torch"
     assert mismatch.registered_only == (), "autocast kernel in this torch but not listed"
@@ -93,17 +93,17 @@ def changed_torch(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
 def test_amp_mode_and_jit_refuse_a_torch_whose_autocast_lists_differ(changed_torch: list[str]) -> None:
     model, x = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()).eval(), torch.randn(2, 4)
     message = (
-        rf"AMP mode is refused: its cpu autocast op lists are those of torch 2\.13, and the installed torch "
+        rf"exact AMP is refused: its cpu autocast op lists are those of torch 2\.13, and the installed torch "
         rf"{re.escape(torch.__version__)} autocasts other ops \(listed here but not autocast by it: aten::mm; "
         r"autocast by it but not listed here: aten::flash_new_op\)"
     )
     with pytest.raises(HarnessError, match=message):
-        compile(model, (x,), mode="amp", low_precision_type="bf16")
+        compile(model, (x,), policy="amp", low_precision_type="bf16")
     with pytest.raises(HarnessError, match=message):
         jit(model, (x,))
     assert changed_torch == ["cpu"]  # compared once for the process, not per compile
     # modes that do not follow the AMP lists are unaffected
-    assert compile(model, (x,), mode="rule", low_precision_type="bf16")(x).shape == (2, 4)
+    assert compile(model, (x,), policy="rule", low_precision_type="bf16")(x).shape == (2, 4)
 
 
 def test_a_long_difference_names_the_first_ops_and_counts_the_rest(monkeypatch: pytest.MonkeyPatch) -> None:

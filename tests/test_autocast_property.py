@@ -65,7 +65,7 @@ MAX_NUMEL = 64 * 64
 MAX_STEPS = 10
 MAX_OPS = 14  # aten ops per graph; a matmul step costs two (it transposes its second operand)
 SAFETY = 2.0
-# Rules that keep a node in fp32 in rule mode; "default"/"full" lower it.
+# Rules that keep a node in fp32 under the rule policy; "default"/"full" lower it.
 KEEP_FP32_RULES = {"nodes_to_exclude", "data_max", "max_depth_of_reduction", "init_max"}
 LOWERING_RULES = {"default", "full"}
 
@@ -517,7 +517,7 @@ def test_the_fixed_examples_cover_the_vocabulary() -> None:
 def _check_program(program: Program, rule_settings: Callable[[torch.dtype, list[str]], AutocastSettings]) -> set[str]:
     """Every property, for rule (settings from ``rule_settings``), full and amp, fp16 and bf16.
 
-    Returns the rules that decided some node in rule mode.
+    Returns the rules that decided some node under the rule policy.
     """
     rules: set[str] = set()
     module = Generated(program).eval()
@@ -526,7 +526,7 @@ def _check_program(program: Program, rule_settings: Callable[[torch.dtype, list[
         values = module.values(inputs)
     reference = tuple(values[i] for i in program.outputs)
 
-    fp32 = compile(module, inputs, mode="fp32")
+    fp32 = compile(module, inputs, policy="fp32")
     _assert_bit_identical(fp32(*inputs), reference, "fp32")
     node_names = [n.name for n in fp32.graph_module.graph.nodes if n.op == "call_function"]
 
@@ -539,10 +539,10 @@ def _check_program(program: Program, rule_settings: Callable[[torch.dtype, list[
         for mode in ("rule", "full", "amp"):
             where = f"{mode}/{low}"
             if mode == "rule":
-                cg = compile(module, inputs, mode=mode, settings=rule_settings(low, node_names))
+                cg = compile(module, inputs, policy=mode, settings=rule_settings(low, node_names))
                 rules |= set(cg.report.counts())
             else:
-                cg = compile(module, inputs, mode=mode, low_precision_type=low)
+                cg = compile(module, inputs, policy=mode, low_precision_type=low)
             got = cg(*inputs)
             real = _run_recorded(cg.graph_module, inputs)
             _check_meta_matches_real(cg.graph_module, real, where)

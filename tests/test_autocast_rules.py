@@ -19,7 +19,7 @@ def _precisions(cg):
 
 def test_seed_example_lenet_fp16_exclude_conv2d():
     spec = models.load("lenet")
-    cg = compile(spec.module, spec.example_inputs, mode="rule",
+    cg = compile(spec.module, spec.example_inputs, policy="rule",
                  settings=AutocastSettings(low_precision_type=torch.float16, nodes_to_exclude={"^conv2d$"}))
     prec = _precisions(cg)
     low = ["relu", "max_pool2d", "conv2d_1", "relu_1", "max_pool2d_1", "flatten"]
@@ -231,9 +231,9 @@ def test_overflow_model_full_fp16_nonfinite_rule_mode_accurate():
     spec = models.load("overflow")
     x = spec.example_inputs
     ref = spec.module(*x)
-    full = compile(spec.module, x, mode="full", low_precision_type=torch.float16)(*x)
+    full = compile(spec.module, x, policy="full", low_precision_type=torch.float16)(*x)
     assert not torch.isfinite(full).all()
-    rule = compile(spec.module, x, mode="rule", low_precision_type=torch.float16,
+    rule = compile(spec.module, x, policy="rule", low_precision_type=torch.float16,
                    calibration_data=spec.calibration_data)(*x)
     assert torch.isfinite(rule).all()
     cos = F.cosine_similarity(rule.double().flatten(), ref.double().flatten(), dim=0)

@@ -281,24 +281,48 @@ def test_compare_reports_same_fingerprints_for_a_rerun(capsys, tmp_path):
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (("bench", "--shard", "3/2"), "--shard '3/2'"),
-        (("bench", "--shard", "x"), "expected i/n"),
         (("bench", "--models", "nosuchmodel"), "unknown model 'nosuchmodel'"),
         (("bench", "--modes", "fp8"), "unknown precision mode 'fp8'"),
         (("bench", "--modes", "explicit"), "needs --explicit FILE"),
         (("bench", "--models", "digits,digits"), "appears twice"),
-        (("gate", "--latency-threshold", "fast"), "--latency-threshold 'fast'"),
-        (("gate", "--alpha", "1.5"), "--alpha 1.5"),
-        (("bench", "--spread-threshold", "abc"), "--spread-threshold 'abc'"),
-        (("bench", "--spread-threshold", "25"), "read as the fraction 25, i.e. 2500%; write 25% for 25 percent"),
-        (("bench", "--threads", "0"), "--threads 0: must be from 1 to 1024"),
-        (("gate", "--cosine-drop", "-1"), "--cosine-drop -1.0: must be a finite number >= 0"),
     ],
 )
 def test_bad_input_exits_2_with_a_message(capsys, tmp_path, argv, message):
     code, out, err = run(capsys, *argv, *(("--no-progress",) if argv[0] == "bench" else ()))
     assert code == 2
     assert err.startswith("error: ") and message in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (("bench", "--shard", "3/2"), "argument --shard: '3/2'"),
+        (("bench", "--shard", "x"), "expected i/n"),
+        (("gate", "--latency-threshold", "fast"), "argument --latency-threshold: 'fast'"),
+        (("gate", "--alpha", "1.5"), "argument --alpha: '1.5'"),
+        (("bench", "--spread-threshold", "abc"), "argument --spread-threshold: 'abc'"),
+        (("bench", "--spread-threshold", "25"), "read as the fraction 25, i.e. 2500%; write 25% for 25 percent"),
+        (("bench", "--threads", "0"), "argument --threads: 0 is out of range; valid: 1..1024"),
+        (("gate", "--cosine-drop", "-1"), "argument --cosine-drop: '-1': expected a finite number >= 0"),
+    ],
+)
+def test_bad_flag_values_are_usage_errors(capsys, argv, message):
+    """Refused while parsing (argparse's usage line, exit 2), before any file or model is read."""
+    with pytest.raises(SystemExit) as exc:
+        cli_main.main([*argv, *(("--no-progress",) if argv[0] == "bench" else ())])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"usage: harness {argv[0]}") and message in err
+
+
+def test_a_project_files_values_are_still_checked_where_used(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "harness.toml").write_text('[gate]\nlatency_threshold = "25"\n')
+    code, _, err = run(capsys, "gate", "--baseline", "a.json", "--current", "b.json")
+    assert code == 2 and "[gate] latency_threshold '25': read as the fraction 25" in err
+    (tmp_path / "harness.toml").write_text('[timing]\nspread_threshold = "25"\n')
+    code, _, err = run(capsys, "bench", "--no-progress", "--models", "digits", "--modes", "fp32")
+    assert code == 2 and "[timing] spread_threshold '25': read as the fraction 25" in err
 
 
 def test_unknown_backend_is_an_argparse_error(capsys):
@@ -338,7 +362,7 @@ def test_corrupt_results_file_is_rejected_and_left_alone(capsys, tmp_path, comma
 
 
 def test_gate_default_current_is_the_newest_whole_run_not_a_shard(tmp_path):
-    from harness.cli.bench_cmd import newest_run
+    from harness.cli.results_cmd import newest_run
 
     for name in ("run-20250101T000000Z.json", "run-20250102T000000Z.json", "run-20250103T000000Z-shard1of2.json"):
         (tmp_path / name).write_text("{}")

@@ -135,6 +135,39 @@ def test_cuda_timer_without_cuda_is_a_clear_error(monkeypatch: pytest.MonkeyPatc
         measure_latency(lambda: None, timer="cuda")
 
 
+class FakeEvent:
+    """A CUDA event double: each pair of records is 2 ms apart on the fake device."""
+
+    recorded = 0
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        assert enable_timing
+        self.at = 0
+
+    def record(self) -> None:
+        FakeEvent.recorded += 1
+        self.at = FakeEvent.recorded
+
+    def elapsed_time(self, end: FakeEvent) -> float:
+        return 2.0 * (end.at - self.at)
+
+
+def test_cuda_timer_reads_one_event_pair_per_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The device loop stops by the host loop's rule and reports the events' times, not the host's."""
+    synchronized = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: synchronized.append(True))
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    fn, sync = Counter(), Counter()
+    r = measure_latency(
+        fn, warmup_s=0.0, min_iters=7, min_duration_s=0.0, max_iters=7, sync=sync, timer="cuda",
+        overhead=Summary.from_samples([1], unit="ns"),
+    )  # fmt: skip
+    assert r.iterations == 7 and r.samples_ns == (2_000_000,) * 7
+    assert fn.calls == sync.calls == 7 + r.warmup_iterations
+    assert len(synchronized) == 2  # before the first sample, before reading the events
+
+
 def test_peak_rss_measures_the_run() -> None:
     size = 64 << 20
 

@@ -15,9 +15,8 @@ from harness.bench.runner import BenchRunner, MeasureSettings, build_matrix, cac
 from harness.cache.timing_cache import TimingCache
 from harness.engines.cpu import CpuBackend
 from harness.engines.modes import is_weak
-from harness.engines.onnx_export import StaticBatchError
 from harness.engines.protocol import BatchProfile, BuildConfig, BuildLog, EngineBase
-from harness.errors import HarnessError
+from harness.errors import HarnessError, StaticBatchError
 
 TINY = MeasureSettings(warmup_s=0.01, min_iters=5, min_duration_s=0.02, max_iters=50, telemetry_interval_s=0.02)
 

@@ -8,7 +8,13 @@ import torch.nn as nn
 from harness import models
 from harness.autocast import AutocastSettings, compile
 from harness.autocast.casts import is_cast
-from harness.autocast.cleanup import dedupe_casts, fold_cast_chains, remove_noop_casts
+from harness.autocast.cleanup import (
+    CLEANUP,
+    dedupe_casts,
+    eliminate_dead_code,
+    fold_cast_chains,
+    remove_noop_casts,
+)
 from harness.frontend.export import load_graph
 from harness.fxutil import tensor_vals
 
@@ -40,7 +46,7 @@ def test_meta_dtypes_are_what_runs_for_every_zoo_model_and_mode():
         for mode, dt in (("rule", torch.float16), ("rule", torch.bfloat16), ("full", torch.bfloat16), ("amp", torch.bfloat16)):
             if name == "lenet" and mode == "amp":
                 continue  # eager autocast itself rejects lenet (tests/test_amp_exact.py)
-            cg = compile(spec.module, spec.example_inputs, mode=mode, low_precision_type=dt)
+            cg = compile(spec.module, spec.example_inputs, policy=mode, low_precision_type=dt)
             assert _run_and_check_meta(cg.graph_module, spec.example_inputs)
 
 
@@ -56,7 +62,7 @@ def test_one_cast_per_tensor_per_direction_and_no_same_type_casts():
             h = torch.relu(x)
             return self.a(h) + self.b(h) + self.c(h) + h  # four consumers of h
 
-    cg = compile(Fan(), (torch.randn(2, 8),), mode="rule", settings=AutocastSettings(data_max=None, nodes_to_exclude=["relu"]))
+    cg = compile(Fan(), (torch.randn(2, 8),), policy="rule", settings=AutocastSettings(data_max=None, nodes_to_exclude=["relu"]))
     casts = [n for n in cg.graph_module.graph.nodes if is_cast(n)]
     keys = [(n.args[0].name, n.kwargs["dtype"]) for n in casts]
     assert len(keys) == len(set(keys))
@@ -98,7 +104,7 @@ def test_widening_then_narrowing_collapses():
                          torch.ops.aten._to_copy.default(x, dtype=torch.bfloat16), dtype=torch.float32), dtype=torch.float16))
     x = torch.randn(4) * 3
     before = gm(x)[0]
-    gm = fold_cast_chains(gm)
+    gm = fold_cast_chains(gm).graph_module
     gm.graph.eliminate_dead_code()
     gm.recompile()
     assert _casts_of(gm) == [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float16)]
@@ -107,7 +113,7 @@ def test_widening_then_narrowing_collapses():
 
 def test_narrowing_then_widening_is_kept():
     gm = _graph_with(lambda x: torch.ops.aten._to_copy.default(torch.ops.aten._to_copy.default(x, dtype=torch.float16), dtype=torch.float32))
-    gm = fold_cast_chains(remove_noop_casts(gm))
+    gm = fold_cast_chains(remove_noop_casts(gm).graph_module).graph_module
     assert _casts_of(gm) == [(torch.float32, torch.float16), (torch.float16, torch.float32)]
     x = torch.tensor([1.0 + 2**-12])
     assert gm(x)[0].item() != x.item()  # the round trip really rounds
@@ -117,7 +123,8 @@ def test_widen_narrow_back_to_source_disappears_and_dedupe():
     cast = torch.ops.aten._to_copy.default
     gm = _graph_with(lambda x: (lambda h: cast(cast(h, dtype=torch.float32), dtype=torch.float16) + cast(h, dtype=torch.float32).half() * 0
                                 + cast(h, dtype=torch.float16))(cast(x, dtype=torch.float16)))
-    gm = dedupe_casts(remove_noop_casts(fold_cast_chains(gm)))
+    for cleanup_pass in (fold_cast_chains, remove_noop_casts, dedupe_casts):
+        gm = cleanup_pass(gm).graph_module
     gm.graph.eliminate_dead_code()
     gm.graph.lint()
     gm.recompile()
@@ -143,8 +150,8 @@ def test_keep_io_types_false_exposes_low_precision_io():
 def test_exported_program_input_equals_module_input():
     spec = models.load("resnet")
     ep = torch.export.export(spec.module, spec.example_inputs)
-    from_ep = compile(ep, mode="rule", low_precision_type=torch.bfloat16)
-    from_module = compile(spec.module, spec.example_inputs, mode="rule", low_precision_type=torch.bfloat16)
+    from_ep = compile(ep, policy="rule", low_precision_type=torch.bfloat16)
+    from_module = compile(spec.module, spec.example_inputs, policy="rule", low_precision_type=torch.bfloat16)
     assert [r.precision for r in from_ep.report.rows] == [r.precision for r in from_module.report.rows]
     assert torch.equal(from_ep(*spec.example_inputs), from_module(*spec.example_inputs))
 
@@ -167,7 +174,7 @@ def test_dedupe_casts_keeps_one_cast_per_tensor_and_dtype():
     before = gm(x)[0]
     assert sum(is_cast(n) and n.args[0].name == "x" for n in gm.graph.nodes) == 2
 
-    gm = dedupe_casts(gm)
+    gm = dedupe_casts(gm).graph_module
     gm.graph.lint()
     gm.recompile()
 
@@ -186,8 +193,34 @@ def test_compile_leaves_one_cast_where_the_model_wrote_two():
             return cast(x, dtype=torch.float16) + cast(x, dtype=torch.float16) * 3
 
     module, x = TwiceCast(), torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
-    cg = compile(module, (x,), mode="fp32")  # exact mode: the casts are the model's, nothing else decides
+    cg = compile(module, (x,), policy="fp32")  # exact mode: the casts are the model's, nothing else decides
     casts = [n for n in cg.graph_module.graph.nodes if is_cast(n) and n.args[0].op == "placeholder"]
     assert [n.kwargs["dtype"] for n in casts] == [torch.float16]
     out, ref = cg(x), module(x)
     assert out.dtype == torch.float16 and torch.equal(out, ref)
+
+
+def test_cleanup_passes_report_modified_only_when_they_change_the_graph():
+    gm = _two_casts_of_one_tensor()
+    first = dedupe_casts(gm)
+    assert first.modified and first.graph_module is gm
+    assert not dedupe_casts(gm).modified  # nothing left to merge
+
+    dead = _two_casts_of_one_tensor()
+    dead.graph.call_function(aten._to_copy.default, (next(iter(dead.graph.nodes)),), {"dtype": torch.float16})
+    assert eliminate_dead_code(dead).modified  # the unused cast
+    assert not eliminate_dead_code(dead).modified
+
+    chain = _graph_with(lambda x: aten._to_copy.default(aten._to_copy.default(x, dtype=torch.float64), dtype=torch.float16))
+    assert fold_cast_chains(chain).modified
+    assert not fold_cast_chains(chain).modified
+    assert not remove_noop_casts(chain).modified  # x -> fp64 -> fp16 folded to x -> fp16: no same-type cast
+
+    same_type = _graph_with(lambda x: aten._to_copy.default(x, dtype=torch.float32) * 2)
+    assert remove_noop_casts(same_type).modified
+    assert not remove_noop_casts(same_type).modified and not _casts_of(same_type)
+
+    narrowing = _graph_with(lambda x: aten._to_copy.default(aten._to_copy.default(x, dtype=torch.float16), dtype=torch.float32))
+    assert not fold_cast_chains(narrowing).modified  # narrowing-then-widening is kept
+    result = CLEANUP.run(narrowing)
+    assert not result.modified and result.graph_module is narrowing

@@ -19,9 +19,9 @@ def test_table_for_the_seed_example(capsys):
 
 
 def test_json_output(capsys):
-    assert main(["compile", "--model", "digits", "--low", "bf16", "--mode", "amp", "--json"]) == 0
+    assert main(["compile", "--model", "digits", "--low", "bf16", "--policy", "amp", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert doc["model"] == "digits" and doc["mode"] == "amp" and doc["low_precision_type"] == "bf16"
+    assert doc["model"] == "digits" and doc["policy"] == "amp" and doc["low_precision_type"] == "bf16"
     assert doc["counts"]["amp:lower_precision_fp"] >= 2
     assert {"name", "op", "module", "precision", "reason", "input_dtypes", "output_dtypes"} <= set(doc["rows"][0])
 
@@ -63,7 +63,7 @@ def test_unknown_model_and_unexportable_model_exit_2(tmp_path, capsys):
 
 
 def test_a_bare_op_name_means_every_overload(capsys):
-    assert main(["compile", "--model", "transformer", "--mode", "rule", "--low", "bf16",
+    assert main(["compile", "--model", "transformer", "--policy", "rule", "--low", "bf16",
                  "--exclude-op", "aten.layer_norm", "--exclude-op", "aten.softmax", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)["rows"]
     norms = [r for r in rows if r["op"].startswith("aten.layer_norm")]

@@ -15,9 +15,10 @@ from torch import nn
 
 from harness.autocast import compile
 from harness.build import build_engine
+from harness.dtypes import dtype_name
 from harness.engines.cpu import CpuBackend, CpuEngine, tactics
 from harness.engines.cpu.lowering import lower
-from harness.engines.protocol import BuildConfig, dtype_name
+from harness.engines.protocol import BuildConfig
 from harness.errors import HarnessError
 from harness.fileio import canonical_json, digest
 from harness.models import ModelSpec
@@ -62,7 +63,7 @@ def net() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
 @pytest.fixture(scope="module")
 def fp32_build(net):
     module, inputs = net
-    compiled = compile(module, inputs, mode="fp32")
+    compiled = compile(module, inputs, policy="fp32")
     engine, log = CpuBackend().build(compiled, BuildConfig(mode="fp32", options=FAST), None)
     return compiled, engine, log
 
@@ -73,7 +74,7 @@ def test_tactics_of_a_layer_differ_in_bits_but_each_is_close_to_the_exact_result
     gen = torch.Generator().manual_seed(1)
     module = nn.Linear(256, 64).eval()
     x = torch.randn(32, 256, generator=gen)
-    compiled = compile(module, (x,), mode="full", low_precision_type=torch.bfloat16)
+    compiled = compile(module, (x,), policy="full", low_precision_type=torch.bfloat16)
     plan, _ = lower(compiled.graph_module, "bf16")
     (layer,) = [n for n in plan.nodes if tactics.layer_type(n) == "matmul"]
     metas = plan.value_metas()
@@ -97,7 +98,7 @@ def test_tactics_of_a_layer_differ_in_bits_but_each_is_close_to_the_exact_result
 
 def test_conv_tactics_with_folded_batch_norm_and_relu_agree_with_eager(net):
     module, inputs = net
-    plan, messages = lower(compile(module, inputs, mode="fp32").graph_module, "fp32")
+    plan, messages = lower(compile(module, inputs, policy="fp32").graph_module, "fp32")
     assert any("folded batch_norm" in m for m in messages)
     (conv,) = [n for n in plan.nodes if tactics.layer_type(n) == "convolution"]
     assert conv.fused == ("batch_norm", "relu") and conv.epilogue == "relu"
@@ -140,7 +141,7 @@ def test_engine_output_matches_eager_and_keys_are_tensorrt_style(net, fp32_build
 
 def test_strong_mode_obeys_the_graph_dtypes(net):
     module, inputs = net
-    compiled = compile(module, inputs, mode="full", low_precision_type=torch.bfloat16)
+    compiled = compile(module, inputs, policy="full", low_precision_type=torch.bfloat16)
     engine, _ = CpuBackend().build(compiled, BuildConfig(mode="bf16", options=FAST), None)
     graph = {n.name: n for n in compiled.graph_module.graph.nodes}
     layers = engine.layers()
@@ -160,7 +161,7 @@ def test_strong_mode_obeys_the_graph_dtypes(net):
 
 def test_weak_mode_chooses_precision_per_layer_by_timing(net):
     module, inputs = net
-    compiled = compile(module, inputs, mode="fp32")
+    compiled = compile(module, inputs, policy="fp32")
     engine, log = CpuBackend().build(compiled, BuildConfig(mode="weak-bf16", options=FAST), None)
     layers = {layer.name: layer for layer in engine.layers()}
     choices = [
@@ -360,7 +361,7 @@ def test_every_tactic_of_every_layer_agrees_with_the_plain_aten_call(dtype):
     module = Attention().eval()
     inputs = (torch.randn(2, 16, 64, generator=gen), torch.rand(16, 16, generator=gen) > 0.3)
     mode, low = ("fp32", None) if dtype == torch.float32 else ("full", dtype)
-    compiled = compile(module, inputs, mode=mode, low_precision_type=low)
+    compiled = compile(module, inputs, policy=mode, low_precision_type=low)
     plan, messages = lower(compiled.graph_module, "test")
     assert "fused activation gelu into linear" in messages
     metas = plan.value_metas()

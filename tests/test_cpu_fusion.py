@@ -18,11 +18,12 @@ from harness.cache.operations import pin
 from harness.cache.timing_cache import TimingCache
 from harness.engines.cpu import CpuBackend, CpuEngine, tactics
 from harness.engines.cpu.lowering import lower
-from harness.engines.cpu.plan import Ref, op_packet
+from harness.engines.cpu.plan import Ref
 from harness.engines.protocol import BuildConfig
 from harness.errors import HarnessError
 from harness.fileio import canonical_json, digest
 from harness.models import ModelSpec
+from harness.opnames import plan_packet
 from tests.helpers import bits_equal
 
 FAST = {"timing_runs": 3, "warmup_runs": 1}
@@ -83,7 +84,7 @@ def spec(blocks) -> ModelSpec:
 
 def _plan(blocks, mode: str = "fp32", low: torch.dtype | None = None):
     module, inputs = blocks
-    compiled = compile(module, inputs, mode=mode, low_precision_type=low)
+    compiled = compile(module, inputs, policy=mode, low_precision_type=low)
     plan, messages = lower(compiled.graph_module, "test")
     return compiled, plan, messages
 
@@ -91,7 +92,7 @@ def _plan(blocks, mode: str = "fp32", low: torch.dtype | None = None):
 def test_activations_and_residual_adds_become_epilogues_of_the_larger_kernel(blocks):
     _, plan, messages = _plan(blocks)
     # No activation or add is left as a layer of its own.
-    assert not {"relu", "hardswish", "hardsigmoid", "add"} & {op_packet(n.op) for n in plan.nodes}
+    assert not {"relu", "hardswish", "hardsigmoid", "add"} & {plan_packet(n.op) for n in plan.nodes}
     order = [n.name for n in plan.nodes]
     epilogues = {n.name: n.epilogue for n in plan.nodes if n.epilogue}
     assert sorted(epilogues.values()) == sorted(
@@ -101,12 +102,12 @@ def test_activations_and_residual_adds_become_epilogues_of_the_larger_kernel(blo
     assert len(residual_layers) == 3
     # The ResNet block's add goes to the 3x3 convolution (more multiply-adds than its 1x1
     # shortcut), whose input is the shortcut's: the shortcut now runs first.
-    block = next(n for n in residual_layers if n.epilogue == "relu" and op_packet(n.op) == "conv2d")
+    block = next(n for n in residual_layers if n.epilogue == "relu" and plan_packet(n.op) == "conv2d")
     shortcut_node = next(n for n in plan.nodes if n.name == block.residual.name)
     assert tuple(plan.weights[shortcut_node.weight_refs()[0].name].shape[2:]) == (1, 1)
     assert order.index(shortcut_node.name) < order.index(block.name)
     # The last linear takes the add whose other summand (fc1's output) has two users.
-    linears = [n for n in plan.nodes if op_packet(n.op) == "linear"]
+    linears = [n for n in plan.nodes if plan_packet(n.op) == "linear"]
     assert [n.epilogue for n in linears] == ["hardswish", ""]
     assert linears[1].residual == Ref(linears[0].name)
     assert sum("fused residual" in m for m in messages) == 3
@@ -141,7 +142,7 @@ def test_every_tactic_of_every_fused_layer_agrees_with_the_typed_graph(blocks, d
 def test_tactics_leave_their_inputs_and_the_residual_untouched(blocks):
     _, plan, _ = _plan(blocks)
     metas = plan.value_metas()
-    (layer,) = [n for n in plan.nodes if n.residual is not None and op_packet(n.op) == "linear"]
+    (layer,) = [n for n in plan.nodes if n.residual is not None and plan_packet(n.op) == "linear"]
     gen = torch.Generator().manual_seed(4)
     x, residual = (torch.randn(2, 32, generator=gen) for _ in range(2))
     kept = (x.clone(), residual.clone())
@@ -157,7 +158,7 @@ def test_widened_gemm_keeps_bf16_in_and_out_with_one_rounding():
     gen = torch.Generator().manual_seed(5)
     module = nn.Linear(96, 24).eval()
     x = torch.randn(16, 96, generator=gen)
-    compiled = compile(module, (x,), mode="full", low_precision_type=torch.bfloat16)
+    compiled = compile(module, (x,), policy="full", low_precision_type=torch.bfloat16)
     plan, _ = lower(compiled.graph_module, "bf16")
     (layer,) = [n for n in plan.nodes if tactics.layer_type(n) == "matmul"]
     metas = plan.value_metas()

@@ -19,9 +19,9 @@ def _check_fp32_and_amp(module: nn.Module, *inputs: torch.Tensor) -> None:
         eager = module(*(x.clone() for x in inputs))
         with torch.autocast("cpu", dtype=torch.bfloat16):
             eager_amp = module(*(x.clone() for x in inputs))
-    fp32 = compile(module, inputs, mode="fp32")
+    fp32 = compile(module, inputs, policy="fp32")
     assert_same_outputs(fp32(*(x.clone() for x in inputs)), eager)
-    amp = compile(module, inputs, mode="amp", low_precision_type=torch.bfloat16)
+    amp = compile(module, inputs, policy="amp", low_precision_type=torch.bfloat16)
     assert_same_outputs(amp(*(x.clone() for x in inputs)), eager_amp)
     for graph in (fp32, amp):
         for node in graph.graph_module.graph.nodes:
@@ -92,7 +92,7 @@ class WriteThroughExpand(nn.Module):
 
 def test_a_write_through_a_view_without_inverse_is_refused_naming_the_node():
     with pytest.raises(HarnessError, match=r"in-place write goes through the view aten\.unfold"):
-        compile(WriteThroughExpand(), (torch.randn(4, 4),), mode="fp32")
+        compile(WriteThroughExpand(), (torch.randn(4, 4),), policy="fp32")
 
 
 def test_the_pass_leaves_a_pure_graph_alone():
@@ -102,7 +102,7 @@ def test_the_pass_leaves_a_pure_graph_alone():
 
     gm = load_graph(Pure(), (torch.randn(3, 4),))
     before = [(n.op, n.target) for n in gm.graph.nodes]
-    functionalize_inplace(gm)
+    assert not functionalize_inplace(gm).modified
     assert [(n.op, n.target) for n in gm.graph.nodes] == before
 
 
@@ -148,7 +148,7 @@ def test_a_write_into_a_weight_or_buffer_is_refused_whether_direct_or_through_a_
     x = torch.ones(2, 4) if module is not WritesIntoAConstantAttribute else torch.ones(2)
     message = rf"node {node} \(aten\.\w+_\.\w+\) updates {weight} in place"
     with pytest.raises(HarnessError, match=message):
-        compile(module().eval(), (x,), mode="fp32")
+        compile(module().eval(), (x,), policy="fp32")
     with pytest.raises(HarnessError, match=message):
         functionalize_inplace(load_graph(module().eval(), (x,)))
 

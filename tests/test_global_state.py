@@ -79,7 +79,7 @@ class Meddler(nn.Module):
 def test_a_no_grad_method_compiles_in_every_mode(unchanged, mode):
     x = _rand(2, 4)
     module = _built(WithNoGradMethod)
-    compiled = compile(module, (x,), mode=mode, low_precision_type="bf16")
+    compiled = compile(module, (x,), policy=mode, low_precision_type="bf16")
     assert not any("set_grad" in str(n.target) for n in compiled.graph_module.graph.nodes)
     if mode == "fp32":
         with torch.inference_mode():

@@ -8,8 +8,9 @@ import torch.nn as nn
 
 from harness.errors import HarnessError
 from harness.frontend.export import export_program, load_graph, standalone_graph
-from harness.lowering.decompose import DecompositionTable, decompose, resolve_op
-from harness.lowering.pass_manager import PassManager, default_pass_manager
+from harness.lowering.decompose import DecompositionTable, decompose
+from harness.lowering.pass_manager import PassManager, PassResult, default_pass_manager
+from harness.opnames import resolve_op
 
 
 class Net(nn.Module):
@@ -111,7 +112,7 @@ def test_unknown_pass_is_named():
 def test_pass_that_breaks_the_graph_is_caught_where_it_broke():
     def broken(gm):
         gm.graph.erase_node(next(n for n in gm.graph.nodes if n.op == "placeholder"))  # still used
-        return gm
+        return PassResult(gm, True)
 
     with pytest.raises(RuntimeError, match="still had 1 users"):
         PassManager([("broken", broken)])(load_graph(Net().eval(), X))
@@ -152,8 +153,10 @@ def test_fold_batch_norm_matches_unfolded_in_fp32():
     spec = models.load("resnet")
     gm = load_graph(spec.module, spec.example_inputs)
     n_bn = sum(n.target is torch.ops.aten.batch_norm.default for n in gm.graph.nodes)
-    folded = fold_batch_norm(load_graph(spec.module, spec.example_inputs))
+    result = fold_batch_norm(load_graph(spec.module, spec.example_inputs))
+    folded = result.graph_module
     folded.recompile()
+    assert result.modified
     assert n_bn == 9 and not any(n.target is torch.ops.aten.batch_norm.default for n in folded.graph.nodes)
     ref = spec.module(*spec.example_inputs)
     (out,) = folded(*spec.example_inputs)  # a bare graph module returns the flat tuple
@@ -196,8 +199,8 @@ def test_conv_weights_channels_last_outside_the_exact_modes():
         gm = cg.graph_module
         return [getattr(gm, n.args[1].target) for n in gm.graph.nodes if n.target is torch.ops.aten.conv2d.default]
 
-    rule = compile(spec.module, spec.example_inputs, mode="rule", low_precision_type=torch.bfloat16)
-    amp = compile(spec.module, spec.example_inputs, mode="amp", low_precision_type=torch.bfloat16)
+    rule = compile(spec.module, spec.example_inputs, policy="rule", low_precision_type=torch.bfloat16)
+    amp = compile(spec.module, spec.example_inputs, policy="amp", low_precision_type=torch.bfloat16)
     assert all(w.is_contiguous(memory_format=torch.channels_last) for w in conv_weights(rule))
     assert sum(not w.is_contiguous() for w in conv_weights(rule)) >= 7  # the 3x3 kernels moved
     assert all(w.is_contiguous() for w in conv_weights(amp))
@@ -217,17 +220,17 @@ class StridedAfterConv(nn.Module):
         return h.as_strided((8, 3, 4), (16, 4, 1), 2), h.transpose(2, 3).as_strided((4, 6), (5, 3), 7)
 
 
-@pytest.mark.parametrize("mode", ["fp32", "rule"])
-def test_as_strided_reads_eager_memory_order_even_after_channels_last_weights(mode):
+@pytest.mark.parametrize("policy", ["fp32", "rule"])
+def test_as_strided_reads_eager_memory_order_even_after_channels_last_weights(policy):
     from harness.autocast import compile
 
     module, x = StridedAfterConv().eval(), torch.randn(1, 3, 4, 4)
     # rule mode stores the convolution weight channels-last, so the convolution's output is
     # channels-last too: as_strided on it directly would read other elements than eager's.
-    compiled = compile(module, (x,), mode=mode, low_precision_type=torch.bfloat16)
+    compiled = compile(module, (x,), policy=policy, low_precision_type=torch.bfloat16)
     clones = [n for n in compiled.graph_module.graph.nodes if n.target is torch.ops.aten.clone.default]
     assert len(clones) == 1  # both read the convolution's memory: one compact copy of it
-    tolerance = {"rtol": 0, "atol": 0} if mode == "fp32" else {"rtol": 2e-2, "atol": 2e-2}
+    tolerance = {"rtol": 0, "atol": 0} if policy == "fp32" else {"rtol": 2e-2, "atol": 2e-2}
     for got, want in zip(compiled(x), module(x), strict=True):
         torch.testing.assert_close(got.float(), want, **tolerance)
 

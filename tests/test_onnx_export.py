@@ -245,7 +245,7 @@ def test_a_dynamic_batch_export_runs_every_batch_size_like_the_typed_graph(tmp_p
 
 
 def test_a_graph_that_fixes_its_batch_size_cannot_get_a_dynamic_batch_axis(tmp_path):
-    from harness.engines.onnx_export import StaticBatchError
+    from harness.errors import StaticBatchError
 
     compiled = compile_for_mode(models.load("transformer", 4), "fp32", None)
     with pytest.raises(StaticBatchError, match="the typed graph fixes the batch size of input 'ids'"):

@@ -20,9 +20,11 @@ import torch
 
 from harness import models
 from harness.engines.modes import compile_for_mode
+from harness.engines.onnx_plan import MODEL_FILE
 from harness.engines.onnxruntime import OnnxRuntimeBackend, OnnxRuntimeEngine
-from harness.engines.onnxruntime.backend import MODEL_FILE, PLAN_FILE, TACTIC
+from harness.engines.onnxruntime.backend import TACTIC
 from harness.engines.protocol import BuildConfig
+from harness.engines.saved import PLAN_FILE
 from harness.errors import HarnessError
 from tests.helpers import bits_equal
 

@@ -28,11 +28,12 @@ from harness import models  # noqa: E402
 from harness.build import build_engine  # noqa: E402
 from harness.cache.timing_cache import CacheEntry, TimingCache, check_compatible  # noqa: E402
 from harness.cli.main import main  # noqa: E402
+from harness.dtypes import dtype_name  # noqa: E402
 from harness.engines.modes import compile_for_mode, is_weak, low_dtype  # noqa: E402
+from harness.engines.onnx_plan import MODEL_FILE  # noqa: E402
 from harness.engines.openvino import OpenVinoBackend, OpenVinoEngine  # noqa: E402
-from harness.engines.openvino.plan import MODEL_FILE  # noqa: E402
 from harness.engines.openvino.probe import probe  # noqa: E402
-from harness.engines.protocol import PRECISION_MODES, BuildConfig, dtype_name  # noqa: E402
+from harness.engines.protocol import PRECISION_MODES, BuildConfig  # noqa: E402
 from harness.engines.registry import get_backend  # noqa: E402
 from harness.engines.saved import PLAN_FILE  # noqa: E402
 from harness.errors import HarnessError  # noqa: E402
@@ -166,7 +167,7 @@ def test_a_missing_openvino_names_the_extra_to_install(monkeypatch):
     for name in [n for n in sys.modules if n == "openvino" or n.startswith(("openvino.", "harness.engines.openvino"))]:
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.setitem(sys.modules, "openvino", None)  # import openvino -> ImportError
-    with pytest.raises(HarnessError, match=r"backend 'openvino' is not available here: .*mixed-precision-harness\[openvino\]"):
+    with pytest.raises(HarnessError, match=r"backend 'openvino' needs openvino, which is not installed.*mixed-precision-harness\[openvino\]"):
         get_backend("openvino")
 
 

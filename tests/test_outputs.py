@@ -26,7 +26,7 @@ def nested():
 
 
 def test_compile_returns_the_eager_structure_and_run_the_flat_view(nested):
-    compiled = compile(nested.module, nested.example_inputs, mode="fp32")
+    compiled = compile(nested.module, nested.example_inputs, policy="fp32")
     with torch.inference_mode():
         eager = nested.module(*nested.example_inputs)
     assert_same_outputs(compiled(*nested.example_inputs), eager)
@@ -80,5 +80,5 @@ class Single(nn.Module):
 
 
 def test_a_single_tensor_model_gets_a_tensor_back():
-    compiled = compile(Single(), (torch.ones(3),), mode="fp32")
+    compiled = compile(Single(), (torch.ones(3),), policy="fp32")
     assert isinstance(compiled(torch.ones(3)), torch.Tensor)

@@ -61,3 +61,86 @@ def test_no_module_imports_another_modules_private_names():
                 private = [a.name for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
                 found += [f"{path.relative_to(ROOT)}: from {node.module} import {name}" for name in private]
     assert found == []
+
+
+def _requirement_names(requirements: list[str]) -> set[str]:
+    import re
+
+    return {re.split(r"[<>=!~;\s\[]", r, maxsplit=1)[0].lower() for r in requirements}
+
+
+RUNTIME_EXTRAS = ("onnx", "openvino", "plots", "digits", "hf")
+
+
+def test_the_optional_packages_are_extras_not_dependencies():
+    project = parse_toml_file(ROOT / "pyproject.toml", "pyproject")["project"]
+    extras = project["optional-dependencies"]
+    hard = _requirement_names(project["dependencies"])
+    assert not hard & {"onnx", "onnxscript", "onnx-ir", "onnxruntime", "openvino", "matplotlib", "scikit-learn",
+                       "transformers"}  # fmt: skip
+    assert any(r.startswith("torch>=2.13,<2.14") for r in project["dependencies"])  # the tested range
+    assert _requirement_names(extras["onnx"]) == {"onnx", "onnxscript", "onnx-ir", "onnxruntime"}
+    assert _requirement_names(extras["plots"]) == {"matplotlib"}
+    assert _requirement_names(extras["digits"]) == {"scikit-learn"}
+    # `all` is exactly the union of the runtime extras (same bounds), and the tests need all of it
+    union = {r for name in RUNTIME_EXTRAS for r in extras[name]}
+    assert set(extras["all"]) == union
+    assert set(extras["test"]) >= union
+
+
+def test_every_extra_the_code_names_exists_and_holds_the_package():
+    from harness.extras import PACKAGES
+
+    extras = parse_toml_file(ROOT / "pyproject.toml", "pyproject")["project"]["optional-dependencies"]
+    named = {
+        ("onnxruntime", "onnx"), ("onnx", "onnx"), ("onnxscript", "onnx"), ("onnx_ir", "onnx"),
+        ("openvino", "openvino"), ("onnx", "openvino"), ("onnxscript", "openvino"),
+        ("matplotlib", "plots"), ("sklearn", "digits"),
+    }  # fmt: skip
+    for module, extra in named:
+        assert PACKAGES[module] in _requirement_names(extras[extra]), (module, extra)
+
+
+def test_a_missing_optional_module_names_its_package_and_extra(monkeypatch):
+    import pytest
+
+    from harness.errors import HarnessError
+    from harness.extras import MissingExtra, require
+
+    monkeypatch.setitem(sys.modules, "sklearn", None)
+    with pytest.raises(MissingExtra) as exc:
+        require("sklearn", "digits", "the zoo model 'digits'")
+    assert isinstance(exc.value, HarnessError) and exc.value.exit_code == 2
+    assert str(exc.value) == (
+        "the zoo model 'digits' needs scikit-learn, which is not installed; it comes with the 'digits' extra: "
+        "pip install 'mixed-precision-harness[digits]'"
+    )
+    assert require("json", "none", "-").dumps(1) == "1"
+
+
+def test_the_registry_checks_a_backends_extra_before_importing_it(monkeypatch):
+    import pytest
+
+    from harness.engines import registry
+    from harness.extras import MissingExtra
+
+    monkeypatch.setitem(sys.modules, "onnxruntime", None)
+    with pytest.raises(MissingExtra, match=r"backend 'onnxruntime' needs onnxruntime.*\[onnx\]'"):
+        registry.get_backend("onnxruntime")
+    assert registry.resolve_name("auto") in ("cpu", "tensorrt")
+    assert registry.get_backend("cpu").name == "cpu"
+
+
+def test_the_gate_session_installs_what_the_gate_imports():
+    """noxfile.GATE_PACKAGES: each a dependency, and no torch (the gate's whole point)."""
+    import ast
+
+    tree = ast.parse((ROOT / "noxfile.py").read_text())
+    gate = next(
+        node.value for node in tree.body
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "GATE_PACKAGES" for t in node.targets)
+    )  # fmt: skip
+    packages = set(ast.literal_eval(gate))
+    hard = _requirement_names(parse_toml_file(ROOT / "pyproject.toml", "pyproject")["project"]["dependencies"])
+    assert packages <= hard and "torch" not in packages
+    assert {"jsonschema", "numpy", "scipy", "tabulate"} <= packages

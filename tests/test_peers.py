@@ -16,6 +16,7 @@ from torch import nn
 
 from harness.bench import peers as peers_mod
 from harness.bench.gate import gate
+from harness.bench.peer_names import precision_of, run_precisions
 from harness.bench.peers import (
     PEER_NAMES,
     EagerPeer,
@@ -27,9 +28,7 @@ from harness.bench.peers import (
     PeerRun,
     ort_session_options,
     peer_cases,
-    precision_of,
     resolve_peers,
-    run_precisions,
 )
 from harness.bench.results import PEER_PREFIX, ResultsWriter, is_peer, load_results, sealed
 from harness.bench.runner import BenchRunner, MeasureSettings
@@ -279,22 +278,38 @@ def bench(capsys, tmp_path, *argv: object) -> tuple[int, str, str]:
 
 
 @pytest.mark.parametrize(
-    ("argv", "break_it", "message"),
+    ("argv", "message"),
     [
-        (("--peers", "eager,tvm"), None, "--peers: unknown peer(s) 'tvm'; valid peers: eager, inductor, onnxruntime, openvino"),
-        (("--peers", "openvino"), _without_openvino, "pip install 'mixed-precision-harness[openvino]'"),
-        (("--peers", "eager,inductor"), _without_compiler, "peer 'inductor' cannot work here"),
-        (("--config", "{project}"), None, "'tvm' is not one of ['eager', 'inductor', 'onnxruntime', 'openvino']"),
+        (("--peers", "eager,tvm"), "--peers: unknown peer(s) 'tvm'; valid peers: eager, inductor, onnxruntime, openvino"),
+        (("--peers", "eager,eager"), "--peers 'eager,eager': a name appears twice"),
+        (("--config", "{project}"), "'tvm' is not one of ['eager', 'inductor', 'onnxruntime', 'openvino']"),
     ],
 )
-def test_unknown_or_missing_peers_exit_2_before_any_work(capsys, tmp_path, monkeypatch, argv, break_it, message):
+def test_unknown_peers_exit_2_before_any_work(capsys, tmp_path, monkeypatch, argv, message):
     monkeypatch.setenv("HARNESS_MACHINE_ID", "test-machine")
     (tmp_path / "harness.toml").write_text('peers = ["eager", "tvm"]\n')
-    if break_it is not None:
-        break_it(monkeypatch)
     code, _, err = bench(capsys, tmp_path, *(str(a).format(project=tmp_path / "harness.toml") for a in argv))
     assert code == 2 and err.startswith("error: ") and message in err, err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("break_it", "note"),
+    [
+        (_without_openvino, "note: peer openvino skipped: peer 'openvino' needs openvino, which is not installed; "
+                            "it comes with the 'openvino' extra: pip install 'mixed-precision-harness[openvino]'"),
+        (_without_compiler, "note: peer inductor skipped: peer 'inductor' cannot work here"),
+    ],
+)
+def test_a_peer_that_cannot_run_here_is_skipped_with_the_reason(monkeypatch, break_it, note):
+    """The run's other cases go on; the note says which peer is missing and what installs it."""
+    break_it(monkeypatch)
+    skipped: list[str] = []
+    peers = resolve_peers(["eager", "inductor", "openvino"], "--peers", skipped)
+    assert [p.name for p in peers] == [n for n in ("eager", "inductor", "openvino") if n not in note.split()[2]]
+    assert len(skipped) == 1 and f"note: {skipped[0]}".startswith(note)
+    with pytest.raises(HarnessError, match=r"--peers: peer '(openvino|inductor)'"):  # without a list: refused
+        resolve_peers(["eager", "inductor", "openvino"])
 
 
 def test_bench_runs_the_project_files_peers_next_to_the_backend(capsys, tmp_path, monkeypatch):

@@ -50,7 +50,7 @@ class LinearNorms(nn.Module):
 def test_norm_parameters_stay_fp32_and_match_eager_autocast():
     module = LinearNorms().eval()
     x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
-    cg = compile(module, (x,), mode="rule", settings=_rule_settings("bf16"))
+    cg = compile(module, (x,), policy="rule", settings=_rule_settings("bf16"))
 
     norms = [n for n in cg.graph_module.graph.nodes if n.target in NORMS]
     assert sorted(str(n.target) for n in norms) == sorted(str(t) for t in NORMS)
@@ -83,7 +83,7 @@ class Casts(nn.Module):
 def test_explicit_casts_keep_what_the_user_asked():
     module = Casts().eval()
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(2)) * 3
-    cg = compile(module, (x,), mode="rule", settings=_rule_settings("bf16"))
+    cg = compile(module, (x,), policy="rule", settings=_rule_settings("bf16"))
 
     rows = {r.name: r for r in cg.report.rows}
     user_casts = [r for r in cg.report.rows if r.rule != "inserted_cast" and r.op.startswith(("aten.to.", "aten._to_copy"))]

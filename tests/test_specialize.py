@@ -1,4 +1,4 @@
-"""The drop-in module follows the caller's autocast state (seed 001, level 2)."""
+"""The drop-in module follows the caller's autocast state."""
 
 from __future__ import annotations
 

@@ -36,7 +36,7 @@ from harness.engines.tensorrt.builder import (  # noqa: E402
 )
 from harness.engines.tensorrt.cache_bridge import apply_selections, export_trt_cache  # noqa: E402
 from harness.engines.tensorrt.log_parser import parse_log_file  # noqa: E402
-from harness.engines.tensorrt.versions import TrtVersion, flag_bits, installed_version  # noqa: E402
+from harness.engines.tensorrt.versions import TrtApi, TrtVersion, flag_bits, installed_version  # noqa: E402
 from harness.errors import HarnessError  # noqa: E402
 
 DATA = Path(__file__).parent / "data" / "trt"
@@ -247,7 +247,9 @@ def main() -> None:
     report = {
         "version": trt.__version__,
         "parsed_version": str(installed_version(trt)),
-        "module_attributes_missing": [n for n in TrtModule.__annotations__ if not hasattr(trt, n)],
+        "module_attributes_missing": [
+            n for n in (*TrtApi.__annotations__, *TrtModule.__annotations__) if not hasattr(trt, n)
+        ],
         "called_missing": [f"{c}.{m}" for c, names in CALLED.items() for m in names if not hasattr(getattr(trt, c), m)],
         "signatures": {
             f"{c}.{m}": signature(getattr(getattr(trt, c), m))

@@ -26,7 +26,7 @@ against eager autocast):
   those overloads at all, so they are left out.
 
 Another torch release may list other ops, and exact AMP would then silently
-differ from eager. So before AMP mode (and :func:`harness.autocast.jit`) is
+differ from eager. So before the amp policy (and :func:`harness.autocast.jit`) is
 first used, :func:`check_amp_table` compares the table with the running
 dispatcher's autocast registrations, once per process and device, and refuses
 AMP on a mismatch naming the ops.
@@ -429,7 +429,7 @@ def policy_for(op: torch._ops.OpOverload, device: str) -> PolicyEntry | None:
         raise TypeError(
             f"policy_for needs an OpOverload such as torch.ops.aten.mm.default, got {op!r}"
         )
-    return table.get(op.name())
+    return table.get(op.name())  # type: ignore[no-untyped-call]  # torch leaves OpOverload.name unannotated
 
 
 def listed_ops(device: str) -> dict[str, PolicyEntry]:
@@ -497,14 +497,14 @@ def table_mismatch(device: str) -> TableMismatch:
 def check_amp_table(device: str) -> None:
     """Refuse exact AMP when the installed torch autocasts other ops than the table says.
 
-    AMP mode promises eager ``torch.autocast``'s types bit for bit; with a
+    The amp policy promises eager ``torch.autocast``'s types bit for bit; with a
     table from another torch release it would type some ops differently and
     say nothing. Cheap after the first call (:func:`table_mismatch` is cached).
     """
     mismatch = table_mismatch(device)
     if mismatch:
         raise HarnessError(
-            f"AMP mode is refused: its {device} autocast op lists are those of torch {TABLE_TORCH_VERSION}, "
+            f"exact AMP is refused: its {device} autocast op lists are those of torch {TABLE_TORCH_VERSION}, "
             f"and the installed torch {torch.__version__} autocasts other ops ({mismatch.describe()}); "
-            f"exact AMP would not match eager torch.autocast. Use torch {TABLE_TORCH_VERSION}.x, or rule mode"
+            f"exact AMP would not match eager torch.autocast. Use torch {TABLE_TORCH_VERSION}.x, or the rule policy"
         )

@@ -9,7 +9,7 @@ decision, and every engine, sees the dtype that really runs.
 One cast per tensor per target dtype, placed right after the producer and
 shared by all consumers. Weights are never cast at run time: a converted copy
 is made ahead of time (one per precision when a weight is used by both), with
-fp16 copies clipped to the fp16 range and the clipped values counted. AMP mode
+fp16 copies clipped to the fp16 range and the clipped values counted. The amp policy
 does not clip, because eager autocast does not either (``.to(float16)``
 overflows to inf) and AMP's contract is to match eager bit for bit.
 """
@@ -19,14 +19,16 @@ from __future__ import annotations
 import operator
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TypeGuard
 
 import torch
 import torch.utils._pytree as pytree
 
 from harness.autocast.decision import Action, Decision
+from harness.dtypes import dtype_label, dtype_name
 from harness.errors import HarnessError
-from harness.fxutil import dtype_name, fake_mode_of
+from harness.fxutil import fake_mode_of
+from harness.opnames import resolve_op
 
 aten = torch.ops.aten
 FP16_MAX = float(torch.finfo(torch.float16).max)
@@ -52,24 +54,38 @@ def is_cast(node: torch.fx.Node) -> bool:
     )
 
 
-def _eligible(node: Any) -> bool:
+def arg_node(node: torch.fx.Node, index: int = 0) -> torch.fx.Node:
+    """``node.args[index]`` where the op's schema makes it a tensor, hence a graph node."""
+    arg = node.args[index]
+    if not isinstance(arg, torch.fx.Node):
+        raise HarnessError(
+            f"node {node.name} ({node.target}): argument {index} is {type(arg).__name__}, expected a graph node"
+        )
+    return arg
+
+
+def node_dtype(node: torch.fx.Node) -> torch.dtype:
+    """The dtype of the tensor ``node`` produces (its ``meta["val"]``)."""
+    val = node.meta["val"]
+    if not isinstance(val, torch.Tensor):
+        raise HarnessError(f"node {node.name}: expected a tensor value, got {type(val).__name__}")
+    return val.dtype
+
+
+def _eligible(node: object) -> TypeGuard[torch.fx.Node]:
     val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
     return isinstance(val, torch.Tensor) and val.is_floating_point() and val.dtype != torch.float64
-
-
-def _dtype(node: torch.fx.Node) -> torch.dtype:
-    return node.meta["val"].dtype
 
 
 def _promote_type(node: torch.fx.Node, inputs: list[torch.fx.Node], low: torch.dtype) -> torch.dtype:
     widest = low
     for a in inputs:
-        d = _dtype(a)
+        d = node_dtype(a)
         if d == torch.float32:
             widest = torch.float32
         elif d != low:
             raise HarnessError(
-                f"node {node.name}: autocast promote cannot mix {dtype_name(d)} with {dtype_name(low)} "
+                f"node {node.name}: autocast promote cannot mix {dtype_label(d)} with {dtype_name(low)} "
                 "(PyTorch raises here too); cast the inputs to one type in the model"
             )
     return widest
@@ -86,20 +102,21 @@ _NORM_PARAMETERS = {
 
 
 def _fp32_parameters(node: torch.fx.Node) -> set[torch.fx.Node]:
-    positions = _NORM_PARAMETERS.get(node.target, ())
+    positions = _NORM_PARAMETERS.get(node.target, ()) if isinstance(node.target, torch._ops.OpOverload) else ()
     return {
         a
         for i in positions
         if i < len(node.args)
         and isinstance(a := node.args[i], torch.fx.Node)
         and a.op == "get_attr"
-        and _dtype(a) == torch.float32
+        and node_dtype(a) == torch.float32
     }
 
 
 def _dtype_arg_given(node: torch.fx.Node) -> bool:
-    schema = node.target._schema  # type: ignore[union-attr]
-    for i, arg in enumerate(schema.arguments):
+    target = node.target
+    assert isinstance(target, torch._ops.OpOverload), f"{node.name}: set_opt_dtype needs an OpOverload, got {target!r}"
+    for i, arg in enumerate(target._schema.arguments):
         if arg.name == "dtype":
             value = node.args[i] if i < len(node.args) else node.kwargs.get("dtype")
             return value is not None
@@ -162,17 +179,17 @@ class _Inserter:
         if action is Action.CAST:
             assert decision.dtype is not None
             keep = _fp32_parameters(node) if self.mixed_norms else set()
-            targets = {a: decision.dtype for a in inputs if _dtype(a) != decision.dtype and a not in keep}
+            targets = {a: decision.dtype for a in inputs if node_dtype(a) != decision.dtype and a not in keep}
         elif action is Action.PROMOTE:
             widest = _promote_type(node, inputs, decision.dtype or torch.float32)
-            targets = {a: widest for a in inputs if _dtype(a) != widest}
+            targets = {a: widest for a in inputs if node_dtype(a) != widest}
         elif action is Action.SET_OPT_DTYPE:
             if _eligible(node.args[0]) and not _dtype_arg_given(node):
                 node.kwargs = {**node.kwargs, "dtype": torch.float32}
         elif action is Action.APPEND_DTYPE:
-            first = node.args[0]
-            node.target = _resolve_overload(str(decision.redispatch))
-            node.kwargs = {**node.kwargs, "dtype": torch.float32 if _eligible(first) else _dtype(first)}
+            first = arg_node(node)
+            node.target = resolve_op(str(decision.redispatch))
+            node.kwargs = {**node.kwargs, "dtype": torch.float32 if _eligible(first) else node_dtype(first)}
         if targets:
             node.args, node.kwargs = pytree.tree_map(
                 lambda a: self.cast(a, targets[a]) if isinstance(a, torch.fx.Node) and a in targets else a,
@@ -183,21 +200,19 @@ class _Inserter:
     def refresh(self, node: torch.fx.Node) -> None:
         """Recompute ``meta["val"]`` from the (possibly re-typed) inputs."""
         if node.target is operator.getitem:
-            node.meta["val"] = node.args[0].meta["val"][node.args[1]]
+            node.meta["val"] = arg_node(node).meta["val"][node.args[1]]
             return
+        target = node.target
+        if not callable(target):
+            raise HarnessError(f"node {node.name} ({target}): not a callable op")
         args, kwargs = pytree.tree_map(
             lambda a: a.meta.get("val") if isinstance(a, torch.fx.Node) else a, (node.args, node.kwargs)
         )
         try:
             with self.fake_mode:
-                node.meta["val"] = node.target(*args, **kwargs)
+                node.meta["val"] = target(*args, **kwargs)
         except Exception as exc:
             raise HarnessError(f"node {node.name} ({node.target}) cannot run with the decided types: {exc}") from exc
-
-
-def _resolve_overload(qualified: str) -> torch._ops.OpOverload:
-    ns_name, _, overload = qualified.partition("::")[2].partition(".")
-    return getattr(getattr(torch.ops.aten, ns_name), overload or "default")
 
 
 def insert_casts(
@@ -211,11 +226,11 @@ def insert_casts(
     """Apply ``decisions``; with ``cast_outputs_back`` the public output dtypes are kept.
 
     ``mixed_norms`` keeps normalization parameters fp32 on lowered nodes (see
-    ``_NORM_PARAMETERS``); AMP mode turns it off because its policy decides that.
+    ``_NORM_PARAMETERS``); the amp policy turns it off because AMP's cast policy decides that.
     """
     inserter = _Inserter(gm, clip_fp16, mixed_norms)
     output = gm.graph.output_node()
-    original_out = [a.meta["val"].dtype if _eligible(a) else None for a in output.args[0]]
+    original_out = [node_dtype(a) if _eligible(a) else None for a in _output_values(output)]
     with torch.autocast("cpu", enabled=False):
         for node in list(gm.graph.nodes):
             if node.op != "call_function" or node.meta.get("inserted_cast"):
@@ -226,12 +241,20 @@ def insert_casts(
             else:
                 inserter.rewrite(node, decision)
         if cast_outputs_back:
-            outs = list(output.args[0])
+            outs = _output_values(output)
             for i, (a, want) in enumerate(zip(outs, original_out, strict=True)):
-                if want is not None and _dtype(a) != want:
+                if want is not None and isinstance(a, torch.fx.Node) and node_dtype(a) != want:
                     outs[i] = inserter.cast(a, want)
             output.args = (tuple(outs),)
     return inserter.stats
+
+
+def _output_values(output: torch.fx.Node) -> list[torch.fx.node.Argument]:
+    """The graph's outputs: the output node's single argument is their tuple (or list)."""
+    values = output.args[0]
+    if not isinstance(values, (tuple, list)):
+        raise HarnessError(f"graph output is {type(values).__name__}, expected a tuple of outputs")
+    return list(values)
 
 
 def retype_inputs(gm: torch.fx.GraphModule) -> None:

@@ -12,11 +12,13 @@ from harness.errors import HarnessError
 
 _STRUCTURAL: tuple[r.Rule, ...] = (r.NotFloat(), r.Float64(), r.Getitem(), r.ExplicitCast())
 
-MODES = ("fp32", "full", "rule", "amp", "explicit")
+# How the compiler decides each node's precision (the precision modes of the
+# engines map onto these: harness.engines.modes).
+POLICIES = ("fp32", "full", "rule", "amp", "explicit")
 
 
-def rules_for(mode: str, explicit: Sequence[tuple[object, torch.dtype]] = ()) -> tuple[r.Rule, ...]:
-    if mode == "rule":
+def rules_for(policy: str, explicit: Sequence[tuple[object, torch.dtype]] = ()) -> tuple[r.Rule, ...]:
+    if policy == "rule":
         return _STRUCTURAL + (
             r.AutocastRegionRule(),
             r.Include(),
@@ -27,15 +29,15 @@ def rules_for(mode: str, explicit: Sequence[tuple[object, torch.dtype]] = ()) ->
             r.ReductionDepth(),
             r.Default("default", "no rule keeps it in fp32: lowered to {low}"),
         )
-    if mode == "full":
+    if policy == "full":
         return _STRUCTURAL + (r.Default("full", "whole graph in {low}"),)
-    if mode == "explicit":
+    if policy == "explicit":
         return _STRUCTURAL + (r.ExplicitPatterns(list(explicit)),)
-    if mode in ("amp", "fp32"):
+    if policy in ("amp", "fp32"):
         # AMP decides eligibility per input (float64 inputs stay, others are cast),
         # so only getitem and non-float nodes are settled structurally.
         return (r.NotFloat(), r.Getitem(), r.AmpPolicyRule())
-    raise HarnessError(f"unknown compile mode {mode!r}; valid: {', '.join(MODES)}")
+    raise HarnessError(f"unknown compiler policy {policy!r}; valid: {', '.join(POLICIES)}")
 
 
 def classify(gm: torch.fx.GraphModule, ctx: r.Context, rules: Sequence[r.Rule]) -> dict[str, Decision]:

@@ -1,6 +1,6 @@
 """``compile``: model in, explicitly typed FX graph and precision report out.
 
-Pipeline (DESIGN.md section 1): export -> inline autocast regions -> structural
+Pipeline ("Autocast compiler" in docs/design.md): export -> inline autocast regions -> structural
 lowering -> (AMP: expand composites whose parts autocast sees) -> calibrate ->
 classify -> insert casts -> clean up -> decompositions. Every stage is a
 function of the graph; the result runs with ambient autocast disabled, so its
@@ -29,12 +29,17 @@ from harness.autocast.calibrate import (
     default_calibration_data,
 )
 from harness.autocast.casts import insert_casts, retype_inputs
-from harness.autocast.classify import MODES, classify, rules_for
+from harness.autocast.classify import POLICIES, classify, rules_for
 from harness.autocast.cleanup import CLEANUP
 from harness.autocast.regions import Region, inline_higher_order_ops
 from harness.autocast.report import PrecisionReport, build_report
 from harness.autocast.rules import Context, effective_state
-from harness.autocast.settings import DTYPES, AutocastSettings, compile_patterns, parse_dtype
+from harness.autocast.settings import (
+    EXPLICIT_TYPES,
+    AutocastSettings,
+    compile_patterns,
+    parse_dtype,
+)
 from harness.autocast.verify import verify_graph
 from harness.errors import HarnessError
 from harness.frontend.export import export_program, standalone_graph
@@ -51,6 +56,7 @@ from harness.lowering.decompose import DecompositionTable, decompose
 from harness.lowering.functionalize import functionalize_inplace
 from harness.lowering.layout import channels_last_weights
 from harness.lowering.pass_manager import PassManager, default_pass_manager, validate
+from harness.opnames import out_of_place_packet, overload_names
 from harness.outputs import OutputSpec, output_spec_of
 
 
@@ -70,7 +76,7 @@ class CompiledGraph:
     graph_module: torch.fx.GraphModule
     report: PrecisionReport
     example_inputs: tuple[torch.Tensor, ...]
-    mode: str
+    policy: str
     low_precision_type: torch.dtype
     outputs: OutputSpec
     device: str = "cpu"
@@ -139,11 +145,11 @@ def _mutates(sub: torch.fx.GraphModule) -> bool:
 
 def _out_of_place_view(op: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
     """``transpose_.default`` -> ``transpose.int``: the view op with the same arguments, if ``op`` is an in-place view."""
-    name = op._schema.name.split("::")[-1]
-    if not name.endswith("_") or (packet := getattr(torch.ops.aten, name[:-1], None)) is None:
+    packet = out_of_place_packet(op)
+    if packet is None:
         return None
     wanted = [(a.name, str(a.type)) for a in op._schema.arguments]
-    for overload in packet.overloads():
+    for overload in overload_names(packet):
         twin = getattr(packet, overload)
         returns = twin._schema.returns
         if [(a.name, str(a.type)) for a in twin._schema.arguments] == wanted and returns and returns[0].alias_info:
@@ -234,7 +240,7 @@ def _autocast_expansion(
             # Kernels write into buffers they allocate (_trilinear: zeros, then
             # narrow(...).add_); engines run nodes as pure functions.
             _restride_out_of_place(body)
-            return functionalize_inplace(body) if _mutates(body) else body
+            return functionalize_inplace(body).graph_module if _mutates(body) else body
     return None
 
 
@@ -263,9 +269,9 @@ def _expand_autocast_composites(gm: torch.fx.GraphModule, device: str, ambient: 
 
 def _explicit_patterns(explicit: Mapping[str, Any] | None) -> list[tuple[Any, torch.dtype]]:
     if not explicit:
-        raise HarnessError("mode 'explicit' needs a mapping of node-name regexes to dtypes (fp32, fp16, bf16)")
+        raise HarnessError("policy 'explicit' needs a mapping of node-name regexes to dtypes (fp32, fp16, bf16)")
     patterns = compile_patterns(list(explicit), "explicit")
-    return [(p, parse_dtype(explicit[p.pattern], f"explicit pattern {p.pattern!r}", DTYPES)) for p in patterns]
+    return [(p, parse_dtype(explicit[p.pattern], f"explicit pattern {p.pattern!r}", EXPLICIT_TYPES)) for p in patterns]
 
 
 @preserves_global_state
@@ -273,7 +279,7 @@ def compile(
     model: torch.nn.Module | ExportedProgram,
     example_inputs: Sequence[torch.Tensor] | None = None,
     *,
-    mode: str = "rule",
+    policy: str = "rule",
     low_precision_type: torch.dtype | str | None = None,
     settings: AutocastSettings | None = None,
     explicit: Mapping[str, Any] | None = None,
@@ -286,22 +292,22 @@ def compile(
 ) -> CompiledGraph:
     """Compile ``model`` to an explicitly typed graph.
 
-    Modes: ``fp32`` (nothing lowered; the model's own autocast regions apply as
+    Policies: ``fp32`` (nothing lowered; the model's own autocast regions apply as
     in eager), ``full`` (whole graph low), ``rule`` (rule-based classifier),
     ``amp`` (PyTorch AMP policy for ``device``; with ``amp_enabled=False`` it
     is the plain eager behaviour), ``explicit`` (node-name regex -> dtype).
     With ``verify`` the result is run once on the example inputs (see verify.py).
     """
-    if mode not in MODES:
-        raise HarnessError(f"unknown compile mode {mode!r}; valid: {', '.join(MODES)}")
-    if mode == "amp":
+    if policy not in POLICIES:
+        raise HarnessError(f"unknown compiler policy {policy!r}; valid: {', '.join(POLICIES)}")
+    if policy == "amp":
         check_amp_table(device)  # exact only with this torch's own autocast lists
     if settings is None:
         settings = AutocastSettings(low_precision_type=low_precision_type or torch.float16)
     elif low_precision_type is not None and parse_dtype(low_precision_type, "low_precision_type") != settings.low:
         raise HarnessError("low_precision_type disagrees with settings.low_precision_type; give it once")
     low = settings.low
-    patterns = _explicit_patterns(explicit) if mode == "explicit" else []
+    patterns = _explicit_patterns(explicit) if policy == "explicit" else []
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
 
@@ -321,18 +327,18 @@ def compile(
         timings["export"] = time.perf_counter() - t0
 
         gm = inline_higher_order_ops(gm)
-        gm = (lowering or default_pass_manager(exact=mode in ("amp", "fp32")))(gm)
+        gm = (lowering or default_pass_manager(exact=policy in ("amp", "fp32")))(gm)
         ambient = None
-        if mode == "amp":
+        if policy == "amp":
             ambient = Region(device, low, amp_enabled)
-        elif mode == "fp32":
+        elif policy == "fp32":
             ambient = Region(device, low, False)
-        if mode in ("amp", "fp32"):
+        if policy in ("amp", "fp32"):
             _expand_autocast_composites(gm, device, ambient)
         timings["lowering"] = time.perf_counter() - t0 - timings["export"]
 
         calib: Calibration | None = None
-        if mode == "rule" and settings.data_max is not None:
+        if policy == "rule" and settings.data_max is not None:
             t1 = time.perf_counter()
             data = settings.calibration_data or calibration_data
             batches = check_calibration_data(data, examples) if data is not None else default_calibration_data(examples)
@@ -341,11 +347,11 @@ def compile(
 
         t2 = time.perf_counter()
         ctx = Context(gm=gm, device=device, low=low, settings=settings, calibration=calib, ambient=ambient)
-        decisions = classify(gm, ctx, rules_for(mode, patterns))
+        decisions = classify(gm, ctx, rules_for(policy, patterns))
         timings["classify"] = time.perf_counter() - t2
 
         t3 = time.perf_counter()
-        exact_amp = mode in ("amp", "fp32")
+        exact_amp = policy in ("amp", "fp32")
         stats = insert_casts(
             gm,
             decisions,
@@ -367,6 +373,6 @@ def compile(
             verify_graph(gm, cast_floating(examples, input_dtypes))
             timings["verify"] = time.perf_counter() - t4
 
-    report = build_report(gm, decisions, mode, low, stats)
+    report = build_report(gm, decisions, policy, low, stats)
     timings["total"] = time.perf_counter() - t0
-    return CompiledGraph(gm, report, examples, mode, low, output_spec_of(ep), device, timings)
+    return CompiledGraph(gm, report, examples, policy, low, output_spec_of(ep), device, timings)

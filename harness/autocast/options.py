@@ -116,7 +116,7 @@ def settings_from(
     return AutocastSettings(**kwargs)
 
 
-def _threshold(value: Any, flag: str, kind: type) -> float | int | None:
+def _threshold(value: Any, flag: str, kind: type[float] | type[int]) -> float | int | None:
     if value == OFF:
         return None
     if isinstance(value, str):

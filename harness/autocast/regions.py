@@ -20,7 +20,8 @@ from dataclasses import dataclass
 import torch
 
 from harness.errors import HarnessError
-from harness.fxutil import copy_body, drop_unused_attributes, op_name
+from harness.fxutil import copy_body, drop_unused_attributes
+from harness.opnames import op_name
 
 WRAP_WITH_AUTOCAST = torch.ops.higher_order.wrap_with_autocast
 WRAP_WITH_SET_GRAD_ENABLED = torch.ops.higher_order.wrap_with_set_grad_enabled
@@ -70,8 +71,7 @@ def _refuse_other_higher_order_ops(gm: torch.fx.GraphModule) -> None:
             if node.target not in INLINED_HIGHER_ORDER_OPS:
                 found.append(f"{where}{node.name} ({op_name(node.target)})")
                 continue
-            body = getattr(module, _body_arg(node).target)
-            walk(body, f"{where}{node.name}/")
+            walk(_body(module, node), f"{where}{node.name}/")
 
     walk(gm, "")
     if found:
@@ -83,19 +83,30 @@ def _refuse_other_higher_order_ops(gm: torch.fx.GraphModule) -> None:
         )
 
 
-def _body_arg(node: torch.fx.Node) -> torch.fx.Node:
-    return node.args[4] if node.target is WRAP_WITH_AUTOCAST else node.args[1]
+def _body(owner: torch.fx.GraphModule, node: torch.fx.Node) -> torch.fx.GraphModule:
+    """The submodule a wrapper calls: a ``get_attr`` argument naming a graph module of ``owner``."""
+    ref = node.args[4] if node.target is WRAP_WITH_AUTOCAST else node.args[1]
+    if not (isinstance(ref, torch.fx.Node) and ref.op == "get_attr" and isinstance(ref.target, str)):
+        raise AssertionError(f"{node.name}: {op_name(node.target)} body is {ref!r}, not a get_attr node")
+    body = getattr(owner, ref.target)
+    if not isinstance(body, torch.fx.GraphModule):
+        raise AssertionError(f"{node.name}: {op_name(node.target)} body {ref.target} is {type(body).__name__}")
+    return body
 
 
 def _inline_one(owner: torch.fx.GraphModule, node: torch.fx.Node, outer: tuple[Region, ...]) -> None:
     if node.target is WRAP_WITH_AUTOCAST:
-        device, dtype, enabled, _cache, sub_ref, *operands = node.args
-        region = Region(str(device), dtype or torch.get_autocast_dtype(str(device)), bool(enabled))
+        device, dtype, enabled, _cache, _sub, *operands = node.args
+        if dtype is None:
+            dtype = torch.get_autocast_dtype(str(device))
+        if not isinstance(dtype, torch.dtype):
+            raise AssertionError(f"{node.name}: autocast dtype is {dtype!r}, not a torch.dtype")
+        region = Region(str(device), dtype, bool(enabled))
         stack = outer + (region,)
     else:  # wrap_with_set_grad_enabled: grad mode means nothing at inference
-        _enabled, sub_ref, *operands = node.args
+        _enabled, _sub, *operands = node.args
         stack = outer
-    body: torch.fx.GraphModule = getattr(owner, sub_ref.target)
+    body = _body(owner, node)
     for inner in list(body.graph.nodes):  # nested wrappers first, with the deeper stack
         if _is_inlined(inner):
             _inline_one(body, inner, stack)

@@ -11,7 +11,9 @@ from tabulate import tabulate
 
 from harness.autocast.casts import CastStats
 from harness.autocast.decision import Decision
-from harness.fxutil import dtype_name, input_nodes, module_path, op_name, output_dtypes
+from harness.dtypes import dtype_label, dtype_name
+from harness.fxutil import input_nodes, module_path, output_dtypes
+from harness.opnames import op_name
 
 
 @dataclass(frozen=True)
@@ -28,7 +30,7 @@ class NodeRow:
 
 @dataclass
 class PrecisionReport:
-    mode: str
+    policy: str
     low_precision_type: str
     rows: list[NodeRow]
     casts_inserted: int = 0
@@ -53,7 +55,7 @@ class PrecisionReport:
         head = ("node", "op", "module", "precision", "reason", "inputs", "outputs")
         counts = tabulate(sorted(self.counts().items()), headers=("rule", "nodes"))
         summary = (
-            f"mode {self.mode}, low precision {self.low_precision_type}: {self.casts_inserted} casts inserted, "
+            f"policy {self.policy}, low precision {self.low_precision_type}: {self.casts_inserted} casts inserted, "
             f"{self.weights_converted} weight copies converted ahead of time, "
             f"{self.clipped_values} weight values clipped to the fp16 range"
         )
@@ -66,11 +68,11 @@ def _precision(node: torch.fx.Node) -> str:
     outs = [d for d in output_dtypes(node) if d.is_floating_point]
     ins = [v.dtype for a in input_nodes(node) if isinstance(v := a.meta.get("val"), torch.Tensor) and v.is_floating_point()]
     chosen = outs or ins
-    return dtype_name(chosen[0]) if chosen else "-"
+    return dtype_label(chosen[0]) if chosen else "-"
 
 
 def build_report(
-    gm: torch.fx.GraphModule, decisions: dict[str, Decision], mode: str, low: torch.dtype, stats: CastStats
+    gm: torch.fx.GraphModule, decisions: dict[str, Decision], policy: str, low: torch.dtype, stats: CastStats
 ) -> PrecisionReport:
     rows = []
     for node in gm.graph.nodes:
@@ -84,7 +86,7 @@ def build_report(
             rule, reason = "decomposed", f"part of the decomposition of {origin}" if origin else "not classified"
         else:
             rule, reason = d.rule, d.reason
-        ins = tuple(dtype_name(v.dtype) for a in input_nodes(node) if isinstance(v := a.meta.get("val"), torch.Tensor))
+        ins = tuple(dtype_label(v.dtype) for a in input_nodes(node) if isinstance(v := a.meta.get("val"), torch.Tensor))
         rows.append(
             NodeRow(
                 name=node.name,
@@ -94,11 +96,11 @@ def build_report(
                 rule=rule,
                 reason=reason,
                 input_dtypes=ins,
-                output_dtypes=tuple(dtype_name(t) for t in output_dtypes(node)),
+                output_dtypes=tuple(dtype_label(t) for t in output_dtypes(node)),
             )
         )
     return PrecisionReport(
-        mode=mode,
+        policy=policy,
         low_precision_type=dtype_name(low),
         rows=rows,
         casts_inserted=sum(1 for r in rows if r.rule == "inserted_cast"),

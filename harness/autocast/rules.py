@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import operator
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -20,8 +21,10 @@ from harness.autocast.calibrate import Calibration
 from harness.autocast.decision import Action, Decision
 from harness.autocast.regions import Region, regions_of
 from harness.autocast.settings import AutocastSettings
+from harness.dtypes import dtype_name
 from harness.errors import HarnessError
-from harness.fxutil import dtype_name, input_nodes, module_path, op_name, output_dtypes
+from harness.fxutil import input_nodes, module_path, output_dtypes
+from harness.opnames import op_name
 
 aten = torch.ops.aten
 FP32 = torch.float32
@@ -36,7 +39,7 @@ class Context:
     low: torch.dtype
     settings: AutocastSettings
     calibration: Calibration | None = None
-    ambient: Region | None = None  # AMP mode: the caller's autocast state
+    ambient: Region | None = None  # amp policy: the caller's autocast state
     _absmax: dict[str, float] = field(default_factory=dict)
 
     def weight_absmax(self, node: torch.fx.Node) -> float:
@@ -126,7 +129,7 @@ def amp_decision(node: torch.fx.Node, device: str, state: Region, rule: str, whe
 
 
 class AutocastRegionRule:
-    """Rule mode: the user's own ``torch.autocast`` regions decide inside them."""
+    """Rule policy: the user's own ``torch.autocast`` regions decide inside them."""
 
     def __call__(self, node: torch.fx.Node, ctx: Context) -> Decision | None:
         regions = [r for r in regions_of(node) if r.device == ctx.device]
@@ -139,7 +142,7 @@ class AutocastRegionRule:
 
 
 class AmpPolicyRule:
-    """AMP mode: the caller's autocast state, changed by the model's own regions."""
+    """Amp policy: the caller's autocast state, changed by the model's own regions."""
 
     def __call__(self, node: torch.fx.Node, ctx: Context) -> Decision:
         state = effective_state(node, ctx.device, ctx.ambient)
@@ -148,7 +151,7 @@ class AmpPolicyRule:
         return amp_decision(node, ctx.device, state, "amp", f"amp {dtype_name(state.dtype)}")
 
 
-def _matches(node: torch.fx.Node, patterns: Sequence[Any]) -> str | None:
+def _matches(node: torch.fx.Node, patterns: Sequence[re.Pattern[str]]) -> str | None:
     path = module_path(node)
     for p in patterns:
         if p.search(node.name) or (path and p.search(path)):
@@ -231,7 +234,7 @@ def reduction_depth(node: torch.fx.Node) -> int | None:
     target = node.target
     if not isinstance(target, torch._ops.OpOverload):
         return None
-    base = target._schema.name.split("::")[-1]
+    base = target.overloadpacket.__name__
     shapes = [tuple(v.shape) if isinstance(v := a.meta.get("val"), torch.Tensor) else () for a in input_nodes(node)]
     if not shapes:
         return None
@@ -253,8 +256,11 @@ def reduction_depth(node: torch.fx.Node) -> int | None:
             return shape[dims] if shape else 1
         if dims is None or dims == [] or isinstance(dims, (float, str)):
             return math.prod(shape)
-        dims = [dims] if isinstance(dims, int) else list(dims)
-        return math.prod(shape[d] for d in dims) if shape else 1
+        listed = list(dims) if isinstance(dims, (list, tuple)) else [dims]
+        ints = [d for d in listed if isinstance(d, int)]
+        if len(ints) != len(listed):
+            raise TypeError(f"{node.name}: reduction dims {dims!r} are not ints")
+        return math.prod(shape[d] for d in ints) if shape else 1
     return None
 
 
@@ -279,7 +285,7 @@ class Default:
 
 @dataclass
 class ExplicitPatterns:
-    """``explicit`` mode: the first matching node-name pattern decides the dtype."""
+    """``explicit`` policy: the first matching node-name pattern decides the dtype."""
 
     patterns: Sequence[tuple[Any, torch.dtype]]
 

@@ -21,21 +21,23 @@ import hashlib
 import math
 import os
 import re
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from harness.dtypes import EXPLICIT_DTYPES, LOW_DTYPES, dtype_name, with_torch_names
 from harness.errors import HarnessError
 from harness.fileio import canonical_json, digest, read_regular_file
 from harness.limits import MAX_CALIBRATION_BATCHES
-from harness.lowering.decompose import resolve_op_names
+from harness.opnames import resolve_op_names
 
-LOW_PRECISION_TYPES = {"fp16": torch.float16, "float16": torch.float16, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
-DTYPES = {**LOW_PRECISION_TYPES, "fp32": torch.float32, "float32": torch.float32}
+# What the settings accept for a dtype: the short name or torch's spelling ("fp16", "float16").
+LOW_PRECISION_TYPES = with_torch_names(LOW_DTYPES)
+EXPLICIT_TYPES = with_torch_names(EXPLICIT_DTYPES)
 
-# Defaults of the rule-mode settings (Torch-TensorRT's, and fp16's largest finite value).
+# Defaults of the rule policy's settings (Torch-TensorRT's, and fp16's largest finite value).
 DEFAULT_LOW_PRECISION_TYPE = "fp16"
 DEFAULT_DATA_MAX = 512.0
 DEFAULT_INIT_MAX = 65504.0
@@ -47,7 +49,7 @@ DEFAULT_KEEP_IO_TYPES = True
 CustomRule = Callable[[torch.fx.Node, Any], "str | None"]
 
 
-def parse_dtype(value: str | torch.dtype, what: str, allowed: dict[str, torch.dtype] = LOW_PRECISION_TYPES) -> torch.dtype:
+def parse_dtype(value: str | torch.dtype, what: str, allowed: Mapping[str, torch.dtype] = LOW_PRECISION_TYPES) -> torch.dtype:
     if isinstance(value, torch.dtype):
         if value in allowed.values():
             return value
@@ -77,7 +79,7 @@ def _threshold(value: float | None, what: str) -> float | None:
 
 @dataclass(frozen=True)
 class AutocastSettings:
-    """Rule-mode settings (seed 000), plus ``keep_io_types`` and custom rules."""
+    """The rule policy's settings (Torch-TensorRT's rule-based autocast options), plus ``keep_io_types`` and custom rules."""
 
     low_precision_type: torch.dtype | str = DEFAULT_LOW_PRECISION_TYPE
     nodes_to_exclude: Sequence[str] = ()
@@ -130,7 +132,7 @@ class AutocastSettings:
         rules by their qualified names (a rule's code cannot be digested).
         """
         return {
-            "low_precision_type": dtype_label(self.low),
+            "low_precision_type": dtype_name(self.low),
             "nodes_to_exclude": list(self.nodes_to_exclude),
             "targets_to_exclude": sorted(self.exclude_targets),
             "nodes_to_include": list(self.nodes_to_include),
@@ -145,10 +147,6 @@ class AutocastSettings:
 
     def digest(self) -> str:
         return digest(canonical_json(self.to_json()))
-
-
-def dtype_label(dtype: torch.dtype) -> str:
-    return next(name for name, d in DTYPES.items() if d == dtype and len(name) == 4)
 
 
 def _tensors_digest(batches: Sequence[Sequence[torch.Tensor]]) -> str:

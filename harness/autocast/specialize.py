@@ -1,6 +1,7 @@
 """A drop-in module that behaves like the eager one in every autocast state.
 
-Seed 001's "level 2": statically typed graphs are only right for the autocast
+Specialisation on the ambient autocast state (docs/design.md, "Autocast
+compiler"): statically typed graphs are only right for the autocast
 state they were compiled for, so the module looks at the caller's autocast
 state on every call and runs the AMP specialization compiled for that state.
 Specializations are compiled lazily on first use and cached; the model's own
@@ -29,7 +30,7 @@ class AutocastModule(torch.nn.Module):
     @preserves_global_state
     def __init__(self, module: torch.nn.Module, example_inputs: Sequence[torch.Tensor], device: str = "cpu") -> None:
         super().__init__()
-        check_amp_table(device)  # every specialization is AMP mode: refused now, not at the first call
+        check_amp_table(device)  # every specialization has the amp policy: refused now, not at the first call
         with torch.autocast(device, enabled=False):
             self._program = export_program(module, example_inputs)
         self._examples = tuple(example_inputs)
@@ -48,7 +49,7 @@ class AutocastModule(torch.nn.Module):
             self.specializations[key] = compile(
                 self._program,
                 self._examples,
-                mode="amp",
+                policy="amp",
                 low_precision_type=dtype or torch.get_autocast_dtype(self._device),
                 amp_enabled=enabled,
                 device=self._device,

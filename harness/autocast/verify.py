@@ -17,7 +17,8 @@ import torch
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from harness.errors import HarnessError
-from harness.fxutil import op_name, tensor_vals
+from harness.fxutil import tensor_vals
+from harness.opnames import op_name
 
 
 class _Checker(torch.fx.Interpreter):

@@ -25,12 +25,16 @@ import hashlib
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from harness.errors import HarnessError
-from harness.outputs import tensor_paths
+
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported by the functions that compare tensors, not here: the result
+# types (AccuracyResult, TaskAccuracy) are read by harness.bench.results, and
+# `harness gate` loads results where torch is not installed.
 
 DEFAULT_REL_FLOOR = 1e-3
 
@@ -64,6 +68,8 @@ class OutputMetrics:
 def _metrics(
     path: str, out: torch.Tensor, ref: torch.Tensor, logits: bool, rel_floor: float
 ) -> OutputMetrics:
+    import torch
+
     o = out.detach().to("cpu", torch.float64).reshape(-1)
     r = ref.detach().to("cpu", torch.float64).reshape(-1)
     mask = torch.isfinite(o) & torch.isfinite(r)
@@ -184,6 +190,8 @@ def compare_outputs(
     ``logits=True`` adds top-1 agreement: the fraction of rows (all leading
     dimensions flattened) whose argmax over the last dimension matches.
     """
+    from harness.outputs import tensor_paths
+
     outs = dict(tensor_paths(output))
     refs = dict(tensor_paths(reference, "reference"))
     if outs.keys() != refs.keys():
@@ -208,6 +216,10 @@ def output_digest(output: Any) -> str:
 
     Equal digests mean bit-identical outputs: the determinism check.
     """
+    import torch
+
+    from harness.outputs import tensor_paths
+
     h = hashlib.sha256()
     for path, t in sorted(tensor_paths(output), key=lambda pair: pair[0]):
         c = t.detach().to("cpu").contiguous()

@@ -93,19 +93,34 @@ def _gc_paused() -> Iterator[None]:
             gc.enable()
 
 
+@dataclass(frozen=True)
+class _LoopBounds:
+    """When a timing loop stops: once it has ``min_iters`` samples *and* has lasted
+    ``min_duration_ns``, or at ``max_iters`` samples regardless of duration."""
+
+    min_iters: int
+    min_duration_ns: int
+    max_iters: int | None
+
+
+# (fn, sync, bounds) -> (samples in ns, the loop's duration in ns)
+_Loop = Callable[
+    [Callable[[], object], Callable[[], object] | None, _LoopBounds], tuple[list[int], int]
+]
+
+
 def _cpu_loop(
-    fn: Callable[[], object],
-    sync: Callable[[], object] | None,
-    min_iters: int,
-    min_duration_ns: int,
-    max_iters: int | None,
+    fn: Callable[[], object], sync: Callable[[], object] | None, bounds: _LoopBounds
 ) -> tuple[list[int], int]:
+    """Samples (ns) of ``fn`` then ``sync`` on the host clock, and the loop's duration (ns)."""
+    # locals: the loop reads them on every call
+    min_iters, max_iters = bounds.min_iters, bounds.max_iters
     clock = time.perf_counter_ns
     samples: list[int] = []
     append = samples.append
     n = 0
     begin = clock()
-    deadline = begin + min_duration_ns
+    deadline = begin + bounds.min_duration_ns
     while True:
         t0 = clock()
         fn()
@@ -119,44 +134,41 @@ def _cpu_loop(
 
 
 def _cuda_loop(
-    fn: Callable[[], object],
-    sync: Callable[[], object] | None,
-    min_iters: int,
-    min_duration_ns: int,
-    max_iters: int | None,
+    fn: Callable[[], object], sync: Callable[[], object] | None, bounds: _LoopBounds
 ) -> tuple[list[int], int]:
     """Time on the device with one event pair per iteration.
 
     The host only enqueues; events are read after one final synchronize, so
     host jitter does not enter the samples. ``sync`` (if given) runs after
-    the end event, outside the timed interval, to bound the queue depth.
+    the end event, outside the timed interval, to bound the queue depth. The
+    iterations are those of :func:`_cpu_loop` (whose host samples are not
+    kept), so both timers stop by the same rule.
     """
     import torch
 
     torch.cuda.synchronize()  # warm-up work still queued must not overlap the first samples
-    clock = time.perf_counter_ns
     pairs: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
-    n = 0
-    begin = clock()
-    deadline = begin + min_duration_ns
-    while True:  # events are created per iteration: cheap next to any GPU kernel
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
+
+    def timing_event() -> torch.cuda.Event:
+        return torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]  # torch leaves it unannotated
+
+    def enqueue() -> None:  # events are created per iteration: cheap next to any GPU kernel
+        start, end = timing_event(), timing_event()
         start.record()
         fn()
         end.record()
         if sync is not None:
             sync()
         pairs.append((start, end))
-        n += 1
-        if (n >= min_iters and clock() >= deadline) or n == max_iters:
-            break
+
+    begin = time.perf_counter_ns()
+    _cpu_loop(enqueue, None, bounds)
     torch.cuda.synchronize()
-    elapsed = clock() - begin
+    elapsed = time.perf_counter_ns() - begin
     return [round(s.elapsed_time(e) * 1e6) for s, e in pairs], elapsed
 
 
-def _loop_for(timer: str) -> Callable[..., tuple[list[int], int]]:
+def _loop_for(timer: str) -> _Loop:
     if timer == "cpu":
         return _cpu_loop
     if timer == "cuda":
@@ -181,7 +193,7 @@ def measure_overhead(
     """
     loop = _loop_for(timer)
     with _gc_paused():
-        samples, _ = loop(_noop, None, min_iters, int(min_duration_s * 1e9), None)
+        samples, _ = loop(_noop, None, _LoopBounds(min_iters, int(min_duration_s * 1e9), None))
     return Summary.from_samples(samples, unit="ns")
 
 
@@ -216,6 +228,7 @@ def measure_latency(
     if batch_size < 1:
         raise HarnessError(f"batch_size must be at least 1, got {batch_size}")
     loop = _loop_for(timer)
+    bounds = _LoopBounds(min_iters, int(min_duration_s * 1e9), max_iters)
     threshold = DEFAULT_SPREAD_THRESHOLD[timer] if spread_threshold is None else spread_threshold
 
     with _gc_paused():
@@ -230,13 +243,13 @@ def measure_latency(
             warm_end = time.perf_counter_ns()
             if warm_end >= warm_deadline:
                 break
-        samples, elapsed_ns = loop(fn, sync, min_iters, int(min_duration_s * 1e9), max_iters)
+        samples, elapsed_ns = loop(fn, sync, bounds)
         phase = slow_phase(samples)
         remeasured = phase is not None
-        if remeasured:  # the machine was busy for a while: once more, and keep a clean run
-            again, again_ns = loop(fn, sync, min_iters, int(min_duration_s * 1e9), max_iters)
+        if phase is not None:  # the machine was busy for a while: once more, and keep a clean run
+            again, again_ns = loop(fn, sync, bounds)
             again_phase = slow_phase(again)
-            if again_phase is None or again_phase.fraction < phase.fraction:  # type: ignore[union-attr]
+            if again_phase is None or again_phase.fraction < phase.fraction:
                 samples, elapsed_ns, phase = again, again_ns, again_phase
 
     return LatencyResult(

@@ -190,6 +190,11 @@ def machine_id(cpu: dict[str, Any], gpus: dict[str, Any]) -> str:
     return f"{slug(cpu['model'])}-{cpu['logical_cores']}c-{isa_tag(cpu.get('isa_flags', []))}"
 
 
+def current_machine_id() -> str:
+    """This machine's id, as :func:`machine_info` records it, without importing torch (for the gate)."""
+    return machine_id(cpu_info(), gpu_info())
+
+
 def machine_info() -> dict[str, Any]:
     """The ``machine`` record of a results file."""
     import torch

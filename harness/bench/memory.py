@@ -20,8 +20,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-import torch
-
 from harness.bench.telemetry import NvmlUnavailable, open_nvml
 
 T = TypeVar("T")
@@ -87,6 +85,8 @@ class MemoryReport:
 
 def measure_memory(fn: Callable[[], T], *, gpu_index: int | None = None) -> tuple[T, MemoryReport]:
     """Run ``fn`` once and report the host RSS peak during it (and GPU peaks if asked)."""
+    import torch  # here, not at the top: harness.bench.results reads MemoryReport without torch
+
     if gpu_index is not None and torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats(gpu_index)
     before = _current_rss_bytes()
@@ -108,6 +108,8 @@ def gpu_memory(gpu_index: int = 0) -> dict[str, int] | None:
     NVML sees every allocation on the device (TensorRT's included); the
     PyTorch numbers only cover tensors PyTorch allocated.
     """
+    import torch
+
     out: dict[str, int] = {}
     try:
         nvml = open_nvml(gpu_index)

@@ -3,7 +3,7 @@
 ``harness bench --peers eager,inductor,onnxruntime,openvino`` adds reference
 cases to a run, so its table says whether the harness's engines are the
 bottleneck. For every model (and batch size) of the run, each peer runs at
-each precision of the run's modes (:func:`run_precisions`) it can do here:
+each precision of the run's modes (:func:`~harness.bench.peer_names.run_precisions`) it can do here:
 
 * ``eager``: the model in PyTorch, fp32, or under ``torch.autocast("cpu", dtype)``
   for bf16 and fp16;
@@ -46,31 +46,18 @@ import torch.utils._pytree as pytree
 
 from harness.bench.accuracy import compare_outputs, output_digest
 from harness.bench.memory import MemoryReport
+from harness.bench.peer_names import PEER_NAMES
 from harness.bench.results import PEER_PREFIX, CaseKey, CaseResult
 from harness.errors import HarnessError
+from harness.extras import ONNX_EXPORT_MODULES, ONNX_MODULES, require_all
 from harness.outputs import OutputSpec
 from harness.weights import module_weights_digest
 
 if TYPE_CHECKING:
     from harness.bench.runner import BenchRunner
 
-PRECISIONS = ("fp32", "bf16", "fp16")
 _AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 ONNX_OPSET = 18  # what torch.onnx.export gives a user; the ONNX backends' hand-off uses 18 too
-
-
-def precision_of(mode: str) -> str | None:
-    """The precision a mode computes in, for comparing it with peers (None: ``explicit``, mixed by file)."""
-    if mode == "fp32":
-        return "fp32"
-    low = mode.rpartition("-")[2]
-    return low if low in _AUTOCAST_DTYPES else None
-
-
-def run_precisions(modes: Sequence[str]) -> list[str]:
-    """The precisions of a run's modes, in :data:`PRECISIONS` order: the ones its peers run at."""
-    present = {precision_of(mode) for mode in modes}
-    return [p for p in PRECISIONS if p in present]
 
 
 @dataclass
@@ -225,13 +212,8 @@ class OnnxRuntimePeer:
     name = "onnxruntime"
 
     def check_installed(self) -> None:
-        try:
-            import onnxruntime  # noqa: F401
-        except ImportError as exc:
-            raise HarnessError(
-                f"peer 'onnxruntime' needs ONNX Runtime ({exc}): pip install onnxruntime "
-                "(a dependency of mixed-precision-harness: reinstalling the harness brings it)"
-            ) from None
+        """ONNX Runtime, and the exporter that writes the eager model's ONNX: the ``onnx`` extra."""
+        require_all(ONNX_MODULES, "onnx", "peer 'onnxruntime'")
 
     def refusal(self, precision: str) -> str | None:
         if precision == "fp32":
@@ -271,8 +253,10 @@ class OpenVinoPeer:
     name = "openvino"
 
     def check_installed(self) -> None:
+        """OpenVINO, and the exporter that writes the eager model's ONNX: the ``openvino`` extra."""
+        require_all(("openvino", *ONNX_EXPORT_MODULES), "openvino", "peer 'openvino'")
         try:
-            import harness.engines.openvino.runtime  # noqa: F401  (its ImportError names the extra)
+            import harness.engines.openvino.runtime  # noqa: F401
         except ImportError as exc:
             raise HarnessError(f"peer 'openvino' is not installed: {exc}") from None
 
@@ -315,11 +299,18 @@ PEERS: dict[str, type[Peer]] = {
     "onnxruntime": OnnxRuntimePeer,
     "openvino": OpenVinoPeer,
 }
-PEER_NAMES = tuple(PEERS)
+assert tuple(PEERS) == PEER_NAMES, "harness.bench.peer_names lists the peers defined here"
 
 
-def resolve_peers(names: Sequence[str], where: str = "--peers") -> list[Peer]:
-    """The peers called ``names``, each installed here; anything else is refused before any work."""
+def resolve_peers(names: Sequence[str], where: str = "--peers", skipped: list[str] | None = None) -> list[Peer]:
+    """The peers called ``names``, each installed here; anything else is refused before any work.
+
+    With a ``skipped`` list, a peer that is not installed here (its optional
+    packages missing) is left out instead, and a note naming it and the
+    reason (with the extra that installs it) is appended to ``skipped``: the
+    run's other cases still run, and the user reads why a row is absent.
+    Unknown and repeated names are refused either way.
+    """
     unknown = [name for name in names if name not in PEERS]
     if unknown:
         raise HarnessError(
@@ -327,12 +318,16 @@ def resolve_peers(names: Sequence[str], where: str = "--peers") -> list[Peer]:
         )
     if len(set(names)) != len(names):
         raise HarnessError(f"{where}: a peer is named twice ({', '.join(names)})")
-    peers = [PEERS[name]() for name in names]
-    for peer in peers:
+    peers = []
+    for peer in (PEERS[name]() for name in names):
         try:
             peer.check_installed()
         except HarnessError as exc:
-            raise HarnessError(f"{where}: {exc}") from None
+            if skipped is None:
+                raise HarnessError(f"{where}: {exc}") from None
+            skipped.append(f"peer {peer.name} skipped: {exc}")
+            continue
+        peers.append(peer)
     return peers
 
 

@@ -13,7 +13,10 @@ modes' front.
 
 Figures are drawn on an explicit Agg canvas instead of through pyplot, so
 plotting neither needs a display nor switches the backend of a program
-(e.g. a notebook) that imported the harness.
+(e.g. a notebook) that imported the harness. matplotlib is optional (the
+``plots`` extra) and imported when a figure is drawn (:func:`new_figure`);
+without it drawing raises :class:`harness.extras.MissingExtra`, and the
+commands that plot as a by-product say the plots were not written.
 """
 
 from __future__ import annotations
@@ -24,14 +27,15 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
-
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
+from typing import TYPE_CHECKING, Any, Literal
 
 from harness.bench.results import is_peer
 from harness.errors import HarnessError
+from harness.extras import require
 from harness.fileio import atomic_write_bytes, check_writable
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 ErrorMetric = Literal["1-cosine", "max_abs_error"]
 
@@ -118,8 +122,7 @@ def _log_latency(medians: Sequence[float]) -> bool:
 def _plot_model(
     model: str, points: list[_Point], absent: list[_Absent], metric: ErrorMetric, title_suffix: str
 ) -> Figure:
-    fig = Figure(figsize=(7, 5), dpi=100)
-    FigureCanvasAgg(fig)
+    fig = new_figure((7, 5))
     ax = fig.add_subplot()
     positive = [p.error for p in points if p.error > 0]
     # A log axis cannot show 0 (fp32 can match the reference exactly): such
@@ -276,6 +279,17 @@ def plot_results(
     return written
 
 
+def new_figure(size: tuple[float, float]) -> Figure:
+    """A figure on its own Agg canvas (no display, no pyplot state); matplotlib is the ``plots`` extra."""
+    require("matplotlib", "plots", "plotting")
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=size, dpi=100)
+    FigureCanvasAgg(fig)
+    return fig
+
+
 def save_figure(fig: Figure, path: Path) -> None:
     """Write ``fig`` as PNG in one step (atomically): an interrupted run never leaves half a plot."""
     buf = io.BytesIO()
@@ -293,8 +307,7 @@ def _plot_throughput(model: str, cases: list[Mapping[str, Any]]) -> Figure | Non
         lines.setdefault(label, []).append((c["batch"], c["latency"]["throughput_per_s"]))
     if not any(len(points) > 1 for points in lines.values()):
         return None
-    fig = Figure(figsize=(7, 5), dpi=100)
-    FigureCanvasAgg(fig)
+    fig = new_figure((7, 5))
     ax = fig.add_subplot()
     for label, points in sorted(lines.items()):
         xs, ys = zip(*sorted(points), strict=True)

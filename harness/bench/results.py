@@ -671,9 +671,7 @@ class ResultsWriter:
             "schema_version": SCHEMA_VERSION,
             "created": utc_now(),
             "complete": False,
-            "machine": dict(machine) if machine is not None else machine_info(),
-            "git": dict(git) if git is not None else git_info(),
-            "settings": dict(settings),
+            **_run_identity(settings, machine, git),
             "cases": [],
         }
         with locked(path):  # two runs started on one -o: one creates it, the other is refused
@@ -704,12 +702,7 @@ class ResultsWriter:
             writer = cls(path, doc)
         if doc["complete"]:
             raise HarnessError(f"results file {path} is complete; there is nothing to resume")
-        now = {
-            "machine": machine if machine is not None else machine_info(),
-            "git": git if git is not None else git_info(),
-            "settings": dict(settings),
-        }
-        mismatch = _run_mismatch(doc, now)
+        mismatch = _run_mismatch(doc, _run_identity(settings, machine, git))
         if mismatch is not None:
             what, was, this = mismatch
             raise HarnessError(
@@ -795,6 +788,20 @@ def _stamp(path: Path) -> tuple[int, int, int] | None:
     except FileNotFoundError:
         return None
     return info.st_ino, info.st_mtime_ns, info.st_size
+
+
+def _run_identity(
+    settings: Mapping[str, Any], machine: Mapping[str, Any] | None, git: Mapping[str, Any] | None
+) -> dict[str, Any]:
+    """What makes cases one run: the machine, git and settings parts of a results document.
+
+    ``machine`` and ``git`` default to this process's (:func:`machine_info`, :func:`git_info`).
+    """
+    return {
+        "machine": dict(machine) if machine is not None else machine_info(),
+        "git": dict(git) if git is not None else git_info(),
+        "settings": dict(settings),
+    }
 
 
 def _run_mismatch(a: Mapping[str, Any], b: Mapping[str, Any]) -> tuple[str, Any, Any] | None:

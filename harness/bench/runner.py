@@ -42,7 +42,6 @@ from harness.bench.stats import Summary
 from harness.bench.telemetry import TelemetrySampler
 from harness.build import BuildResult, build_engine
 from harness.cache.timing_cache import TimingCache
-from harness.engines.onnx_export import StaticBatchError
 from harness.engines.protocol import (
     Backend,
     BatchProfile,
@@ -51,13 +50,15 @@ from harness.engines.protocol import (
     builds_batch_profiles,
     engine_inputs,
 )
-from harness.errors import HarnessError
+from harness.errors import HarnessError, StaticBatchError
 from harness.globalstate import preserves_global_state
 from harness.limits import MAX_ITERS, MAX_MIN_DURATION_S, MAX_WARMUP_S, check_int, check_seconds
 from harness.outputs import tensor_paths
 from harness.weights import module_weights_digest
 
 DEFAULT_MODELS = ("resnet", "transformer", "digits")
+# Zoo models of DEFAULT_MODELS that need an extra: (module it imports, the extra).
+_DEFAULT_MODEL_EXTRAS = {"digits": ("sklearn", "digits")}
 # Backends whose engines run on a CUDA device: timed with CUDA events, GPU memory recorded.
 GPU_BACKENDS = frozenset({"tensorrt"})
 EXPLICIT_MODE = "explicit"
@@ -122,6 +123,33 @@ QUICK = MeasureSettings(
 def default_modes(backend: Backend) -> tuple[str, ...]:
     """Every mode the backend builds except ``explicit``, which needs a user file."""
     return tuple(m for m in backend.supported_modes() if m != EXPLICIT_MODE)
+
+
+def default_models() -> tuple[list[str], list[str]]:
+    """:data:`DEFAULT_MODELS` that can load here, and a note for each left out (its extra missing)."""
+    from harness.extras import missing
+
+    models, notes = [], []
+    for name in DEFAULT_MODELS:
+        module, extra = _DEFAULT_MODEL_EXTRAS.get(name, (None, None))
+        problem = None if module is None or extra is None else missing((module,), extra, f"the zoo model {name!r}")
+        if problem is None:
+            models.append(name)
+        else:
+            notes.append(f"default model {name} left out: {problem}")
+    return models, notes
+
+
+def _static_batch_errors() -> tuple[type[Exception], ...]:
+    """What a build raises when the typed graph pins the batch size.
+
+    ``harness.errors.StaticBatchError``, and the ONNX hand-off's class of that
+    name while it defines its own: looked up only if that module was imported
+    (it raises it), so the runner never imports the optional ONNX exporter.
+    """
+    onnx_export = sys.modules.get("harness.engines.onnx_export")
+    other = getattr(onnx_export, "StaticBatchError", StaticBatchError)
+    return (StaticBatchError, other)
 
 
 def parse_shard(text: str) -> tuple[int, int]:
@@ -198,7 +226,8 @@ class _CountingRun:
         self.engine = engine
         self.samples = 0
 
-    def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def __call__(self, *inputs: torch.Tensor) -> Any:
+        """The engine's outputs, in the structure the eager model returns (:meth:`Engine.__call__`)."""
         if inputs and inputs[0].dim() > 0:
             self.samples += int(inputs[0].shape[0])
         return self.engine(*engine_inputs(self.engine, inputs))
@@ -449,7 +478,7 @@ class BenchRunner:
             try:
                 biggest = self.load_model(model, config.batch_profile.max)
                 shared.built, shared.seconds = self._timed_build(model, biggest, config, batch)
-            except StaticBatchError as exc:
+            except _static_batch_errors() as exc:
                 self._per_size[key] = f"one engine per batch size: {exc}"
                 return self._build(model, mode, batch, spec)
             except Exception as exc:

@@ -15,7 +15,7 @@ from tabulate import tabulate
 
 from harness.bench.compare import Comparison
 from harness.bench.gate import GateReport
-from harness.bench.peers import precision_of
+from harness.bench.peer_names import precision_of
 from harness.bench.results import format_key, is_peer
 
 _TIME_UNITS = ((1e9, "s"), (1e6, "ms"), (1e3, "µs"), (1.0, "ns"))
@@ -82,7 +82,8 @@ def _table(rows: list[list[str]], header: list[str], fmt: str) -> str:
     """
     if fmt == "github":
         rows = [[_markdown_cell(cell) for cell in row] for row in rows]
-    return tabulate(rows, headers=header, tablefmt=fmt, disable_numparse=True)
+    table: str = tabulate(rows, headers=header, tablefmt=fmt, disable_numparse=True)  # tabulate is unannotated
+    return table
 
 
 def _spread(lat: Mapping[str, Any] | None) -> str:

@@ -4,7 +4,7 @@ Two questions a user asks before adopting the compiler, answered in one run:
 
 (a) Does compile time grow linearly with graph size? A ladder of cheap ops and
     small linears is generated at two sizes (~1k and ~10k nodes) and compiled
-    in rule mode without calibration, so only the compiler's own passes are
+    with the rule policy without calibration, so only the compiler's own passes are
     timed. ``torch.export`` is timed apart: it is PyTorch's cost, not the
     compiler's, and it dominates a compile from an ``nn.Module``.
 (b) Is the typed bf16 graph faster than eager ``torch.autocast`` at no worse
@@ -87,7 +87,7 @@ def measure_scaling(target_nodes: int, repeats: int) -> ScalingRow:
     export_s = time.perf_counter() - t0
     nodes = len(program.graph.nodes)
     settings = AutocastSettings(low_precision_type=LOW, data_max=None)
-    runs = [compile(program, inputs, mode="rule", settings=settings).timings for _ in range(max(1, repeats))]
+    runs = [compile(program, inputs, policy="rule", settings=settings).timings for _ in range(max(1, repeats))]
     best = min(runs, key=lambda t: t["total"])
     return ScalingRow(nodes, export_s, best["total"], best)
 
@@ -154,14 +154,15 @@ def _autocast_run(module: torch.nn.Module, batch: tuple[torch.Tensor, ...]) -> t
 def measure_latency(name: str, rounds: int, block: int, warmup: int) -> LatencyRow:
     spec = models.load(name)
     module, inputs = spec.module.eval(), spec.example_inputs
-    compiled = compile(module, inputs, mode="rule", low_precision_type=LOW)
+    compiled = compile(module, inputs, policy="rule", low_precision_type=LOW)
     with torch.inference_mode():
 
         def eager() -> tuple[torch.Tensor, ...]:
             return _autocast_run(module, inputs)
 
         def typed() -> tuple[torch.Tensor, ...]:
-            return compiled(*inputs)
+            outputs: tuple[torch.Tensor, ...] = compiled(*inputs)  # the typed graph returns a flat tuple
+            return outputs
 
         # The max error of one batch is a noisy statistic (one unlucky rounding
         # decides it): take the worst over the example and the calibration batches.
@@ -195,7 +196,8 @@ def latency_table(rows: Sequence[LatencyRow]) -> str:
         ]  # fmt: skip
         for r in rows
     ]
-    return tabulate(body, headers=head)
+    table: str = tabulate(body, headers=head)
+    return table
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -37,7 +37,8 @@ import torch
 
 from harness import models
 from harness.bench.latency import measure_latency
-from harness.bench.peers import PEER_NAMES, PRECISIONS, Peer, resolve_peers
+from harness.bench.peer_names import PEER_NAMES, PRECISIONS
+from harness.bench.peers import Peer, resolve_peers
 from harness.bench.runner import DEFAULT_THREADS
 from harness.benchmarks.peer_bench import report as peer_report
 from harness.benchmarks.peer_bench import side_by_side

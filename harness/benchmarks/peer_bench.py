@@ -26,7 +26,8 @@ import torch.utils._pytree as pytree
 
 from harness import models
 from harness.bench.accuracy import compare_outputs
-from harness.bench.peers import OnnxExports, Peer, PeerModel, precision_of
+from harness.bench.peer_names import precision_of
+from harness.bench.peers import OnnxExports, Peer, PeerModel
 from harness.build import compile_graph
 from harness.engines.cpu import CpuBackend
 from harness.engines.protocol import Backend, BuildConfig, Engine

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import Literal, TypeVar
 
 from harness.cache.timing_cache import (
     CacheEntry,
@@ -30,6 +30,7 @@ DiffStatus = Literal["same", "changed", "only-a", "only-b"]
 # Long caches (hundreds of layers) would drown the actual error; the full list
 # is one `harness cache show` away.
 _MAX_LISTED = 40
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -109,19 +110,23 @@ def _listing(names: list[str]) -> str:
     return shown
 
 
+
+def _only(found: Sequence[_T], ambiguous: Callable[[Sequence[_T]], str]) -> _T | None:
+    """The one item of ``found`` (None: there is none); refused with ``ambiguous`` when several."""
+    if len(found) > 1:
+        raise HarnessError(ambiguous(found))
+    return found[0] if found else None
+
 def _find_entry(cache: TimingCache, layer: str) -> CacheEntry:
-    matches = cache.by_layer(layer)
-    if len(matches) == 1:
-        return matches[0]
-    if len(matches) > 1:
-        keys = ", ".join(e.key for e in matches)
-        raise HarnessError(
-            f"layer {layer!r} has {len(matches)} cache entries (keys {keys}); "
-            "pin one of them by key: --layer KEY=TACTIC"
-        )
-    by_key = cache.query(layer)
-    if by_key is not None:
-        return by_key
+    found = _only(
+        cache.by_layer(layer),
+        lambda matches: f"layer {layer!r} has {len(matches)} cache entries (keys "
+        f"{', '.join(e.key for e in matches)}); pin one of them by key: --layer KEY=TACTIC",
+    )
+    if found is None:
+        found = cache.query(layer)
+    if found is not None:
+        return found
     names = sorted({e.layer for e in cache.entries()})
     raise HarnessError(
         f"no layer or key {layer!r} in the timing cache; valid layers: {_listing(names)}"
@@ -141,14 +146,13 @@ def _find_candidate(entry: CacheEntry, tactic: str) -> Candidate:
         ]
         if by_hash:
             return by_hash[0]
-    by_name = [c for c in entry.candidates if c.tactic == tactic]
-    if len(by_name) == 1:
-        return by_name[0]
-    if len(by_name) > 1:
-        hashes = ", ".join(c.tactic_hash for c in by_name)
-        raise HarnessError(
-            f"{where}: tactic name {tactic!r} is ambiguous (hashes {hashes}); pin it by hash"
-        )
+    by_name = _only(
+        [c for c in entry.candidates if c.tactic == tactic],
+        lambda same: f"{where}: tactic name {tactic!r} is ambiguous (hashes "
+        f"{', '.join(c.tactic_hash for c in same)}); pin it by hash",
+    )
+    if by_name is not None:
+        return by_name
     valid = [f"{c.tactic} ({c.tactic_hash}, {c.time_ms:.4g} ms)" for c in entry.candidates]
     raise HarnessError(
         f"{where}: {tactic!r} is not one of its candidates; valid tactics: {_listing(valid)}"

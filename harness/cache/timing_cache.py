@@ -134,6 +134,9 @@ class Candidate:
     def __post_init__(self) -> None:
         _check_time(self.time_ms, f"candidate {self.tactic!r}")
 
+    def to_json(self) -> dict[str, Any]:
+        return {"tactic": self.tactic, "tactic_hash": self.tactic_hash, "time_ms": self.time_ms}
+
 
 @dataclass(frozen=True)
 class CacheEntry:
@@ -165,10 +168,7 @@ class CacheEntry:
             "tactic": self.tactic,
             "tactic_hash": self.tactic_hash,
             "time_ms": self.time_ms,
-            "candidates": [
-                {"tactic": c.tactic, "tactic_hash": c.tactic_hash, "time_ms": c.time_ms}
-                for c in self.candidates
-            ],
+            "candidates": [c.to_json() for c in self.candidates],
             "pinned": self.pinned,
         }
 

@@ -17,13 +17,13 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from harness.autocast import options
 from harness.cache.timing_cache import TimingCache
-from harness.cli import profile_report
+from harness.cli import argtypes, profile_report
 from harness.engines.protocol import PRECISION_MODES, Backend, BuildConfig, BuildLog, Engine
 from harness.engines.registry import BACKEND_NAMES, get_backend
 from harness.engines.saved import engine_directory, plan_backend
 from harness.errors import HarnessError
 from harness.fileio import JsonSyntaxError, check_writable, parse_json
-from harness.limits import MAX_REBUILDS, check_int
+from harness.limits import MAX_REBUILDS
 
 if TYPE_CHECKING:
     from harness.autocast import CompiledGraph
@@ -54,7 +54,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     )
     _common(rebuild)
     rebuild.add_argument(
-        "--times", type=int, required=True, metavar="N", help="number of builds (>= 2)"
+        "--times", type=argtypes.rebuild_times, required=True, metavar="N",
+        help=f"number of builds (2..{MAX_REBUILDS})"
     )
     rebuild.add_argument("--json", action="store_true", help="print the report as JSON")
     rebuild.set_defaults(func=run_rebuild)
@@ -107,7 +108,7 @@ def _common(p: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         help="backend builder option (cpu: timing_runs, warmup_runs); VALUE is JSON or a string",
     )
-    p.add_argument("--threads", type=int, default=None,
+    p.add_argument("--threads", type=argtypes.threads, default=None,
                    help="intra-op threads to build and run with (default: the project file's, else torch's)")
     p.add_argument("--config", metavar="FILE",
                    help="project file (default: ./harness.toml, else [tool.harness] in ./pyproject.toml)")
@@ -125,8 +126,8 @@ def _config(args: argparse.Namespace) -> tuple[ModelSpec, BuildConfig, Backend]:
 
     project = load_project(args.config)
     threads = args.threads if args.threads is not None else project.get("threads")
-    if threads is not None and not 1 <= threads <= 1024:
-        raise HarnessError(f"--threads {threads}: expected 1 to 1024")
+    if threads is not None and not 1 <= threads <= argtypes.MAX_THREADS:  # the file's; flags are checked when parsed
+        raise HarnessError(f"{project.where}: threads {threads}: valid: 1..{argtypes.MAX_THREADS}")
     backend = get_backend(args.backend or project.get("backend") or DEFAULT_BACKEND)
     settings_given = options.given(args)
     project.autocast_settings(args.model, settings_given)  # bad settings fail before the model loads
@@ -234,7 +235,6 @@ class _NotingBackend:
 def run_rebuild(args: argparse.Namespace) -> int:
     from harness.build import rebuild
 
-    check_int(args.times, "--times", 2, MAX_REBUILDS)  # before the model loads
     spec, config, chosen = _config(args)
     backend = _NotingBackend(chosen)
     report = rebuild(spec, config, backend, args.times, args.cache)

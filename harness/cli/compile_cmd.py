@@ -12,7 +12,7 @@ from harness.autocast import options
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("compile", help="run the autocast compiler and print the precision report")
     p.add_argument("--model", required=True, help="zoo name or path/to/file.py:factory")
-    p.add_argument("--mode", choices=("rule", "amp", "full", "fp32"), default="rule",
+    p.add_argument("--policy", choices=("rule", "amp", "full", "fp32"), default="rule",
                    help="rule: rule-based classifier; amp: PyTorch AMP policy; full: all low; fp32: nothing lowered")
     p.add_argument("--low", default="fp16", help="low precision type: fp16 or bf16")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -37,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
     )
     if settings.calibration_data is None:
         settings = dataclasses.replace(settings, calibration_data=spec.calibration_data)
-    compiled = compile(spec.module, spec.example_inputs, mode=args.mode, settings=settings)
+    compiled = compile(spec.module, spec.example_inputs, policy=args.policy, settings=settings)
     if args.json:
         print(json.dumps({"model": spec.name, **compiled.report.to_json()}, indent=2))
     else:

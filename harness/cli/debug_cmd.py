@@ -20,7 +20,10 @@ from pathlib import Path
 from typing import Any
 
 from harness.autocast import options
+from harness.cli import argtypes
 from harness.errors import HarnessError
+
+MAX_SEARCH_SECONDS = 600.0  # timing of one candidate or finalist: beyond it, a hang
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -47,7 +50,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     layers.add_argument("--rank-on", default=DEFAULT_RANK_ON, choices=RANK_ON,
                         help="which error ranks the layers: introduced by the layer alone, accumulated at its "
                         "output, or its impact on the model's outputs when only it runs low")
-    layers.add_argument("--top", type=int, default=20, metavar="N", help="layers shown in the table (--json: all)")
+    layers.add_argument("--top", type=argtypes.positive_int, default=20, metavar="N",
+                        help="layers shown in the table (--json: all)")
     layers.add_argument("--plot", metavar="FILE.png",
                         help="error-along-depth plot (default: <model>-<mode>-layers.png in the current directory)")
     options.add_flags(layers)
@@ -68,14 +72,15 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                            help="explicit precision file to write (default: <model>-<low>-plan.json)")
     precision.add_argument("--cache", metavar="FILE",
                            help="timing cache the candidate builds read and extend (pins tactics across runs)")
-    precision.add_argument("--seconds", type=float, default=0.3, metavar="S", help="timing of each candidate")
-    precision.add_argument("--final-seconds", type=float, default=3.0, metavar="S",
+    precision.add_argument("--seconds", type=argtypes.seconds(MAX_SEARCH_SECONDS), default=0.3, metavar="S",
+                           help="timing of each candidate")
+    precision.add_argument("--final-seconds", type=argtypes.seconds(MAX_SEARCH_SECONDS), default=3.0, metavar="S",
                            help="timing of the finalists, side by side in alternating rounds")
     precision.add_argument("--choose", default="fastest", choices=("fastest", "pruned"),
                            help="fastest: the pruned plan, unless a verified plan with more fp32 layers is "
                            "clearly faster (--min-speedup); pruned: always the pruned plan, so the file "
                            "depends on accuracy alone")
-    precision.add_argument("--min-speedup", default=f"{DEFAULT_MIN_SPEEDUP:.0%}", metavar="PCT",
+    precision.add_argument("--min-speedup", type=argtypes.threshold, default=f"{DEFAULT_MIN_SPEEDUP:.0%}", metavar="PCT",
                            help="how much faster (its whole 95%% interval) another plan must be to replace the "
                            "pruned one, so measurement noise never changes the file")
     precision.add_argument("--plot", metavar="FILE.png", help="search plot (default: the output file's name, .png)")
@@ -88,7 +93,7 @@ def _common(p: argparse.ArgumentParser, backends: tuple[str, ...]) -> None:
     p.add_argument("--inputs", metavar="FILE",
                    help="safetensors batches: input0, input1, ... with the batches stacked on a new first "
                    "dimension (default: the model's example inputs and calibration batches)")
-    p.add_argument("--threads", type=int, default=None,
+    p.add_argument("--threads", type=argtypes.threads, default=None,
                    help="intra-op threads, pinned (default: the project file's, else 1)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--no-plot", action="store_true", help="write no plot")
@@ -101,8 +106,8 @@ def _threads(args: argparse.Namespace, project: Any) -> int:
     from harness.bench.runner import DEFAULT_THREADS
 
     threads = args.threads if args.threads is not None else project.get("threads") or DEFAULT_THREADS
-    if not 1 <= threads <= 1024:
-        raise HarnessError(f"--threads {threads}: expected 1 to 1024")
+    if not 1 <= threads <= argtypes.MAX_THREADS:  # the project file's (flags are checked when parsed)
+        raise HarnessError(f"{project.where}: threads {threads}: valid: 1..{argtypes.MAX_THREADS}")
     return int(threads)
 
 
@@ -111,11 +116,19 @@ def _file_part(name: str) -> str:
 
 
 def _plot_path(args: argparse.Namespace, default: Path) -> Path | None:
+    """Where the plot goes; None with --no-plot, or (said on stderr) without the ``plots`` extra."""
+    from harness.cli.results_cmd import plots_missing
     from harness.fileio import check_writable
 
     if args.no_plot:
         if args.plot:
             raise HarnessError("--plot and --no-plot contradict each other; give one")
+        return None
+    problem = plots_missing()
+    if problem is not None:
+        if args.plot:  # asked for by name: refused before any work
+            raise HarnessError(f"--plot {args.plot}: {problem}")
+        print(f"note: plot not written: {problem} (or pass --no-plot)", file=sys.stderr)
         return None
     return check_writable(args.plot or default, "--plot")
 
@@ -130,8 +143,6 @@ def run_layers(args: argparse.Namespace) -> int:
 
     project = load_project(args.config)
     threads = _threads(args, project)
-    if args.top < 1:
-        raise HarnessError(f"--top {args.top}: expected a positive number of layers")
     given = options.given(args)
     project.autocast_settings(args.model, given)  # bad settings fail before the model loads
     if args.explicit is not None and args.mode != "explicit":
@@ -172,7 +183,6 @@ def run_layers(args: argparse.Namespace) -> int:
 def run_precision(args: argparse.Namespace) -> int:
     from harness.build import load_cache
     from harness.cache.timing_cache import TimingCache
-    from harness.cli.bench_cmd import parse_threshold
     from harness.debug.inputs import load_batches
     from harness.debug.metrics import parse_target
     from harness.debug.precision import search_precision
@@ -184,10 +194,7 @@ def run_precision(args: argparse.Namespace) -> int:
     project = load_project(args.config)
     threads = _threads(args, project)
     target = parse_target(args.target)
-    min_speedup = parse_threshold(str(args.min_speedup), "--min-speedup") if args.choose == "fastest" else math.inf
-    for flag, value in (("--seconds", args.seconds), ("--final-seconds", args.final_seconds)):
-        if not 0 < value <= 600:
-            raise HarnessError(f"{flag} {value}: expected a number of seconds above 0 and at most 600")
+    min_speedup = args.min_speedup if args.choose == "fastest" else math.inf
     backend = get_backend(args.backend)
     backend.check_mode(args.low)
     spec = project.load_model(args.model)  # as build loads it: relative to the current directory

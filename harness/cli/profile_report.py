@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from harness.engines.protocol import Engine
+from harness.cli import argtypes
 from harness.errors import HarnessError
+
+if TYPE_CHECKING:
+    from harness.engines.protocol import Engine
 
 # Options that only mean something with --profile.
 _PROFILE_ONLY = ("model", "threads", "iters", "warmup", "top")
@@ -33,16 +36,16 @@ def add_arguments(inspect: argparse.ArgumentParser) -> None:
         "default: inputs of the engine's declared shapes",
     )
     inspect.add_argument(
-        "--threads", type=int, metavar="N", help="with --profile: intra-op threads (default: torch's)"
+        "--threads", type=argtypes.threads, metavar="N", help="with --profile: intra-op threads (default: torch's)"
     )
     inspect.add_argument(
-        "--iters", type=int, metavar="N", help=f"with --profile: timed runs (default {DEFAULT_ITERATIONS})"
+        "--iters", type=argtypes.iterations, metavar="N", help=f"with --profile: timed runs (default {DEFAULT_ITERATIONS})"
     )
     inspect.add_argument(
-        "--warmup", type=int, metavar="N", help=f"with --profile: untimed runs first (default {DEFAULT_WARMUP})"
+        "--warmup", type=argtypes.warmup_runs, metavar="N", help=f"with --profile: untimed runs first (default {DEFAULT_WARMUP})"
     )
     inspect.add_argument(
-        "--top", type=int, metavar="N", help="with --profile: list the N slowest layers, sum the rest"
+        "--top", type=argtypes.positive_int, metavar="N", help="with --profile: list the N slowest layers, sum the rest"
     )
 
 
@@ -52,8 +55,6 @@ def check_arguments(args: argparse.Namespace) -> None:
         given = [f"--{name}" for name in _PROFILE_ONLY if getattr(args, name) is not None]
         if given:
             raise HarnessError(f"{', '.join(given)}: {'applies' if len(given) == 1 else 'apply'} only with --profile")
-    elif args.top is not None and args.top < 1:
-        raise HarnessError(f"--top {args.top}: expected a positive number of layers")
 
 
 def run_profile(args: argparse.Namespace, engine: Engine) -> int:

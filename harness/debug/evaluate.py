@@ -28,7 +28,7 @@ from harness.cache.timing_cache import TimingCache
 from harness.debug.inputs import Batch
 from harness.debug.metrics import TASK_METRIC, ErrorStats, Target
 from harness.debug.plan import FP32, PrecisionPlan
-from harness.engines.modes import LOW_DTYPES
+from harness.dtypes import LOW_DTYPES
 from harness.engines.protocol import Backend, BuildConfig, Engine
 from harness.errors import HarnessError
 from harness.models import ModelSpec
@@ -127,7 +127,7 @@ class Evaluator:
 
     def compile(self, plan: PrecisionPlan) -> CompiledGraph:
         """The typed graph of ``plan``, refused if the compiler did not apply it as written."""
-        compiled = compile(self.program, self.spec.example_inputs, mode="explicit", explicit=plan.explicit())
+        compiled = compile(self.program, self.spec.example_inputs, policy="explicit", explicit=plan.explicit())
         kept = set(plan.kept)
         wrong = [
             row.name

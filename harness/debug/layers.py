@@ -173,17 +173,17 @@ def _describe(stats: ErrorStats) -> str:
     return ", ".join(f"{m} {format_error(stats.value(m))}" for m in ERROR_METRICS)
 
 
-def reference_graph(model: Any, example_inputs: Sequence[torch.Tensor], compiler_mode: str) -> CompiledGraph:
-    """The fp32 graph whose nodes are named like those of a graph compiled in ``compiler_mode``.
+def reference_graph(model: Any, example_inputs: Sequence[torch.Tensor], policy: str) -> CompiledGraph:
+    """The fp32 graph whose nodes are named like those of a graph compiled with compiler ``policy``.
 
-    The exact modes (amp, fp32) lower without the last-bit-changing passes,
+    The exact policies (amp, fp32) lower without the last-bit-changing passes,
     the others with them (batch norm folded): the reference takes the same
     lowering, all fp32 (for amp: eager fp32, the model's own autocast regions
     as written).
     """
-    if compiler_mode in ("amp", "fp32"):
-        return compile(model, example_inputs, mode="fp32")
-    return compile(model, example_inputs, mode="explicit", explicit={".*": "fp32"})
+    if policy in ("amp", "fp32"):
+        return compile(model, example_inputs, policy="fp32")
+    return compile(model, example_inputs, policy="explicit", explicit={".*": "fp32"})
 
 
 def _tensors_only(value: Any) -> bool:
@@ -365,7 +365,7 @@ def debug_layers(
         typed = compile_graph(spec, config, backend)  # refuses a mode the backend cannot build
     else:
         typed = compile_for_mode(spec, mode, explicit_path, config.autocast)
-    reference = reference_graph(spec.module, spec.example_inputs, typed.mode)
+    reference = reference_graph(spec.module, spec.example_inputs, typed.policy)
     engine = backend.build(typed, config, None)[0] if backend is not None else None
     layers, outputs, unmatched = attribute_errors(typed, reference, batches, engine=engine, progress=progress)
     engine_outputs = engine_output_error(engine, spec.module, batches) if engine is not None else None

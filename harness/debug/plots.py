@@ -1,7 +1,8 @@
 """What the debug commands draw: error along the graph's depth, and the search's candidates.
 
 Both follow the bench's plotting conventions (:mod:`harness.bench.plots`):
-figures on an explicit Agg canvas (no display, no pyplot state changed),
+figures on an explicit Agg canvas (no display, no pyplot state changed;
+matplotlib is the ``plots`` extra, imported when a figure is drawn),
 log error axes with exact zeros one decade below the smallest error,
 non-finite values drawn as red crosses above everything, labels moved apart
 so they stay readable, and PNGs written atomically.
@@ -14,10 +15,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
-
-from harness.bench.plots import label_points, pareto_front, save_figure
+from harness.bench.plots import label_points, new_figure, pareto_front, save_figure
 from harness.debug.layers import LayerReport, short_module
 from harness.debug.precision import SearchResult
 
@@ -35,8 +33,7 @@ def _placed(values: Sequence[float]) -> tuple[list[float], float, float]:
 def plot_layers(report: LayerReport, path: str | os.PathLike[str], named: int = NAMED_LAYERS) -> Path:
     """Accumulated, introduced and impact error of every layer against its depth; the worst named."""
     metric = report.rank_by
-    fig = Figure(figsize=(10, 5), dpi=100)
-    FigureCanvasAgg(fig)
+    fig = new_figure((10, 5))
     ax = fig.add_subplot()
     layers = sorted(report.layers, key=lambda layer: layer.index)
     depth = [layer.depth for layer in layers]
@@ -76,8 +73,7 @@ def plot_layers(report: LayerReport, path: str | os.PathLike[str], named: int = 
 
 def plot_search(result: SearchResult, path: str | os.PathLike[str]) -> Path:
     """Every verified candidate: latency against error, the target, the front and the chosen plan."""
-    fig = Figure(figsize=(8, 5), dpi=100)
-    FigureCanvasAgg(fig)
+    fig = new_figure((8, 5))
     ax = fig.add_subplot()
     steps = result.steps
     xs = [s.latency_ms for s in steps]

@@ -50,7 +50,7 @@ from harness.debug.layers import attribute_errors, reference_graph
 from harness.debug.metrics import Target, format_error
 from harness.debug.plan import PrecisionPlan
 from harness.debug.select import DEFAULT_MIN_SPEEDUP, Finalist, choose
-from harness.engines.modes import LOW_DTYPES
+from harness.dtypes import LOW_DTYPES
 from harness.engines.protocol import Backend
 from harness.errors import HarnessError
 from harness.frontend.export import export_program
@@ -226,9 +226,9 @@ def search_precision(
     if target.limit is None:
         target = target.resolved(eager_autocast_error(spec, batches, target.metric, low))
     program = export_program(spec.module, spec.example_inputs)
-    all_low = compile(program, spec.example_inputs, mode="explicit", explicit={".*": low})
+    all_low = compile(program, spec.example_inputs, policy="explicit", explicit={".*": low})
     layers = tuple(row.name for row in all_low.report.rows if row.rule == "explicit")
-    reference = reference_graph(program, spec.example_inputs, all_low.mode)
+    reference = reference_graph(program, spec.example_inputs, all_low.policy)
     measured, _, _ = attribute_errors(all_low, reference, batches)
     decidable = set(layers)
     ranking = target.ranking_metric

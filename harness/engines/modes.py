@@ -1,8 +1,10 @@
 """From a precision mode name to the typed graph a backend builds.
 
-The ten modes of DESIGN.md section 2 map onto the compiler's five modes; weak modes
-hand the backend the fp32 graph because there the builder, not the compiler,
-decides each layer's precision.
+The ten precision modes (:data:`harness.engines.protocol.PRECISION_MODES`; see
+"Precision modes" in docs/design.md) map onto the compiler's five policies
+(``fp32``, ``full``, ``rule``, ``amp``, ``explicit``); weak modes hand the
+backend the fp32 graph because there the builder, not the compiler, decides
+each layer's precision.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from harness.autocast.settings import AutocastSettings
+from harness.dtypes import EXPLICIT_DTYPES, LOW_DTYPES
 from harness.engines.protocol import PRECISION_MODES
 from harness.errors import HarnessError
 from harness.fileio import read_json
@@ -22,9 +25,6 @@ from harness.fileio import read_json
 if TYPE_CHECKING:
     from harness.autocast import CompiledGraph
     from harness.models import ModelSpec
-
-LOW_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
-EXPLICIT_DTYPES = {"fp32": torch.float32, **LOW_DTYPES}
 
 _EXPLICIT_SCHEMA = {
     "type": "object",
@@ -41,6 +41,7 @@ def check_mode_name(mode: str) -> None:
 
 
 def is_weak(mode: str) -> bool:
+    """Whether ``mode`` lets the builder choose each layer's precision (``weak-fp16``, ``weak-bf16``)."""
     return mode.startswith("weak-")
 
 
@@ -62,8 +63,8 @@ def load_explicit(path: str | Path) -> dict[str, torch.dtype]:
     return {pattern: EXPLICIT_DTYPES[name] for pattern, name in obj.items()}
 
 
-# precision mode -> compiler mode (weak modes build the fp32 graph)
-_COMPILER_MODES = {
+# precision mode -> compiler policy (weak modes build the fp32 graph)
+_POLICIES = {
     "fp32": "fp32",
     "fp16": "full",
     "bf16": "full",
@@ -78,8 +79,8 @@ _COMPILER_MODES = {
 
 
 def settings_apply(mode: str) -> bool:
-    """Whether the autocast settings change the graph of ``mode`` (rule mode; I/O types of full and explicit)."""
-    return _COMPILER_MODES[mode] in ("rule", "full", "explicit")
+    """Whether the autocast settings change the graph of ``mode`` (policy rule; I/O types of full and explicit)."""
+    return _POLICIES[mode] in ("rule", "full", "explicit")
 
 
 def effective_settings(settings: AutocastSettings, mode: str) -> AutocastSettings:
@@ -109,7 +110,7 @@ def compile_for_mode(
     return compile(
         spec.module,
         spec.example_inputs,
-        mode=_COMPILER_MODES[mode],
+        policy=_POLICIES[mode],
         settings=effective_settings(settings or AutocastSettings(), mode),
         explicit=explicit,
         calibration_data=spec.calibration_data,

@@ -56,10 +56,10 @@ import onnx_ir.passes.common as ir_passes
 import torch
 from onnxscript.optimizer import fold_constants_ir
 
-from harness.engines.protocol import dtype_from_name, dtype_name
-from harness.errors import HarnessError
+from harness.dtypes import DTYPES, FLOAT_DTYPES, dtype_from_name, dtype_label, dtype_name
+from harness.errors import HarnessError, StaticBatchError
 from harness.fileio import atomic_write_bytes, canonical_json
-from harness.fxutil import dtype_name as any_dtype_name
+from harness.naming import fresh_name
 
 if TYPE_CHECKING:
     from harness.autocast import CompiledGraph
@@ -71,34 +71,30 @@ MIN_OPSET = 18
 COMPILER = "compiler"
 EXPORTER = "exporter"
 
-# ONNX TensorProto element types -> the engines' short dtype names.
-ONNX_DTYPE_NAMES = {
-    int(ir.DataType.FLOAT): "fp32",
-    int(ir.DataType.FLOAT16): "fp16",
-    int(ir.DataType.BFLOAT16): "bf16",
-    int(ir.DataType.DOUBLE): "fp64",
-    int(ir.DataType.INT64): "int64",
-    int(ir.DataType.INT32): "int32",
-    int(ir.DataType.INT16): "int16",
-    int(ir.DataType.INT8): "int8",
-    int(ir.DataType.UINT8): "uint8",
-    int(ir.DataType.BOOL): "bool",
+# ONNX TensorProto element types -> torch dtypes (named by harness.dtypes).
+_TORCH_BY_ONNX = {
+    int(ir.DataType.FLOAT): torch.float32,
+    int(ir.DataType.FLOAT16): torch.float16,
+    int(ir.DataType.BFLOAT16): torch.bfloat16,
+    int(ir.DataType.DOUBLE): torch.float64,
+    int(ir.DataType.INT64): torch.int64,
+    int(ir.DataType.INT32): torch.int32,
+    int(ir.DataType.INT16): torch.int16,
+    int(ir.DataType.INT8): torch.int8,
+    int(ir.DataType.UINT8): torch.uint8,
+    int(ir.DataType.BOOL): torch.bool,
 }
-FLOAT_DTYPES = frozenset(("fp32", "fp16", "bf16", "fp64"))
+assert set(_TORCH_BY_ONNX.values()) == set(DTYPES.values()), "one ONNX element type per engine dtype"
 
 
 def onnx_dtype_name(elem_type: int) -> str:
     """Short name ("fp16", "int64", ...) of an ONNX element type; unknown types keep ONNX's name."""
-    name = ONNX_DTYPE_NAMES.get(int(elem_type))
-    return name if name is not None else ir.DataType(elem_type).name.lower()
+    dtype = _TORCH_BY_ONNX.get(int(elem_type))
+    return dtype_name(dtype) if dtype is not None else ir.DataType(elem_type).name.lower()
 
 
 # A dimension the engine takes at run time (the batch axis of a dynamic-batch export).
 DYNAMIC = -1
-
-
-class StaticBatchError(HarnessError):
-    """The typed graph fixes its batch size, so no engine can serve other sizes with it."""
 
 
 @dataclass(frozen=True)
@@ -183,7 +179,7 @@ def check_inputs(
     for tensor, spec in zip(inputs, specs, strict=True):
         if not isinstance(tensor, torch.Tensor):
             raise HarnessError(f"{where} input {spec.name!r}: expected a tensor, got {type(tensor).__name__}")
-        got = (any_dtype_name(tensor.dtype), tuple(tensor.shape))
+        got = (dtype_label(tensor.dtype), tuple(tensor.shape))
         shape = tuple(g if d == DYNAMIC else d for d, g in zip(spec.shape, got[1], strict=False))
         if got != (spec.dtype, shape) or len(got[1]) != len(spec.shape):
             raise HarnessError(
@@ -425,7 +421,7 @@ def _rename(graph: ir.Graph, origins: dict[ir.Node, str | None]) -> dict[str, st
             same_op = [n for n in group if n.op_type == node.op_type]
             index = same_op.index(node)
             wanted = f"{origin}/{node.op_type}" + (f"_{index}" if index else "")
-        name = _unique(wanted, taken)
+        name = fresh_name(wanted, taken.__contains__, sep="#")
         node.name = name
         taken.add(name)
         names[name] = origin
@@ -449,7 +445,7 @@ def _widen_mixed_layer_norms(graph: ir.Graph) -> None:
         if x is None or scale is None or x.dtype is None or scale.dtype is None or x.dtype == scale.dtype:
             continue
         narrow, wide = x.dtype, scale.dtype
-        cast_in = ir.Node("", "Cast", [x], [ir.AttrInt64("to", int(wide))], name=_unique(f"{node.name}/Cast_input", taken))
+        cast_in = ir.Node("", "Cast", [x], [ir.AttrInt64("to", int(wide))], name=fresh_name(f"{node.name}/Cast_input", taken.__contains__, sep="#"))
         taken.add(cast_in.name)
         cast_in.outputs[0].name = f"{cast_in.name}:0"
         cast_in.outputs[0].dtype, cast_in.outputs[0].shape = wide, x.shape
@@ -464,17 +460,10 @@ def _widen_mixed_layer_norms(graph: ir.Graph) -> None:
         y.name, y.dtype = f"{y.name}:{wide.name.lower()}", wide
         cast_out = ir.Node(
             "", "Cast", [y], [ir.AttrInt64("to", int(narrow))], outputs=[narrow_y],
-            name=_unique(f"{node.name}/Cast_output", taken),
+            name=fresh_name(f"{node.name}/Cast_output", taken.__contains__, sep="#"),
         )
         taken.add(cast_out.name)
         graph.insert_after(node, cast_out)
-
-
-def _unique(name: str, taken: set[str | None]) -> str:
-    candidate, i = name, 1
-    while candidate in taken:
-        candidate, i = f"{name}#{i}", i + 1
-    return candidate
 
 
 def _check(proto: onnx.ModelProto, path: str | os.PathLike[str]) -> None:

@@ -22,7 +22,6 @@ from harness.autocast.settings import AutocastSettings
 from harness.errors import HarnessError
 from harness.fileio import canonical_json, digest
 from harness.fxutil import cast_floating
-from harness.fxutil import dtype_name as fx_dtype_name
 from harness.outputs import OutputSpec
 
 if TYPE_CHECKING:
@@ -41,41 +40,6 @@ PRECISION_MODES = (
     "amp-bf16",
     "explicit",
 )
-
-# The dtypes engines take and store, named as users write them ("fp16", not
-# "torch.float16" or TensorRT's "Half"): the compiler's names (harness.fxutil).
-ENGINE_DTYPES = (
-    torch.float32,
-    torch.float16,
-    torch.bfloat16,
-    torch.float64,
-    torch.int64,
-    torch.int32,
-    torch.int16,
-    torch.int8,
-    torch.uint8,
-    torch.bool,
-)
-DTYPE_NAMES: dict[torch.dtype, str] = {dtype: fx_dtype_name(dtype) for dtype in ENGINE_DTYPES}
-_DTYPES_BY_NAME = {name: dtype for dtype, name in DTYPE_NAMES.items()}
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """Short name of a tensor dtype ("fp32", "bf16", "int64", ...); other dtypes are refused."""
-    if dtype not in DTYPE_NAMES:
-        raise HarnessError(
-            f"dtype {dtype} is not supported by the engines; supported: {', '.join(DTYPE_NAMES.values())}"
-        )
-    return DTYPE_NAMES[dtype]
-
-
-def dtype_from_name(name: str) -> torch.dtype:
-    """Inverse of :func:`dtype_name`; an unknown name is an error naming the valid ones."""
-    try:
-        return _DTYPES_BY_NAME[name]
-    except KeyError:
-        raise HarnessError(f"unknown dtype {name!r}; valid: {', '.join(_DTYPES_BY_NAME)}") from None
-
 
 @dataclass(frozen=True)
 class BatchProfile:
@@ -205,7 +169,7 @@ class BuildConfig:
 class LayerInfo:
     """One layer of a built engine, as TensorRT's engine inspector reports it.
 
-    Dtypes use the short names of :data:`DTYPE_NAMES`.
+    Dtypes use the short names of :data:`harness.dtypes.DTYPES`.
     """
 
     name: str
@@ -265,10 +229,7 @@ class LayerTiming:
         return {
             "layer": self.layer,
             "key": self.key,
-            "candidates": [
-                {"tactic": c.tactic, "tactic_hash": c.tactic_hash, "time_ms": c.time_ms}
-                for c in self.candidates
-            ],
+            "candidates": [c.to_json() for c in self.candidates],
             "chosen": self.chosen,
             "chosen_hash": self.chosen_hash,
             "from_cache": self.from_cache,

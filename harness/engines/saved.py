@@ -17,6 +17,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,78 @@ from harness.fileio import (
 )
 
 PLAN_FILE = "plan.json"
+# The schema of every digest a plan records (fileio.digest).
+DIGEST_SCHEMA: dict[str, Any] = {"type": "string", "pattern": "^sha256:[0-9a-f]{64}$"}
 
+
+@dataclass(frozen=True, eq=False)
+class PlanFormat:
+    """One backend's saved-engine format: what its ``plan.json`` must say and hold.
+
+    Every plan starts with the same three fields (:meth:`header`), which name
+    the backend and the format version a harness must read; ``fields`` maps
+    each of the backend's own fields to its schema. Every field is required
+    and no other is allowed (:attr:`schema`). ``payload`` is the file stored
+    beside the plan.
+    """
+
+    backend: str
+    name: str  # the plan's "format"
+    version: int
+    payload: str
+    fields: Mapping[str, Any]
+
+    def header(self) -> dict[str, Any]:
+        """The fields a plan of this format opens with."""
+        return {"format": self.name, "version": self.version, "backend": self.backend}
+
+    @property
+    def schema(self) -> dict[str, Any]:
+        """The JSON schema of a whole plan of this format."""
+        return {
+            "type": "object",
+            "required": ["format", "version", "backend", *self.fields],
+            "additionalProperties": False,
+            "properties": {
+                "format": {"const": self.name},
+                "version": {"const": self.version},
+                "backend": {"const": self.backend},
+                **self.fields,
+            },
+        }
+
+    def read(self, path: str | os.PathLike[str]) -> tuple[Path, dict[str, Any], str]:
+        """Read and validate ``plan.json`` of the engine directory ``path`` in this format.
+
+        Returns the directory, the plan, and the "engine plan FILE" prefix for
+        further messages.
+        """
+        directory = Path(path)
+        if not directory.exists():
+            raise HarnessError(
+                f"engine {directory}: no such directory (expected {PLAN_FILE} and {self.payload} in it)"
+            )
+        if not directory.is_dir():
+            raise HarnessError(
+                f"engine {directory}: not a directory (expected {PLAN_FILE} and {self.payload} in it)"
+            )
+        plan_path = directory / PLAN_FILE
+        where = f"engine plan {plan_path}"
+        obj = read_json(plan_path, what="engine plan")
+        if not isinstance(obj, dict) or obj.get("format") != self.name:
+            found = obj.get("backend") if isinstance(obj, dict) else None
+            saved_by = isinstance(found, str) and found != self.backend
+            hint = f"; it was saved by backend {found}: use --backend {found}" if saved_by else ""
+            raise HarnessError(
+                f'{where}: not a {self.backend} engine plan (expected "format": "{self.name}"){hint}'
+            )
+        if obj.get("version") != self.version:
+            raise HarnessError(
+                f"{where}: plan schema version {obj.get('version')!r} is not supported "
+                f"(this harness reads version {self.version}); rebuild the engine"
+            )
+        validate(obj, self.schema, where)
+        return directory, obj, where
 
 def engine_directory(path: str | os.PathLike[str]) -> Path:
     """The directory an engine is saved into; refused, before any work, when it cannot be written."""
@@ -104,45 +176,6 @@ def plan_backend(path: str | os.PathLike[str]) -> tuple[Path, str]:
     if not isinstance(backend, str):
         raise HarnessError(f'engine plan {plan_path}: no "backend" field; this is not a saved engine plan')
     return directory, backend
-
-
-def read_plan(
-    path: str | os.PathLike[str],
-    *,
-    backend: str,
-    plan_format: str,
-    version: int,
-    schema: dict[str, Any],
-    payload: str,
-) -> tuple[Path, dict[str, Any], str]:
-    """Read and validate ``plan.json`` of the engine directory ``path``.
-
-    Returns the directory, the plan, and the "engine plan FILE" prefix for
-    further messages. ``payload`` names the file stored beside the plan, for
-    the message when ``path`` is not a directory.
-    """
-    directory = Path(path)
-    if not directory.exists():
-        raise HarnessError(f"engine {directory}: no such directory (expected {PLAN_FILE} and {payload} in it)")
-    if not directory.is_dir():
-        raise HarnessError(
-            f"engine {directory}: not a directory (expected {PLAN_FILE} and {payload} in it)"
-        )
-    plan_path = directory / PLAN_FILE
-    where = f"engine plan {plan_path}"
-    obj = read_json(plan_path, what="engine plan")
-    if not isinstance(obj, dict) or obj.get("format") != plan_format:
-        found = obj.get("backend") if isinstance(obj, dict) else None
-        saved_by = isinstance(found, str) and found != backend
-        hint = f"; it was saved by backend {found}: use --backend {found}" if saved_by else ""
-        raise HarnessError(f'{where}: not a {backend} engine plan (expected "format": "{plan_format}"){hint}')
-    if obj.get("version") != version:
-        raise HarnessError(
-            f"{where}: plan schema version {obj.get('version')!r} is not supported "
-            f"(this harness reads version {version}); rebuild the engine"
-        )
-    validate(obj, schema, where)
-    return directory, obj, where
 
 
 def read_payload(directory: Path, name: str, expected_digest: str, what: str) -> bytes:

@@ -26,6 +26,7 @@ from torch.overrides import TorchFunctionMode
 
 from harness.errors import HarnessError
 from harness.globalstate import preserves_global_state
+from harness.naming import fresh_name
 
 _log = logging.getLogger(__name__)
 
@@ -54,7 +55,7 @@ class _CastsCopy(TorchFunctionMode):
         if func is torch.Tensor.type_as and len(args) == 2:
             return args[0].to(args[1].dtype, copy=True)
         if func is torch.Tensor.to and "copy" not in kwargs:
-            return func(*args, **kwargs, copy=True)
+            kwargs = {**kwargs, "copy": True}
         return func(*args, **kwargs)
 
 
@@ -126,9 +127,7 @@ def _attr_name(target: str, taken: set[str]) -> str:
     base = re.sub(r"\W", "_", target) or "const"
     if base[0].isdigit():
         base = "_" + base
-    name, i = base, 1
-    while name in taken:
-        name, i = f"{base}_{i}", i + 1
+    name = fresh_name(base, taken.__contains__)
     taken.add(name)
     return name
 
@@ -147,7 +146,7 @@ def standalone_graph(ep: ExportedProgram) -> torch.fx.GraphModule:
             f"the model mutates state during forward ({bad_out[0].kind.name} of {bad_out[0].target}); "
             "call model.eval() and remove in-place updates of buffers"
         )
-    gm = copy.deepcopy(ep.graph_module)  # never mutate the caller's program
+    gm: torch.fx.GraphModule = copy.deepcopy(ep.graph_module)  # never mutate the caller's program
     taken = set(dict(gm.named_children())) | set(dict(gm.named_parameters())) | set(dict(gm.named_buffers()))
     constants = {**ep.state_dict, **ep.constants}
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]

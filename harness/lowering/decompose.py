@@ -1,4 +1,4 @@
-"""Per-op decompositions, configurable by op name (seed 004's first mechanism).
+"""Per-op decompositions, configurable by op name.
 
 Each enabled op is replaced in place by the ATen subgraph of its decomposition,
 traced on the node's own fake inputs, so shapes and dtypes of the new nodes are
@@ -17,7 +17,8 @@ import torch
 from torch._decomp import get_decompositions
 
 from harness.errors import HarnessError
-from harness.fxutil import fake_mode_of, has_eager_kernel, op_name, splice, trace_call
+from harness.fxutil import fake_mode_of, has_eager_kernel, splice, trace_call
+from harness.opnames import op_name, overload_names, resolve_op, resolve_op_names, resolve_packet
 
 aten = torch.ops.aten
 
@@ -28,37 +29,6 @@ DEFAULT_DECOMPOSITIONS: tuple[str, ...] = (
     "aten.einsum.default",
     "aten.bilinear.default",
 )
-
-
-def _packet(name: str) -> tuple[torch._ops.OpOverloadPacket, list[str]]:
-    parts = name.replace("::", ".").split(".")
-    if len(parts) not in (2, 3) or parts[0] != "aten":
-        raise HarnessError(f"op name {name!r} is not of the form aten.NAME or aten.NAME.OVERLOAD (e.g. aten.conv2d.default)")
-    packet = getattr(torch.ops.aten, parts[1], None)
-    if not isinstance(packet, torch._ops.OpOverloadPacket):
-        raise HarnessError(f"unknown op {name!r}: torch.ops.aten has no operator {parts[1]!r}")
-    return packet, parts
-
-
-def resolve_op(name: str) -> torch._ops.OpOverload:
-    """``aten.conv2d.default`` (or ``aten::conv2d.default``; ``aten.conv2d`` means ``.default``) to an OpOverload."""
-    packet, parts = _packet(name)
-    overload = parts[2] if len(parts) == 3 else "default"
-    if overload not in packet.overloads():
-        raise HarnessError(f"unknown overload {name!r}; {parts[1]} has: {', '.join(sorted(packet.overloads()))}")
-    return getattr(packet, overload)
-
-
-def resolve_op_names(names: Iterable[str]) -> set[str]:
-    """Validate op names; return them canonical (``aten.NAME.OVERLOAD``). A bare name means every overload."""
-    out: set[str] = set()
-    for name in names:
-        packet, parts = _packet(name)
-        if len(parts) == 2:
-            out.update(f"aten.{parts[1]}.{o}" for o in packet.overloads())
-        else:
-            out.add(op_name(resolve_op(name)))
-    return out
 
 
 def _composite(op: torch._ops.OpOverload) -> bool:
@@ -86,18 +56,18 @@ def decomposable_op_names(names: Iterable[str]) -> set[str]:
     """
     out: set[str] = set()
     for name in names:
-        packet, parts = _packet(name)
-        if len(parts) == 3:
+        packet, overload = resolve_packet(name)
+        if overload is not None:
             out.add(op_name(resolve_op(name)))
             continue
-        overloads = [getattr(packet, o) for o in packet.overloads()]
+        overloads = [getattr(packet, o) for o in overload_names(packet)]
         functional = [op for op in overloads if _functional(op)]
         known = get_decompositions(functional)
         chosen = sorted(op_name(op) for op in functional if op in known or _composite(op))
         if not chosen:
             raise HarnessError(
                 f"no decomposition is known for any functional overload of {name} "
-                f"(overloads: {', '.join(sorted(packet.overloads()))}); remove it from the decomposition table"
+                f"(overloads: {', '.join(sorted(overload_names(packet)))}); remove it from the decomposition table"
             )
         out.update(chosen)
     return out

@@ -11,12 +11,16 @@ normalization). It changes the last bits relative to eager, so the exact modes
 
 from __future__ import annotations
 
+import logging
+
 import torch
+from torch.fx.passes.infra.pass_base import PassResult
 from torch.nn.utils.fusion import fuse_conv_bn_weights
 
 from harness.fxutil import drop_unused_attributes, fake_mode_of
 from harness.lowering.pass_manager import register_pass
 
+logger = logging.getLogger(__name__)
 aten = torch.ops.aten
 _CONVS = {aten.conv1d.default, aten.conv2d.default, aten.conv3d.default}
 
@@ -53,14 +57,24 @@ def fold_conv_batch_norm(
 
 
 def _const(gm: torch.fx.GraphModule, node: object) -> torch.Tensor | None:
+    """The tensor a ``get_attr`` node reads, detached; None for anything else."""
     if isinstance(node, torch.fx.Node) and node.op == "get_attr":
-        return getattr(gm, str(node.target)).detach()
+        value = getattr(gm, str(node.target))
+        if isinstance(value, torch.Tensor):
+            return value.detach()
     return None
 
 
+def _attribute_count(gm: torch.fx.GraphModule) -> int:
+    return sum(1 for _ in gm.named_buffers(recurse=False)) + sum(1 for _ in gm.named_parameters(recurse=False))
+
+
 @register_pass("fold_batch_norm")
-def fold_batch_norm(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+def fold_batch_norm(gm: torch.fx.GraphModule) -> PassResult:
+    """Fold every eval-mode batch norm whose input is a convolution with constant weights."""
     fake_mode = fake_mode_of(gm)
+    nodes_before, attributes_before = len(gm.graph.nodes), _attribute_count(gm)
+    folded = 0
     for bn in list(gm.graph.nodes):
         if bn.op != "call_function" or bn.target is not aten.batch_norm.default:
             continue
@@ -69,14 +83,14 @@ def fold_batch_norm(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
             continue
         weight = _const(gm, conv.args[1])
         bias = _const(gm, conv.args[2]) if len(conv.args) > 2 and conv.args[2] is not None else None
-        stats = [_const(gm, a) for a in (mean, var)]
-        if weight is None or any(s is None for s in stats) or (len(conv.args) > 2 and conv.args[2] is not None and bias is None):
+        mean_t, var_t = _const(gm, mean), _const(gm, var)
+        if weight is None or mean_t is None or var_t is None or (len(conv.args) > 2 and conv.args[2] is not None and bias is None):
             continue
         g = _const(gm, gamma) if gamma is not None else None
         b = _const(gm, beta) if beta is not None else None
         if (gamma is not None and g is None) or (beta is not None and b is None):
             continue
-        new_w, new_b = fold_conv_batch_norm(weight, bias, g, b, stats[0], stats[1], eps)
+        new_w, new_b = fold_conv_batch_norm(weight, bias, g, b, mean_t, var_t, eps)
         getters = []
         for suffix, tensor in (("weight", new_w), ("bias", new_b)):
             name = f"{conv.name}_folded_{suffix}"
@@ -92,5 +106,8 @@ def fold_batch_norm(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         conv.meta["folded_batch_norm"] = bn.name
         bn.replace_all_uses_with(conv)
         gm.graph.erase_node(bn)
+        folded += 1
     drop_unused_attributes(gm)
-    return gm
+    logger.debug("fold_batch_norm: %d batch norm(s) folded into their convolution", folded)
+    modified = folded > 0 or len(gm.graph.nodes) != nodes_before or _attribute_count(gm) != attributes_before
+    return PassResult(gm, modified)

@@ -32,6 +32,7 @@ that. The refusal is the one :func:`standalone_graph` gives for direct writes.
 
 from __future__ import annotations
 
+import logging
 import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -39,12 +40,15 @@ from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
+from torch.fx.passes.infra.pass_base import PassResult
 
 from harness.errors import HarnessError
 from harness.frontend.export import weight_write_error
-from harness.fxutil import fake_mode_of, op_name
+from harness.fxutil import fake_mode_of
 from harness.lowering.pass_manager import register_pass
+from harness.opnames import op_name, out_of_place_packet, overload_name
 
+logger = logging.getLogger(__name__)
 aten = torch.ops.aten
 Node = torch.fx.Node
 OpOverload = torch._ops.OpOverload
@@ -107,11 +111,10 @@ def _written_args(op: OpOverload) -> list[int]:
 
 def _functional_twin(op: OpOverload) -> OpOverload | None:
     """``aten.fill_.Tensor`` -> ``aten.fill.Tensor``: the same op, returning a new tensor."""
-    name = op._schema.name.split("::")[-1]
-    if not name.endswith("_") or name.startswith("_"):
+    packet = out_of_place_packet(op)
+    if packet is None or op.overloadpacket.__name__.startswith("_"):
         return None
-    packet = getattr(torch.ops.aten, name[:-1], None)
-    return getattr(packet, op._overloadname, None) if packet is not None else None
+    return getattr(packet, overload_name(op), None)
 
 
 @dataclass(frozen=True)
@@ -181,10 +184,11 @@ def _split_dim(node: Node) -> int:
     if "dim" not in names:
         raise HarnessError(f"node {node.name}: cannot tell which dimension {op_name(node.target)} splits")
     position = names.index("dim")
-    if position < len(node.args):
-        return int(node.args[position])
     default = schema.arguments[position].default_value
-    return int(node.kwargs.get("dim", default if default is not None else 0))
+    dim = node.args[position] if position < len(node.args) else node.kwargs.get("dim", default if default is not None else 0)
+    if not isinstance(dim, int):
+        raise HarnessError(f"node {node.name}: {op_name(node.target)} splits along a dimension that is not a constant ({dim!r})")
+    return dim
 
 
 @dataclass
@@ -235,8 +239,10 @@ class _Functionalizer:
         self.aliases: dict[Node, _Alias] = {}  # view node -> where it points
         self.multi_views: dict[Node, tuple[Node, int]] = {}  # split-like node -> (its input, 0)
         self.fresh_multi: dict[tuple[Node, int, Node], Node] = {}
+        self.writes = 0  # in-place ops rewritten
 
-    def run(self) -> None:
+    def run(self) -> bool:
+        """Rewrite the graph; whether anything changed (a write, or dead nodes removed)."""
         for node in list(self.gm.graph.nodes):
             if node.op not in ("call_function", "output"):
                 continue
@@ -252,7 +258,8 @@ class _Functionalizer:
                 self._record_view(node, _piece_step(node, node.args[0]))
             elif isinstance(node.target, OpOverload) and _written_args(node.target):
                 self._write(node)
-        self.gm.graph.eliminate_dead_code()
+        dead_removed = self.gm.graph.eliminate_dead_code()
+        return self.writes > 0 or dead_removed
 
     # -- reading -------------------------------------------------------------
 
@@ -277,6 +284,7 @@ class _Functionalizer:
                 return node
             key = (node, version, fresh)
             if key not in self.fresh_multi:
+                assert isinstance(node.target, OpOverload)  # multi_views holds split-like ops only
                 self.fresh_multi[key] = self.g.call(node.target, (fresh, *node.args[1:]), dict(node.kwargs), node, "view")
                 self.multi_views[self.fresh_multi[key]] = (fresh, version)
             return self.fresh_multi[key]
@@ -312,7 +320,10 @@ class _Functionalizer:
         return storage, ()
 
     def _record_view(self, node: Node, step: ViewStep) -> None:
-        source = node.args[0].args[0] if node.target is operator.getitem else node.args[0]
+        source = node.args[0]
+        if node.target is operator.getitem:  # a piece of a split-like view: the split's input
+            assert isinstance(source, Node)
+            source = source.args[0]
         if not isinstance(source, Node) or not isinstance(source.meta.get("val"), torch.Tensor):
             return
         storage, chain = self._base_of(source)
@@ -344,10 +355,13 @@ class _Functionalizer:
         self.storages[value] = storage  # views taken of the new value are views of this storage
         node.replace_all_uses_with(target)  # the op's result aliases its input: read it as such
         self.gm.graph.erase_node(node)
+        self.writes += 1
 
 
 @register_pass("functionalize_inplace")
-def functionalize_inplace(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+def functionalize_inplace(gm: torch.fx.GraphModule) -> PassResult:
     """In-place writes become values; readers of a written tensor or its views read the new value."""
-    _Functionalizer(gm).run()
-    return gm
+    functionalizer = _Functionalizer(gm)
+    modified = functionalizer.run()
+    logger.debug("functionalize_inplace: %d in-place write(s) made values", functionalizer.writes)
+    return PassResult(gm, modified)

@@ -13,12 +13,16 @@ fp32) leave layouts alone, like every other last-bit-changing pass.
 
 from __future__ import annotations
 
+import logging
+
 import torch
+from torch.fx.passes.infra.pass_base import PassResult
 
 from harness.fxutil import fake_mode_of
 from harness.lowering.functionalize import is_view
 from harness.lowering.pass_manager import register_pass
 
+logger = logging.getLogger(__name__)
 aten = torch.ops.aten
 _CONV2D = {aten.conv2d.default, aten.conv2d.padding}
 # Ops that address their input's *memory* (storage offset and strides), not its values.
@@ -26,8 +30,10 @@ STRIDED_OPS = {aten.as_strided.default, aten.as_strided_copy.default, aten.as_st
 
 
 @register_pass("channels_last_weights")
-def channels_last_weights(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+def channels_last_weights(gm: torch.fx.GraphModule) -> PassResult:
+    """Store every 4-D weight of a 2-D convolution channels-last (the graph's nodes are unchanged)."""
     fake_mode = fake_mode_of(gm)
+    converted_count = 0
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.target not in _CONV2D:
             continue
@@ -43,7 +49,9 @@ def channels_last_weights(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
             converted = torch.nn.Parameter(converted, requires_grad=tensor.requires_grad)
         setattr(gm, name, converted)
         weight.meta["val"] = fake_mode.from_tensor(converted, static_shapes=True)
-    return gm
+        converted_count += 1
+    logger.debug("channels_last_weights: %d convolution weight(s) made channels-last", converted_count)
+    return PassResult(gm, converted_count > 0)
 
 
 def _compact(val: object) -> bool:
@@ -66,7 +74,7 @@ def _compact_base(node: torch.fx.Node) -> torch.fx.Node | None:
 
 
 @register_pass("pin_strided_layouts")
-def pin_strided_layouts(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+def pin_strided_layouts(gm: torch.fx.GraphModule) -> PassResult:
     """Give ``as_strided`` (and its copy/scatter forms) a contiguous copy of the memory it addresses.
 
     ``x.as_strided(size, stride, offset)`` reads ``x``'s storage, so its result
@@ -85,6 +93,7 @@ def pin_strided_layouts(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """
     fake_mode = fake_mode_of(gm)
     copies: dict[torch.fx.Node, torch.fx.Node] = {}  # one compact copy per base, shared by its readers
+    pinned = 0
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target not in STRIDED_OPS:
             continue
@@ -111,4 +120,6 @@ def pin_strided_layouts(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
             copies[base] = copy
         args[0] = copies[base]
         node.args, node.kwargs = tuple(args), kwargs
-    return gm
+        pinned += 1
+    logger.debug("pin_strided_layouts: %d strided op(s) read %d compact copy(ies)", pinned, len(copies))
+    return PassResult(gm, pinned > 0)

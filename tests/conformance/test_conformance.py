@@ -64,7 +64,7 @@ def _eager_autocast(spec, dtype):
 @pytest.mark.stage("fp32 graph exact")
 def test_fp32_graph_equals_eager(subject):
     _, spec, eager = subject
-    compiled = compile(spec.module, spec.example_inputs, mode="fp32")
+    compiled = compile(spec.module, spec.example_inputs, policy="fp32")
     assert_same_outputs(compiled(*spec.example_inputs), eager)
 
 
@@ -72,7 +72,7 @@ def test_fp32_graph_equals_eager(subject):
 @pytest.mark.parametrize("low", LOW)
 def test_amp_graph_is_bit_identical_to_eager_autocast(subject, low):
     _, spec, _ = subject
-    compiled = compile(spec.module, spec.example_inputs, mode="amp", low_precision_type=LOW[low])
+    compiled = compile(spec.module, spec.example_inputs, policy="amp", low_precision_type=LOW[low])
     assert_same_outputs(compiled(*spec.example_inputs), _eager_autocast(spec, LOW[low]))
 
 
@@ -94,7 +94,7 @@ def test_rule_mode_stays_finite_where_eager_autocast_does(subject, low):
     compiled = compile(
         spec.module,
         spec.example_inputs,
-        mode="rule",
+        policy="rule",
         low_precision_type=LOW[low],
         calibration_data=spec.calibration_data,
     )

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from harness.cache.timing_cache import CacheEntry, Candidate, TimingCache
+from harness.dtypes import FLOAT_DTYPES, dtype_from_name, dtype_name
 from harness.engines.cpu import tactics
 from harness.engines.cpu.lowering import lower
 from harness.engines.cpu.plan import (
@@ -41,11 +42,10 @@ from harness.engines.cpu.plan import (
 )
 from harness.engines.cpu.timing import TimingOptions, median_ms
 from harness.engines.modes import is_weak, low_dtype
-from harness.engines.protocol import BuildConfig, LayerTiming, dtype_from_name, dtype_name
+from harness.engines.protocol import BuildConfig, LayerTiming
 from harness.errors import HarnessError
 from harness.fileio import canonical_json
 
-FLOAT_DTYPES = ("fp32", "fp16", "bf16", "fp64")
 # Layer types whose precision a weak-mode build chooses by timing.
 CHOOSABLE = frozenset(
     "convolution matmul softmax normalization attention elementwise pooling reduce concatenation resize".split()

@@ -25,13 +25,8 @@ import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
-from harness.engines.cpu.plan import (
-    PLAN_FORMAT,
-    PLAN_SCHEMA,
-    PLAN_VERSION,
-    Plan,
-    plan_from_json,
-)
+from harness.dtypes import dtype_from_name, dtype_name
+from harness.engines.cpu.plan import PLAN, WEIGHTS_FILE, Plan, plan_from_json
 from harness.engines.cpu.profile import (
     DEFAULT_ITERATIONS,
     DEFAULT_WARMUP,
@@ -40,12 +35,11 @@ from harness.engines.cpu.profile import (
     measure,
 )
 from harness.engines.cpu.program import compile_plan
-from harness.engines.protocol import EngineBase, LayerInfo, dtype_from_name, dtype_name
-from harness.engines.saved import PLAN_FILE, read_plan
+from harness.engines.protocol import EngineBase, LayerInfo
+from harness.engines.saved import PLAN_FILE
 from harness.errors import HarnessError
 from harness.fileio import MAX_PAYLOAD_BYTES, canonical_json, digest, json_bytes, read_regular_file
 
-WEIGHTS_FILE = "weights.safetensors"
 _InferenceMode = torch._C._InferenceMode
 
 
@@ -154,14 +148,7 @@ class CpuEngine(EngineBase):
 
     @staticmethod
     def load(path: str | os.PathLike[str]) -> CpuEngine:
-        directory, obj, where = read_plan(
-            path,
-            backend="cpu",
-            plan_format=PLAN_FORMAT,
-            version=PLAN_VERSION,
-            schema=PLAN_SCHEMA,
-            payload=WEIGHTS_FILE,
-        )
+        directory, obj, where = PLAN.read(path)
         body = {k: v for k, v in obj.items() if k not in ("fingerprint", "weights_digest")}
         if digest(canonical_json(body)) != obj["fingerprint"]:
             raise HarnessError(

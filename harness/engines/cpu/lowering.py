@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 import operator
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -40,13 +40,14 @@ from harness.engines.cpu.plan import (
     check_strided_ops,
     iter_leaves,
     map_leaves,
-    op_name,
-    op_packet,
+    plan_op_name,
     random_switch_off,
-    resolve_op,
+    runnable_op,
 )
 from harness.errors import HarnessError
 from harness.lowering.fold_batch_norm import fold_conv_batch_norm
+from harness.naming import fresh_name
+from harness.opnames import plan_packet
 
 _DROPPED = (
     "_assert_tensor_metadata",
@@ -107,13 +108,13 @@ def _translate(gm: torch.fx.GraphModule, mode: str) -> Plan:
         elif fx_node.op == "call_function":
             if (
                 isinstance(fx_node.target, torch._ops.OpOverload)
-                and fx_node.target._opname in _DROPPED
+                and fx_node.target.overloadpacket.__name__ in _DROPPED
             ):
                 continue
-            op = op_name(fx_node.target)
+            op = plan_op_name(fx_node.target)
             if fx_node.target is not operator.getitem:
                 try:
-                    fn = resolve_op(op, f"node {fx_node.name}")
+                    fn = runnable_op(op, f"node {fx_node.name}")
                     if not random_switch_off(fn, fx_node.args, fx_node.kwargs):
                         raise HarnessError(f"node {fx_node.name}: {op} draws random numbers (dropout is on)")
                 except HarnessError as exc:
@@ -193,11 +194,11 @@ def _fold_constants(plan: Plan) -> int:
         if node.refs() or node.multi or node.op == GETITEM:
             kept.append(node)
             continue
-        fn = resolve_op(node.op, f"layer {node.name!r}")
+        fn = runnable_op(node.op, f"layer {node.name!r}")
         args, kwargs = map_leaves((node.args, node.kwargs), lambda leaf: _weight_value(plan, leaf))
         with torch.inference_mode(), tactics.layer_failures(node):
             value = fn(*args, **kwargs)
-        name = _fresh(plan.weights, node.name)
+        name = fresh_name(node.name, plan.weights.__contains__)
         plan.weights[name] = value.detach().clone(memory_format=torch.contiguous_format)
         replacements[node.name] = WeightRef(name)
         folded += 1
@@ -261,11 +262,11 @@ def _foldable_conv(
     if params[2] is None or params[3] is None:  # running statistics
         return None
     conv = producers.get(source.name)
-    if conv is None or op_packet(conv.op) not in _CONVS or users[conv.name] != 1 or conv.multi:
+    if conv is None or plan_packet(conv.op) not in _CONVS or users[conv.name] != 1 or conv.multi:
         return None
     weight = conv.args[1] if len(conv.args) > 1 else None
     bias = conv.args[2] if len(conv.args) > 2 else None
-    transposed = op_packet(conv.op) == "convolution" and bool(conv.args[6])
+    transposed = plan_packet(conv.op) == "convolution" and bool(conv.args[6])
     if (
         transposed
         or not isinstance(weight, WeightRef)
@@ -286,9 +287,9 @@ def _fold_into(conv: Node, bn: Node, plan: Plan) -> None:
     new_weight, new_bias = fold_conv_batch_norm(
         plan.weights[weight_ref.name], bias, gamma, beta, mean, var, float(bn.args[7])
     )
-    w_name = _fresh(plan.weights, f"{conv.name}.folded_weight")
+    w_name = fresh_name(f"{conv.name}.folded_weight", plan.weights.__contains__)
     plan.weights[w_name] = new_weight
-    b_name = _fresh(plan.weights, f"{conv.name}.folded_bias")
+    b_name = fresh_name(f"{conv.name}.folded_bias", plan.weights.__contains__)
     plan.weights[b_name] = new_bias
     args = list(conv.args) + [None] * max(0, 3 - len(conv.args))
     args[1], args[2] = WeightRef(w_name), WeightRef(b_name)
@@ -414,10 +415,3 @@ def _substitute(node: Node, replacements: dict[str, Any]) -> None:
 def _weight_value(plan: Plan, leaf: Any) -> Any:
     return plan.weights[leaf.name] if isinstance(leaf, WeightRef) else leaf
 
-
-def _fresh(taken: Iterable[str], base: str) -> str:
-    names = set(taken)
-    name, i = base, 1
-    while name in names:
-        name, i = f"{base}_{i}", i + 1
-    return name

@@ -18,24 +18,21 @@ from __future__ import annotations
 import logging
 import math
 import operator
-import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from harness.engines.protocol import (
-    DTYPE_NAMES,
-    LAYER_SCHEMA,
-    LayerInfo,
-    dtype_from_name,
-    dtype_name,
-)
+from harness.dtypes import DTYPES, dtype_from_name, dtype_name
+from harness.engines.protocol import LAYER_SCHEMA, LayerInfo
+from harness.engines.saved import DIGEST_SCHEMA, PlanFormat
 from harness.errors import HarnessError
 from harness.fileio import canonical_json, digest
+from harness.opnames import is_plan_name, plan_name, plan_packet, resolve_op
 from harness.outputs import OutputSpec
 from harness.weights import weights_digest
 
@@ -43,6 +40,7 @@ PLAN_FORMAT = "harness-cpu-plan"
 # 3: compiler_settings holds the settings themselves, not their digest;
 # 4: layers may add a residual input to their result (Node.residual), more epilogues.
 PLAN_VERSION = 4
+WEIGHTS_FILE = "weights.safetensors"  # the plan's payload
 # No tensor of a loaded plan may be larger (a crafted plan must not exhaust memory).
 MAX_TENSOR_BYTES = 1 << 36
 GETITEM = "builtin::getitem"
@@ -71,7 +69,6 @@ STRIDED_PACKETS = frozenset(("as_strided", "as_strided_copy", "as_strided_scatte
 _CLONE = "aten::clone.default"
 _CAST = "aten::_to_copy.default"
 
-_OP_NAME = re.compile(r"^aten::(\w+)\.(\w+)$")
 _MEMORY_FORMATS = {
     "contiguous_format": torch.contiguous_format,
     "channels_last": torch.channels_last,
@@ -97,7 +94,7 @@ class WeightRef:
 @dataclass(frozen=True)
 class TensorMeta:
     shape: tuple[int, ...]
-    dtype: str  # short dtype name (protocol.DTYPE_NAMES)
+    dtype: str  # short dtype name (harness.dtypes)
 
     def to_json(self) -> dict[str, Any]:
         return {"shape": list(self.shape), "dtype": self.dtype}
@@ -208,9 +205,7 @@ class Plan:
     def body_json(self) -> dict[str, Any]:
         """Everything the fingerprint covers: the canonical plan without digests."""
         return {
-            "format": PLAN_FORMAT,
-            "version": PLAN_VERSION,
-            "backend": "cpu",
+            **PLAN.header(),
             "mode": self.mode,
             "inputs": [{"name": n, **m.to_json()} for n, m in self.inputs],
             "weights": [
@@ -238,48 +233,33 @@ class Plan:
         }
 
 
-def iter_leaves(obj: Any) -> Iterator[Any]:
-    """Leaves of nested args (lists, tuples, dict values), in order."""
-    if isinstance(obj, (list, tuple)):
-        for item in obj:
-            yield from iter_leaves(item)
-    elif isinstance(obj, dict):
-        for item in obj.values():
-            yield from iter_leaves(item)
-    else:
-        yield obj
+def _is_value(obj: Any) -> bool:
+    # pytree flattens None to nothing; in arguments it is a value (an omitted optional).
+    return obj is None
+
+
+def iter_leaves(obj: Any) -> list[Any]:
+    """Leaves of nested args (lists, tuples, dict values), in order, None included."""
+    return pytree.tree_leaves(obj, is_leaf=_is_value)
 
 
 def map_leaves(obj: Any, fn: Callable[[Any], Any]) -> Any:
-    """Rebuild nested args with ``fn`` applied to every leaf (lists stay lists, tuples tuples)."""
-    if isinstance(obj, list):
-        return [map_leaves(item, fn) for item in obj]
-    if isinstance(obj, tuple):
-        return tuple(map_leaves(item, fn) for item in obj)
-    if isinstance(obj, dict):
-        return {k: map_leaves(v, fn) for k, v in obj.items()}
-    return fn(obj)
-
-
-def op_packet(op: str) -> str:
-    """``aten::conv2d.default`` -> ``conv2d``; the allow-list and tactics key on it."""
-    match = _OP_NAME.match(op)
-    return match.group(1) if match else op
+    """Rebuild nested args with ``fn`` applied to every leaf, None included (containers keep their types)."""
+    return pytree.tree_map(fn, obj, is_leaf=_is_value)
 
 
 def unrunnable_reason(op: torch._ops.OpOverload) -> str | None:
     """Why the engine may not run ``op`` (None when it may): see the rules above."""
-    schema = op._schema
-    packet = schema.name.split("::")[-1]
-    if not schema.name.startswith("aten::"):
+    arguments = op._schema.arguments
+    if op.namespace != "aten":
         return "only ATen ops can be stored in a plan"
-    if any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
+    if any(a.alias_info is not None and a.alias_info.is_write for a in arguments):
         return "it writes one of its arguments"
-    if any(a.name == "out" for a in schema.arguments):
+    if any(a.name == "out" for a in arguments):
         return "it is an out= variant"
     if torch.Tag.nondeterministic_seeded in op.tags and not _random_switch(op):
         return "it draws random numbers"
-    if packet in _RAW_MEMORY_OPS:
+    if op.overloadpacket.__name__ in _RAW_MEMORY_OPS:
         return "it addresses memory through raw strides or offsets"
     return None
 
@@ -312,33 +292,32 @@ def random_switch_off(op: Callable[..., Any], args: Sequence[Any], kwargs: Mappi
     return bool(value == _RANDOM_SWITCHES[name])
 
 
-def resolve_op(op: str, where: str) -> Callable[..., Any]:
-    """The ATen op a plan's op name stands for, refusing names and ops a plan may not hold."""
+def runnable_op(op: str, where: str) -> Callable[..., Any]:
+    """The function a plan's op name stands for, refusing names and ops a plan may not hold."""
     if op == GETITEM:
         return operator.getitem
-    match = _OP_NAME.match(op)
-    if match is None:
+    if not is_plan_name(op):
         raise HarnessError(
             f"{where}: op {op!r} is not an ATen op name (expected aten::<op>.<overload>)"
         )
-    packet = getattr(torch.ops.aten, match.group(1), None)
-    overload = getattr(packet, match.group(2), None) if packet is not None else None
-    if not isinstance(overload, torch._ops.OpOverload):
+    try:
+        overload = resolve_op(op)
+    except HarnessError:
         raise HarnessError(
             f"{where}: op {op!r} does not exist in this PyTorch ({torch.__version__})"
-        )
+        ) from None
     reason = unrunnable_reason(overload)
     if reason is not None:
         raise HarnessError(f"{where}: op {op!r} cannot run in the CPU engine: {reason}")
     return overload
 
 
-def op_name(target: Any) -> str:
-    """Plan name of an FX call_function target."""
+def plan_op_name(target: Any) -> str:
+    """Plan name of an FX call_function target (:func:`harness.opnames.plan_name` for an op)."""
     if target is operator.getitem:
         return GETITEM
     if isinstance(target, torch._ops.OpOverload):
-        return f"{target._schema.name}.{target._overloadname}"
+        return plan_name(target)
     return repr(target)
 
 
@@ -419,7 +398,7 @@ _META = {
     "additionalProperties": False,
     "properties": {
         "shape": {"type": "array", "items": {"type": "integer", "minimum": 0}},
-        "dtype": {"enum": sorted(DTYPE_NAMES.values())},
+        "dtype": {"enum": sorted(DTYPES)},
     },
 }
 _NAMED_META = {
@@ -429,28 +408,12 @@ _NAMED_META = {
     "properties": {"name": {"type": "string", "minLength": 1}, **_META["properties"]},  # type: ignore[dict-item]
 }
 _STR = {"type": "string"}
-PLAN_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "required": [
-        "format",
-        "version",
-        "backend",
-        "mode",
-        "inputs",
-        "weights",
-        "nodes",
-        "outputs",
-        "output_structure",
-        "compiler_settings",
-        "layers",
-        "fingerprint",
-        "weights_digest",
-    ],
-    "additionalProperties": False,
-    "properties": {
-        "format": {"const": PLAN_FORMAT},
-        "version": {"const": PLAN_VERSION},
-        "backend": {"const": "cpu"},
+PLAN = PlanFormat(
+    "cpu",
+    PLAN_FORMAT,
+    PLAN_VERSION,
+    WEIGHTS_FILE,
+    {
         "mode": _STR,
         "inputs": {"type": "array", "items": _NAMED_META},
         "weights": {"type": "array", "items": _NAMED_META},
@@ -507,10 +470,10 @@ PLAN_SCHEMA: dict[str, Any] = {
         "output_structure": _STR,
         "compiler_settings": {"type": ["object", "null"]},
         "layers": {"type": "array", "items": LAYER_SCHEMA},
-        "fingerprint": _STR,
-        "weights_digest": _STR,
+        "fingerprint": DIGEST_SCHEMA,
+        "weights_digest": DIGEST_SCHEMA,
     },
-}
+)
 
 
 def plan_from_json(obj: dict[str, Any], weights: dict[str, torch.Tensor], where: str) -> Plan:
@@ -527,7 +490,7 @@ def plan_from_json(obj: dict[str, Any], weights: dict[str, torch.Tensor], where:
     nodes = []
     for raw in obj["nodes"]:
         node_where = f"{where}: node {raw['name']!r}"
-        resolve_op(raw["op"], node_where)
+        runnable_op(raw["op"], node_where)
         outputs = tuple(
             None if m is None else TensorMeta(tuple(m["shape"]), m["dtype"]) for m in raw["outputs"]
         )
@@ -615,7 +578,7 @@ def check_on_fake_tensors(plan: Plan, where: str) -> None:
 
     for node in plan.nodes:
         node_where = f"{where}: layer {node.name!r} ({node.op})"
-        fn = resolve_op(node.op, node_where)
+        fn = runnable_op(node.op, node_where)
         if not random_switch_off(fn, node.args, node.kwargs):
             raise HarnessError(f"{node_where}: draws random numbers (dropout is on)")
         args, kwargs = map_leaves((node.args, node.kwargs), value)
@@ -656,7 +619,7 @@ def check_strided_ops(plan: Plan, where: str) -> None:
     """
     producers = {node.name: node for node in plan.nodes}
     for node in plan.nodes:
-        if op_packet(node.op) not in STRIDED_PACKETS:
+        if plan_packet(node.op) not in STRIDED_PACKETS:
             continue
         source = node.args[0] if node.args else None
         producer = producers.get(source.name) if isinstance(source, Ref) else None
@@ -679,7 +642,7 @@ def _check_strided_bounds(
     fn: Callable[..., Any], node: Node, args: Sequence[Any], kwargs: Mapping[str, Any], where: str
 ) -> None:
     """Fake tensors do not check ``as_strided`` against the storage: every addressed element must exist."""
-    if op_packet(node.op) not in STRIDED_PACKETS:
+    if plan_packet(node.op) not in STRIDED_PACKETS:
         return
     named = dict(zip([a.name for a in fn._schema.arguments], args, strict=False))  # type: ignore[attr-defined]
     named.update(kwargs)

@@ -25,9 +25,10 @@ from typing import Any
 import torch
 
 from harness.engines.cpu import tactics
-from harness.engines.cpu.plan import Node, op_packet
+from harness.engines.cpu.plan import Node
 from harness.engines.cpu.program import Program
 from harness.errors import HarnessError
+from harness.opnames import plan_packet
 
 DEFAULT_ITERATIONS = 50
 DEFAULT_WARMUP = 5
@@ -223,5 +224,5 @@ def measure(
 
 def _layer_time(index: int, node: Node, ms: float) -> LayerTime:
     _, precision = tactics.parse_tactic(node.tactic)
-    op = op_packet(node.op) + (f"+{node.epilogue}" if node.epilogue else "")
+    op = plan_packet(node.op) + (f"+{node.epilogue}" if node.epilogue else "")
     return LayerTime(index, node.name, op, node.layer_type, node.fused, node.tactic, precision, ms)

@@ -33,16 +33,17 @@ from typing import Any
 
 import torch
 
+from harness.dtypes import LOW_DTYPES
 from harness.engines.cpu.plan import (
     Node,
     Ref,
     TensorMeta,
     WeightRef,
     map_leaves,
-    op_packet,
-    resolve_op,
+    runnable_op,
 )
 from harness.errors import HarnessError
+from harness.opnames import plan_packet
 
 Bound = Callable[..., Any]
 
@@ -83,7 +84,7 @@ class Slot:
 
 def layer_type(node: Node) -> str:
     """TensorRT-style layer type of a node ("convolution", "matmul", ..., "elementwise")."""
-    return _TYPE_OF.get(op_packet(node.op), "elementwise")
+    return _TYPE_OF.get(plan_packet(node.op), "elementwise")
 
 
 def tactic_name(impl: str, precision: str) -> str:
@@ -109,7 +110,7 @@ def impl_names(
     node: Node, metas: Mapping[str, TensorMeta], weights: Mapping[str, torch.Tensor]
 ) -> list[str]:
     """Implementations that can run ``node``; the first is the plain ATen call."""
-    packet = op_packet(node.op)
+    packet = plan_packet(node.op)
     named = _named(node)
     if node.epilogue and not epilogue_ok(node, node.epilogue):
         raise HarnessError(
@@ -136,22 +137,13 @@ def impl_names(
         if packet == "conv2d" and not isinstance(named["padding"], str) and _onednn_ok(precision):
             impls.append("conv_onednn")
         if _pointwise_conv(packet, named, weights):
-            impls.append("conv1x1_gemm")
-            if precision in _WIDENABLE:
-                impls.append("conv1x1_widened")
-            if _onednn_ok(precision):
-                impls.append("conv1x1_onednn")
+            impls += ["conv1x1_gemm", *_gemm_variants("conv1x1", precision)]
         return impls
     if packet in _GEMM_OPERANDS:
         k = _reduction_size(packet, named, metas, weights)
         impls = ["gemm_direct"] + [f"gemm_splitk{n}" for n in (2, 4) if k // n >= _MIN_SPLIT_CHUNK]
         if packet == "linear" and _linear_ok(named):
-            precision = node.out().dtype
-            impls.append("gemm_nn")
-            if precision in _WIDENABLE:
-                impls.append("gemm_widened")
-            if _onednn_ok(precision):
-                impls.append("gemm_onednn")
+            impls += ["gemm_nn", *_gemm_variants("gemm", node.out().dtype)]
         return impls
     if packet in _SOFTMAX_LOG:
         undecomposable = named.get("dtype") is not None or named.get("half_to_float", False)
@@ -168,9 +160,19 @@ def impl_names(
     return ["direct"]
 
 
+
+def _gemm_variants(family: str, precision: str) -> list[str]:
+    """``family``'s widened and oneDNN tactics, where ``precision`` has them."""
+    variants = []
+    if precision in _WIDENABLE:
+        variants.append(f"{family}_widened")
+    if _onednn_ok(precision):
+        variants.append(f"{family}_onednn")
+    return variants
+
 def epilogue_ok(node: Node, epilogue: str) -> bool:
     """Whether ``node`` can absorb the activation ``epilogue`` (every tactic of it applies it)."""
-    packet = op_packet(node.op)
+    packet = plan_packet(node.op)
     if node.multi or not node.outputs:
         return False
     if packet in ("conv2d", "convolution"):
@@ -184,7 +186,7 @@ def residual_ok(node: Node) -> bool:
     """Whether ``node`` can add a residual to its result (every tactic of it does)."""
     if node.multi or not node.outputs:
         return False
-    packet = op_packet(node.op)
+    packet = plan_packet(node.op)
     if packet in ("conv2d", "convolution"):
         return _conv_ok(node, _named(node))
     return packet == "linear" and _linear_ok(_named(node))
@@ -199,7 +201,7 @@ def bind(
         raise HarnessError(
             f"layer {node.name!r} ({node.op}) has no implementation {impl!r}; valid: {', '.join(valid)}"
         )
-    fn = resolve_op(node.op, f"layer {node.name!r}")
+    fn = runnable_op(node.op, f"layer {node.name!r}")
     counter = iter(range(len(node.refs())))
 
     def template(leaf: Any) -> Any:
@@ -212,9 +214,9 @@ def bind(
     # Slots are numbered in argument order, the order node.refs() lists them.
     named = {name: map_leaves(value, template) for name, value in _named(node).items()}
     refs = node.refs()
-    low = any(metas[r.name].dtype in ("fp16", "bf16") for r in refs)
+    low = any(metas[r.name].dtype in LOW_DTYPES for r in refs)
     input_shape = metas[refs[0].name].shape if refs else ()
-    ctx = _Ctx(fn, named, op_packet(node.op), low, node.epilogue, input_shape, node.residual is not None)
+    ctx = _Ctx(fn, named, plan_packet(node.op), low, node.epilogue, input_shape, node.residual is not None)
     return _BINDERS[impl](ctx)
 
 
@@ -356,7 +358,9 @@ def _conv_onednn(ctx: _Ctx) -> Bound:
     )
 
 
-def _row_gemm(ctx: _Ctx, weight: torch.Tensor, kind: str, rows: int) -> tuple[Bound, bool]:
+def _row_gemm(
+    ctx: _Ctx, weight: torch.Tensor, kind: str, rows: int
+) -> tuple[Callable[[torch.Tensor], torch.Tensor], bool]:
     """``x2 (rows, K) -> x2 @ weight.T + bias`` for a 2-D ``weight`` (N, K), and whether it applies the epilogue.
 
     ``mm``: ``addmm`` on the weight transposed once to (K, N), so both GEMM
@@ -700,7 +704,7 @@ _PRODUCT_FNS: dict[str, Callable[..., Any]] = {
 }
 _SOFTMAX_LOG = ("softmax", "_softmax", "log_softmax", "_log_softmax")
 # Precisions whose products are exact in fp32, so a widened GEMM keeps their numbers.
-_WIDENABLE = ("bf16", "fp16")
+_WIDENABLE = frozenset(LOW_DTYPES)
 # epilogue -> in-place-or-not PyTorch op applied after the layer's own op
 _EPILOGUE_FNS: dict[str, Callable[[torch.Tensor], torch.Tensor] | None] = {
     "": None,
@@ -749,7 +753,7 @@ _BINDERS: dict[str, Callable[[_Ctx], Bound]] = {
 
 def _named(node: Node) -> dict[str, Any]:
     """Arguments by schema name, defaults filled in; unknown keywords are refused."""
-    fn = resolve_op(node.op, f"layer {node.name!r}")
+    fn = runnable_op(node.op, f"layer {node.name!r}")
     arguments = fn._schema.arguments  # type: ignore[attr-defined]
     names = {a.name for a in arguments}
     unknown = sorted(set(node.kwargs) - names)

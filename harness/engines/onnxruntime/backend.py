@@ -65,30 +65,33 @@ from harness.bench.machine import cpu_info
 from harness.cache.timing_cache import Provenance, TimingCache
 from harness.engines.modes import check_mode_name, is_weak
 from harness.engines.onnx_export import (
-    CAST_SCHEMA,
-    TENSOR_SPEC_SCHEMA,
     CastRecord,
     TensorSpec,
     check_inputs,
     export_notes,
     export_onnx,
     graph_description,
-    initializer_bytes_by_dtype,
-    initializers_digest,
     listed,
     onnx_dtype_name,
+)
+from harness.engines.onnx_plan import (
+    MODEL_FILE,
+    ModelEngine,
+    check_output_count,
+    interface_json,
+    model_plan_format,
+    read_interface,
+    read_model_plan,
 )
 from harness.engines.protocol import (
     LAYER_SCHEMA,
     PRECISION_MODES,
     BuildConfig,
     BuildLog,
-    EngineBase,
     LayerInfo,
 )
-from harness.engines.saved import PLAN_FILE, read_payload, read_plan
 from harness.errors import HarnessError
-from harness.fileio import canonical_json, digest, json_bytes
+from harness.fileio import canonical_json, digest
 from harness.outputs import OutputSpec
 
 if TYPE_CHECKING:
@@ -102,7 +105,6 @@ PLAN_FORMAT = "harness-onnxruntime-engine"
 # 3: compiler_settings holds the settings themselves, not their digest;
 # 4: the fingerprint covers the onnxruntime version, and the recorded layers are checked on load
 PLAN_VERSION = 4
-MODEL_FILE = "model.onnx"
 
 OPTIMIZATION_LEVELS = {
     "disabled": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
@@ -197,27 +199,45 @@ class EngineRecord:
     compiler_settings: dict[str, Any] | None  # the autocast settings as JSON (None: they did not apply)
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "mode": self.mode,
-            "compiler_settings": self.compiler_settings,
-            "session": self.settings.to_json(),
-            "inputs": [s.to_json() for s in self.inputs],
-            "outputs": [s.to_json() for s in self.outputs],
-            "casts": [c.to_json() for c in self.casts],
-            "output_structure": self.structure.to_json(),
-        }
+        return {**interface_json(self), "session": self.settings.to_json()}
+
+    @classmethod
+    def from_plan(cls, obj: dict[str, Any], where: str) -> EngineRecord:
+        """From a schema-validated plan, refusing an output structure of another size."""
+        record = cls(**read_interface(obj, where), settings=SessionSettings.from_options(obj["session"]))
+        check_output_count(record.structure, record.outputs, where)
+        return record
 
 
-class OnnxRuntimeEngine(EngineBase):
+PLAN = model_plan_format(
+    BACKEND,
+    PLAN_FORMAT,
+    PLAN_VERSION,
+    {
+        "onnxruntime_version": {"type": "string"},
+        "provider": {"const": PROVIDER},
+        "session": {
+            "type": "object",
+            "required": list(BUILDER_OPTIONS),
+            "additionalProperties": False,
+            "properties": {
+                "graph_optimization_level": {"enum": list(OPTIMIZATION_LEVELS)},
+                "intra_op_num_threads": {"type": "integer", "minimum": 1},
+            },
+        },
+    },
+    LAYER_SCHEMA,
+)
+
+
+class OnnxRuntimeEngine(ModelEngine):
     backend = BACKEND
+    plan = PLAN
 
     def __init__(self, model_bytes: bytes, record: EngineRecord) -> None:
-        self.mode = record.mode
-        self.record = record
-        self.outputs = record.structure
-        self._model_bytes = model_bytes
-        self._model = onnx.load_from_string(model_bytes)
-        self._session, executed = _open_session(model_bytes, self._model, record.settings)
+        super().__init__(model_bytes, onnx.load_from_string(model_bytes), record)
+        self.record: EngineRecord = record
+        self._session, executed = _open_session(model_bytes, self._onnx, record.settings)
         self._input_names = [spec.name for spec in record.inputs]
         self._output_names = [spec.name for spec in record.outputs]
         self._one_input = self._input_names[0] if len(self._input_names) == 1 else None
@@ -228,8 +248,8 @@ class OnnxRuntimeEngine(EngineBase):
         self._run: Callable[..., list[Any]] = getattr(native, "run", None) or self._session.run
         # Without run options ORT makes default ones on every call (about 0.9 µs).
         self._run_options = ort.RunOptions()
-        self._layers = _layers(executed, self._model)
-        self.notes = _precision_notes(self._model, executed, record.casts)
+        self._layers = _layers(executed, self._onnx)
+        self.notes = _precision_notes(self._onnx, executed, record.casts)
         self._fingerprint = digest(
             canonical_json(
                 {
@@ -238,7 +258,7 @@ class OnnxRuntimeEngine(EngineBase):
                     # the runtime's kernels decide the engine's numbers, as the graph does
                     "onnxruntime_version": ort.__version__,
                     **record.to_json(),
-                    "graph": graph_description(self._model),
+                    "graph": graph_description(self._onnx),
                     "layers": [layer.to_json() for layer in self._layers],
                 }
             )
@@ -276,9 +296,6 @@ class OnnxRuntimeEngine(EngineBase):
         except _ORT_ERRORS as exc:
             raise HarnessError(f"onnxruntime failed to run the engine: {exc}") from None
 
-    def input_dtypes(self) -> tuple[torch.dtype, ...]:
-        return tuple(spec.torch_dtype for spec in self.record.inputs)
-
     def layers(self) -> list[LayerInfo]:
         return list(self._layers)
 
@@ -286,67 +303,16 @@ class OnnxRuntimeEngine(EngineBase):
         """The options ONNX Runtime's session really runs with (as it reports them back)."""
         return self._session.get_session_options()
 
-    def fingerprint(self) -> str:
-        return self._fingerprint
+    def _runtime_json(self) -> dict[str, Any]:
+        return {"onnxruntime_version": ort.__version__, "provider": PROVIDER}
 
-    def weights_digest(self) -> str:
-        return initializers_digest(self._model)
-
-    def size_bytes(self) -> int:
-        return len(self._model_bytes)
-
-    def device_memory_bytes(self) -> int | None:
-        return None  # host engine: its memory is in the run's peak RSS
-
-    def compiler_settings(self) -> dict[str, Any] | None:
-        return self.record.compiler_settings
-
-    def weight_bytes_by_dtype(self) -> dict[str, int]:
-        return initializer_bytes_by_dtype(self._model)
-
-    def plan_json(self) -> dict[str, Any]:
-        return {
-            "format": PLAN_FORMAT,
-            "version": PLAN_VERSION,
-            "backend": BACKEND,
-            "onnxruntime_version": ort.__version__,
-            "provider": PROVIDER,
-            **self.record.to_json(),
-            "model_file": MODEL_FILE,
-            "model_digest": digest(self._model_bytes),
-            "layers": [layer.to_json() for layer in self._layers],
-            "fingerprint": self._fingerprint,
-        }
-
-    def files(self) -> dict[str, bytes]:
-        """``model.onnx`` and ``plan.json``."""
-        return {MODEL_FILE: self._model_bytes, PLAN_FILE: json_bytes(self.plan_json())}
+    def _layers_json(self) -> list[dict[str, Any]]:
+        return [layer.to_json() for layer in self._layers]
 
     @staticmethod
     def load(path: str | os.PathLike[str]) -> OnnxRuntimeEngine:
-        directory, obj, where = read_plan(
-            path,
-            backend=BACKEND,
-            plan_format=PLAN_FORMAT,
-            version=PLAN_VERSION,
-            schema=PLAN_SCHEMA,
-            payload=MODEL_FILE,
-        )
-        model_bytes = read_payload(directory, obj["model_file"], obj["model_digest"], "engine model")
-        record = EngineRecord(
-            mode=obj["mode"],
-            inputs=tuple(TensorSpec.from_json(s) for s in obj["inputs"]),
-            outputs=tuple(TensorSpec.from_json(s) for s in obj["outputs"]),
-            casts=tuple(CastRecord.from_json(c) for c in obj["casts"]),
-            settings=SessionSettings.from_options(obj["session"]),
-            structure=OutputSpec.from_json(obj["output_structure"], where),
-            compiler_settings=obj["compiler_settings"],
-        )
-        if record.structure.count != len(record.outputs):
-            raise HarnessError(
-                f"{where}: the output structure holds {record.structure.count} outputs, the plan "
-                f"{len(record.outputs)}"
-            )
+        model_bytes, obj, where = read_model_plan(PLAN, path)
+        record = EngineRecord.from_plan(obj, where)
         if obj["onnxruntime_version"] != ort.__version__:
             raise HarnessError(
                 f"{where}: built with onnxruntime {obj['onnxruntime_version']}, this is onnxruntime "
@@ -574,52 +540,3 @@ def _precision_notes(
         notes.append(f"onnxruntime inserted {len(inserted)} cast(s) of its own for those fallbacks")
     return notes
 
-
-PLAN_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "required": [
-        "format",
-        "version",
-        "backend",
-        "mode",
-        "onnxruntime_version",
-        "provider",
-        "session",
-        "inputs",
-        "outputs",
-        "casts",
-        "output_structure",
-        "compiler_settings",
-        "model_file",
-        "model_digest",
-        "layers",
-        "fingerprint",
-    ],
-    "additionalProperties": False,
-    "properties": {
-        "format": {"const": PLAN_FORMAT},
-        "version": {"const": PLAN_VERSION},
-        "backend": {"const": BACKEND},
-        "mode": {"enum": list(PRECISION_MODES)},
-        "onnxruntime_version": {"type": "string"},
-        "provider": {"const": PROVIDER},
-        "session": {
-            "type": "object",
-            "required": list(BUILDER_OPTIONS),
-            "additionalProperties": False,
-            "properties": {
-                "graph_optimization_level": {"enum": list(OPTIMIZATION_LEVELS)},
-                "intra_op_num_threads": {"type": "integer", "minimum": 1},
-            },
-        },
-        "inputs": {"type": "array", "items": TENSOR_SPEC_SCHEMA},
-        "outputs": {"type": "array", "items": TENSOR_SPEC_SCHEMA},
-        "casts": {"type": "array", "items": CAST_SCHEMA},
-        "output_structure": {"type": "string"},
-        "compiler_settings": {"type": ["object", "null"]},
-        "model_file": {"const": MODEL_FILE},
-        "model_digest": {"type": "string", "pattern": "^sha256:[0-9a-f]{64}$"},
-        "layers": {"type": "array", "items": LAYER_SCHEMA},
-        "fingerprint": {"type": "string", "pattern": "^sha256:[0-9a-f]{64}$"},
-    },
-}

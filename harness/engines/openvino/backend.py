@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING
 
 from harness.bench.machine import cpu_info
 from harness.cache.timing_cache import Provenance, TimingCache
+from harness.dtypes import LOW_DTYPES, dtype_name
 from harness.engines.modes import check_mode_name, is_weak, low_dtype
 from harness.engines.onnx_export import OnnxExport, export_notes, export_onnx, listed
 from harness.engines.openvino.engine import OpenVinoEngine
@@ -46,13 +47,12 @@ from harness.engines.openvino.plan import BACKEND, EngineRecord
 from harness.engines.openvino.probe import Probe, probe
 from harness.engines.openvino.runtime import DEVICE, OV_ERRORS, VERSION, core, ov_type_name
 from harness.engines.openvino.settings import CompileSettings
-from harness.engines.protocol import PRECISION_MODES, BuildConfig, BuildLog, LayerTiming, dtype_name
+from harness.engines.protocol import PRECISION_MODES, BuildConfig, BuildLog, LayerTiming
 from harness.errors import HarnessError
 
 if TYPE_CHECKING:
     from harness.autocast import CompiledGraph
 
-LOW_NAMES = ("fp16", "bf16")
 
 
 class OpenVinoBackend:
@@ -161,7 +161,7 @@ def _strong_refusal(mode: str, name: str, result: Probe) -> str:
 def _check_graph_types(exported: OnnxExport, config: BuildConfig) -> None:
     """Refuse a typed graph (an explicit file's, typically) holding a type OpenVINO would not keep."""
     present = {c.target for c in exported.compiler_casts} | set(exported.initializers.values())
-    for name in LOW_NAMES:
+    for name in LOW_DTYPES:
         if name not in present:
             continue
         result = probe(name, "f32")

@@ -25,13 +25,8 @@ import onnx
 import torch
 from google.protobuf.message import DecodeError
 
-from harness.engines.onnx_export import (
-    TensorSpec,
-    check_inputs,
-    graph_description,
-    initializer_bytes_by_dtype,
-    initializers_digest,
-)
+from harness.engines.onnx_export import TensorSpec, check_inputs, graph_description
+from harness.engines.onnx_plan import ModelEngine, read_model_plan
 from harness.engines.openvino.layers import (
     Deviation,
     ExecutedLayer,
@@ -40,14 +35,7 @@ from harness.engines.openvino.layers import (
     executed_layers,
     graph_float_dtypes,
 )
-from harness.engines.openvino.plan import (
-    BACKEND,
-    MODEL_FILE,
-    PLAN_FORMAT,
-    PLAN_SCHEMA,
-    PLAN_VERSION,
-    EngineRecord,
-)
+from harness.engines.openvino.plan import BACKEND, PLAN, EngineRecord
 from harness.engines.openvino.runtime import (
     DEVICE,
     OV_ERRORS,
@@ -61,21 +49,18 @@ from harness.engines.openvino.runtime import (
     to_torch,
 )
 from harness.engines.openvino.settings import CompileSettings
-from harness.engines.protocol import EngineBase, LayerInfo
-from harness.engines.saved import PLAN_FILE, read_payload, read_plan
+from harness.engines.protocol import LayerInfo
 from harness.errors import HarnessError
-from harness.fileio import canonical_json, digest, json_bytes
+from harness.fileio import canonical_json, digest
 
 
-class OpenVinoEngine(EngineBase):
+class OpenVinoEngine(ModelEngine):
     backend = BACKEND
+    plan = PLAN
 
     def __init__(self, model_bytes: bytes, record: EngineRecord) -> None:
-        self.mode = record.mode
-        self.record = record
-        self.outputs = record.structure
-        self._model_bytes = model_bytes
-        self._onnx = _parse(model_bytes)
+        super().__init__(model_bytes, _parse(model_bytes), record)
+        self.record: EngineRecord = record
         self.model = _read(model_bytes)  # the graph as OpenVINO read it, before its own passes
         self.compiled = _compile(self.model, record.settings)
         self._request = self.compiled.create_infer_request()
@@ -107,29 +92,8 @@ class OpenVinoEngine(EngineBase):
             raise HarnessError(f"openvino failed to run the engine: {error_text(exc)}") from None
         return tuple(to_torch(self._request.get_tensor(port)) for port in self._outputs)
 
-    def input_dtypes(self) -> tuple[torch.dtype, ...]:
-        return tuple(spec.torch_dtype for spec in self.record.inputs)
-
     def layers(self) -> list[LayerInfo]:
         return [layer.info() for layer in self.executed]
-
-    def fingerprint(self) -> str:
-        return self._fingerprint
-
-    def weights_digest(self) -> str:
-        return initializers_digest(self._onnx)
-
-    def size_bytes(self) -> int:
-        return len(self._model_bytes)
-
-    def device_memory_bytes(self) -> int | None:
-        return None  # host engine: its memory is in the run's peak RSS
-
-    def compiler_settings(self) -> dict[str, Any] | None:
-        return self.record.compiler_settings
-
-    def weight_bytes_by_dtype(self) -> dict[str, int]:
-        return initializer_bytes_by_dtype(self._onnx)
 
     def compiled_property(self, name: str) -> Any:
         """A property of the compiled model as OpenVINO reports it (what it really applied)."""
@@ -138,33 +102,9 @@ class OpenVinoEngine(EngineBase):
     def _layers_json(self) -> list[dict[str, Any]]:
         return [{**layer.to_json(), "key": None} for layer in self.executed]
 
-    def plan_json(self) -> dict[str, Any]:
-        return {
-            "format": PLAN_FORMAT,
-            "version": PLAN_VERSION,
-            "backend": BACKEND,
-            **self.record.to_json(),
-            "model_file": MODEL_FILE,
-            "model_digest": digest(self._model_bytes),
-            "layers": self._layers_json(),
-            "fingerprint": self._fingerprint,
-        }
-
-    def files(self) -> dict[str, bytes]:
-        """``model.onnx`` and ``plan.json``."""
-        return {MODEL_FILE: self._model_bytes, PLAN_FILE: json_bytes(self.plan_json())}
-
     @staticmethod
     def load(path: str | os.PathLike[str]) -> OpenVinoEngine:
-        directory, obj, where = read_plan(
-            path,
-            backend=BACKEND,
-            plan_format=PLAN_FORMAT,
-            version=PLAN_VERSION,
-            schema=PLAN_SCHEMA,
-            payload=MODEL_FILE,
-        )
-        model_bytes = read_payload(directory, obj["model_file"], obj["model_digest"], "engine model")
+        model_bytes, obj, where = read_model_plan(PLAN, path)
         record = EngineRecord.from_plan(obj, where)
         try:
             engine = OpenVinoEngine(model_bytes, record)

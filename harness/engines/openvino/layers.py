@@ -24,14 +24,19 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from harness.engines.onnx_export import FLOAT_DTYPES, listed
+from harness.dtypes import FLOAT_DTYPES, dtype_from_name
+from harness.engines.onnx_export import listed
 from harness.engines.openvino.runtime import dtype_of
 from harness.engines.protocol import LayerInfo
 
 # Runtime-model nodes that run no kernel: weights, and the request's input and output ports.
 NOT_KERNELS = frozenset(("Const", "Input", "Output"))
 _NO_KEY = ""  # nothing is autotuned: no layer has a timing-cache key
-_BITS = {"fp64": 64, "fp32": 32, "fp16": 16, "bf16": 16}  # FLOAT_DTYPES by width
+
+
+def _bits(dtype: str) -> int:
+    """Width of a floating dtype name (FLOAT_DTYPES) in bits."""
+    return dtype_from_name(dtype).itemsize * 8
 
 
 def tactic_hash(primitive: str) -> str:
@@ -162,7 +167,7 @@ class Deviation:
     @property
     def widened(self) -> bool:
         """Computed wider than any type the graph gives it (a kernel missing for the narrow type)."""
-        return _BITS[self.layer.precision] > max(_BITS[dtype] for dtype in self.graph)
+        return _bits(self.layer.precision) > max(_bits(dtype) for dtype in self.graph)
 
     def describe(self) -> str:
         return f"{self.layer.name} ({self.layer.layer_type} ran {self.layer.precision}, graph {'/'.join(sorted(self.graph))})"

@@ -24,7 +24,6 @@ from harness.engines.openvino.runtime import (
     core,
     dtype_of,
     error_text,
-    ov,
     ov_type_name,
 )
 
@@ -64,6 +63,7 @@ def probe(dtype: str, hint: str) -> Probe:
     "f32" the strong one (does it keep the graph's type?). Cached per
     process: the answer is a property of this machine and OpenVINO build.
     """
+    import openvino as ov
     from openvino import opset13 as ops
 
     target = ov_type_name(dtype)

@@ -6,7 +6,7 @@ backend registry turns into "backend 'openvino' is not available here: ...".
 
 OpenVINO names element types its own way (``f32``, ``bf16``, ``i64``,
 ``boolean``); the engines speak the harness's dtype names (``fp32``,
-``int64``, ``bool``: :data:`harness.engines.protocol.DTYPE_NAMES`). The table
+``int64``, ``bool``: :data:`harness.dtypes.DTYPES`). The table
 below only pairs OpenVINO's types with torch dtypes; the names themselves come
 from the shared vocabulary. OpenVINO's errors are chains of C++ source
 locations; :func:`error_text` and :func:`frontend_failures` keep what a user
@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from harness.engines.protocol import DTYPE_NAMES, dtype_name
+from harness.dtypes import DTYPES, dtype_name
 
 try:
     import openvino as ov
@@ -50,7 +50,7 @@ _TORCH_BY_OV: dict[str, torch.dtype] = {
     ov.Type.u8.get_type_name(): torch.uint8,
     ov.Type.boolean.get_type_name(): torch.bool,
 }
-assert set(_TORCH_BY_OV.values()) == set(DTYPE_NAMES), "one OpenVINO type per engine dtype"
+assert set(_TORCH_BY_OV.values()) == set(DTYPES.values()), "one OpenVINO type per engine dtype"
 _OV_BY_NAME = {dtype_name(t): name for name, t in _TORCH_BY_OV.items()}
 
 
@@ -79,7 +79,7 @@ def core() -> Any:
 
 def host_view(tensor: Any) -> np.ndarray:
     """A numpy view of an OpenVINO tensor's memory (bf16, which numpy lacks, as its 16-bit pattern)."""
-    array = tensor.data
+    array: np.ndarray = tensor.data
     return array.view(np.int16) if tensor.element_type == ov.Type.bf16 else array
 
 

@@ -26,9 +26,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from harness.dtypes import dtype_name
 from harness.engines.modes import is_weak, low_dtype
 from harness.engines.openvino.runtime import ov_type_name
-from harness.engines.protocol import BuildConfig, dtype_name
+from harness.engines.protocol import BuildConfig
 from harness.errors import HarnessError
 
 PRECISION_HINTS = ("f32", "f16", "bf16")

@@ -47,7 +47,8 @@ Engines are saved as a directory with ``engine.plan`` (TensorRT's serialized
 engine, opaque and specific to the GPU model and TensorRT version) and
 ``plan.json``. Determinism is judged by the fingerprint: per-key tactic
 hashes and per-layer tactic names from the engine inspector, never plan
-bytes (DESIGN.md section 4).
+bytes or timing-cache bytes, which differ between two GPUs of one model
+even when every layer runs the same tactic.
 """
 
 from __future__ import annotations
@@ -69,16 +70,22 @@ from harness.cache.timing_cache import (
     TimingCache,
     normalize_hash,
 )
+from harness.dtypes import dtype_from_name
 from harness.engines.modes import check_mode_name, is_weak
 from harness.engines.onnx_export import (
-    CAST_SCHEMA,
-    TENSOR_SPEC_SCHEMA,
     CastRecord,
     TensorSpec,
     check_inputs,
     export_onnx,
     initializer_bytes_by_dtype,
     initializers_digest,
+)
+from harness.engines.onnx_plan import (
+    INTERFACE_FIELDS,
+    check_output_count,
+    interface_json,
+    io_json,
+    read_interface,
 )
 from harness.engines.protocol import (
     LAYER_SCHEMA,
@@ -88,9 +95,8 @@ from harness.engines.protocol import (
     BuildLog,
     EngineBase,
     LayerInfo,
-    dtype_from_name,
 )
-from harness.engines.saved import PLAN_FILE, read_payload, read_plan
+from harness.engines.saved import DIGEST_SCHEMA, PLAN_FILE, PlanFormat, read_payload
 from harness.engines.tensorrt.builder import (
     BuildSettings,
     TrtModule,
@@ -135,6 +141,11 @@ PLAN_FORMAT = "harness-tensorrt-engine"
 PLAN_VERSION = 4  # 4: compiler_settings holds the settings themselves; builder.batch_profile; the
 # fingerprint covers mode, I/O and casts (EngineRecord.interface)
 ENGINE_FILE = "engine.plan"
+
+
+def _shape_of(dims: Any) -> tuple[int, ...]:
+    """A TensorRT ``Dims`` as a plain tuple (its stubs declare indexing, not iteration)."""
+    return tuple(int(dims[i]) for i in range(len(dims)))
 
 
 def require_cuda() -> None:
@@ -193,20 +204,15 @@ class EngineRecord:
 
     @classmethod
     def from_plan(cls, obj: dict[str, Any], where: str) -> EngineRecord:
-        """The record of a plan.json validated against PLAN_SCHEMA (its digests are checked by the caller)."""
+        """The record of a plan.json validated against PLAN.schema (its digests are checked by the caller)."""
         return cls(
-            mode=obj["mode"],
+            **read_interface(obj, where),
             settings=obj["builder"],
             device=obj["device"],
-            inputs=tuple(TensorSpec.from_json(s) for s in obj["inputs"]),
-            outputs=tuple(TensorSpec.from_json(s) for s in obj["outputs"]),
-            casts=tuple(CastRecord.from_json(c) for c in obj["casts"]),
             autotuned=tuple(AutotunedOp.from_json(op) for op in obj["autotuned_ops"]),
             cache_entries=tuple((e["key"], e["tactic_hash"]) for e in obj["cache_entries"]),
             weights_digest=obj["weights_digest"],
             weight_bytes=dict(obj["weight_bytes_by_dtype"]),
-            structure=OutputSpec.from_json(obj["output_structure"], where),
-            compiler_settings=obj["compiler_settings"],
         )
 
     @property
@@ -217,37 +223,35 @@ class EngineRecord:
 
     def interface(self) -> dict[str, Any]:
         """Mode, I/O tensors and casts: the fingerprint covers them besides the tactic decisions."""
-        return {
-            "mode": self.mode,
-            "inputs": [s.to_json() for s in self.inputs],
-            "outputs": [s.to_json() for s in self.outputs],
-            "casts": [c.to_json() for c in self.casts],
-        }
+        return io_json(self)
 
     def settings_digest(self) -> str | None:
         """Digest of :attr:`compiler_settings`, as the fingerprint covers it."""
         return None if self.compiler_settings is None else digest(canonical_json(self.compiler_settings))
 
+    def to_json(self) -> dict[str, Any]:
+        """The record's fields of plan.json (the inverse of :meth:`from_plan`)."""
+        return {
+            **interface_json(self),
+            "builder": self.settings,
+            "device": self.device,
+            "autotuned_ops": [op.to_json() for op in self.autotuned],
+            "cache_entries": [{"key": k, "tactic_hash": h} for k, h in self.cache_entries],
+            "weights_digest": self.weights_digest,
+            "weight_bytes_by_dtype": dict(self.weight_bytes),
+        }
+
     def digest(self) -> str:
-        """Digest of everything the record says; the fingerprint covers tactic decisions only."""
-        return digest(
-            canonical_json(
-                {
-                    "mode": self.mode,
-                    "builder": self.settings,
-                    "device": self.device,
-                    "inputs": [s.to_json() for s in self.inputs],
-                    "outputs": [s.to_json() for s in self.outputs],
-                    "casts": [c.to_json() for c in self.casts],
-                    "autotuned_ops": [op.to_json() for op in self.autotuned],
-                    "cache_entries": [list(e) for e in self.cache_entries],
-                    "weights_digest": self.weights_digest,
-                    "weight_bytes": self.weight_bytes,
-                    "output_structure": self.structure.to_json(),
-                    "compiler_settings": self.compiler_settings,
-                }
-            )
-        )
+        """Digest of everything the record says; the fingerprint covers tactic decisions only.
+
+        Two fields are digested under other names or forms than plan.json
+        gives them (``weight_bytes``; entries as ``[key, tactic_hash]``
+        pairs), as every saved engine's ``record_digest`` was computed.
+        """
+        fields = self.to_json()
+        fields["weight_bytes"] = fields.pop("weight_bytes_by_dtype")
+        fields["cache_entries"] = [list(e) for e in self.cache_entries]
+        return digest(canonical_json(fields))
 
 
 class TensorRTEngine(EngineBase):
@@ -312,7 +316,7 @@ class TensorRTEngine(EngineBase):
         staged = [t.detach().to(device).contiguous() for t in inputs]
         if self.record.batch_profile is not None:
             self._set_input_shapes(staged, self.record.batch_profile)
-            shapes = [tuple(self._context.get_tensor_shape(spec.name)) for spec in self.record.outputs]
+            shapes = [_shape_of(self._context.get_tensor_shape(spec.name)) for spec in self.record.outputs]
         else:
             shapes = [spec.shape for spec in self.record.outputs]
         outputs = [
@@ -370,26 +374,12 @@ class TensorRTEngine(EngineBase):
         return int(self._engine.device_memory_size_v2)
 
     def plan_json(self) -> dict[str, Any]:
-        record = self.record
         return {
-            "format": PLAN_FORMAT,
-            "version": PLAN_VERSION,
-            "backend": BACKEND,
-            "mode": record.mode,
-            "builder": record.settings,
-            "device": record.device,
-            "inputs": [s.to_json() for s in record.inputs],
-            "outputs": [s.to_json() for s in record.outputs],
-            "casts": [c.to_json() for c in record.casts],
+            **PLAN.header(),
+            **self.record.to_json(),
             # key is null for a layer the build log does not name (e.g. not autotuned).
             "layers": [{**layer.to_json(), "key": layer.key or None} for layer in self._layers],
-            "autotuned_ops": [op.to_json() for op in record.autotuned],
-            "cache_entries": [{"key": k, "tactic_hash": h} for k, h in record.cache_entries],
-            "weights_digest": record.weights_digest,
-            "weight_bytes_by_dtype": dict(record.weight_bytes),
-            "output_structure": record.structure.to_json(),
-            "compiler_settings": record.compiler_settings,
-            "record_digest": record.digest(),
+            "record_digest": self.record.digest(),
             "plan_file": ENGINE_FILE,
             "plan_digest": digest(self._plan),
             "fingerprint": self._fingerprint,
@@ -401,20 +391,12 @@ class TensorRTEngine(EngineBase):
 
     @staticmethod
     def load(path: str | os.PathLike[str], trt_module: TrtModule | None = None) -> TensorRTEngine:
-        directory, obj, where = read_plan(
-            path,
-            backend=BACKEND,
-            plan_format=PLAN_FORMAT,
-            version=PLAN_VERSION,
-            schema=PLAN_SCHEMA,
-            payload=ENGINE_FILE,
-        )
+        directory, obj, where = PLAN.read(path)
         plan = read_payload(directory, obj["plan_file"], obj["plan_digest"], "engine")
         record = EngineRecord.from_plan(obj, where)
         if record.digest() != obj["record_digest"]:
             raise HarnessError(f"{where}: the plan's fields do not match its record digest; it was edited")
-        if record.structure.count != len(record.outputs):
-            raise HarnessError(f"{where}: the output structure does not match the plan's outputs")
+        check_output_count(record.structure, record.outputs, where)
         engine = TensorRTEngine(plan, record, trt_module)
         if engine.fingerprint() != obj["fingerprint"]:
             raise HarnessError(
@@ -645,37 +627,13 @@ def changed_decisions(cache: TimingCache, entries: list[CacheEntry]) -> list[Cac
     return changed
 
 
-_DIGEST = {"type": "string", "pattern": "^sha256:[0-9a-f]{64}$"}
-PLAN_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "required": [
-        "format",
-        "version",
-        "backend",
-        "mode",
-        "builder",
-        "device",
-        "inputs",
-        "outputs",
-        "casts",
-        "layers",
-        "autotuned_ops",
-        "cache_entries",
-        "weights_digest",
-        "weight_bytes_by_dtype",
-        "output_structure",
-        "compiler_settings",
-        "record_digest",
-        "plan_file",
-        "plan_digest",
-        "fingerprint",
-    ],
-    "additionalProperties": False,
-    "properties": {
-        "format": {"const": PLAN_FORMAT},
-        "version": {"const": PLAN_VERSION},
-        "backend": {"const": BACKEND},
-        "mode": {"enum": list(PRECISION_MODES)},
+PLAN = PlanFormat(
+    backend=BACKEND,
+    name=PLAN_FORMAT,
+    version=PLAN_VERSION,
+    payload=ENGINE_FILE,
+    fields={
+        **INTERFACE_FIELDS,
         "builder": {
             "type": "object",
             # read back by EngineRecord.batch_profile: a loaded plan must hold what it needs
@@ -693,9 +651,6 @@ PLAN_SCHEMA: dict[str, Any] = {
             },
         },
         "device": {"type": "string"},
-        "inputs": {"type": "array", "items": TENSOR_SPEC_SCHEMA},
-        "outputs": {"type": "array", "items": TENSOR_SPEC_SCHEMA},
-        "casts": {"type": "array", "items": CAST_SCHEMA},
         "layers": {"type": "array", "items": LAYER_SCHEMA},
         "autotuned_ops": {
             "type": "array",
@@ -719,13 +674,11 @@ PLAN_SCHEMA: dict[str, Any] = {
                 "properties": {"key": {"type": "string"}, "tactic_hash": {"type": "string"}},
             },
         },
-        "weights_digest": _DIGEST,
+        "weights_digest": DIGEST_SCHEMA,
         "weight_bytes_by_dtype": {"type": "object", "additionalProperties": {"type": "integer"}},
-        "output_structure": {"type": "string"},
-        "compiler_settings": {"type": ["object", "null"]},
-        "record_digest": _DIGEST,
+        "record_digest": DIGEST_SCHEMA,
         "plan_file": {"const": ENGINE_FILE},
-        "plan_digest": _DIGEST,
-        "fingerprint": _DIGEST,
+        "plan_digest": DIGEST_SCHEMA,
+        "fingerprint": DIGEST_SCHEMA,
     },
-}
+)

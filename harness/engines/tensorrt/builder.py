@@ -38,6 +38,7 @@ from harness.engines.tensorrt.versions import (
     EDITABLE_TIMING_CACHE,
     ERROR_ON_TIMING_CACHE_MISS,
     TF32,
+    TrtApi,
     TrtVersion,
     builder_flag_names,
     flag_bits,
@@ -51,8 +52,8 @@ if TYPE_CHECKING:
     import tensorrt
 
 
-class TrtModule(Protocol):
-    """The parts of the ``tensorrt`` module the backend calls (a superset of ``TrtApi``).
+class TrtModule(TrtApi, Protocol):
+    """The parts of the ``tensorrt`` module the backend calls besides ``TrtApi``'s.
 
     :func:`load_trt` returns the real module as this protocol, so mypy checks
     every use against the TensorRT type stubs; tests pass a small namespace.
@@ -62,13 +63,8 @@ class TrtModule(Protocol):
     OnnxParser: type[tensorrt.OnnxParser]
     Runtime: type[tensorrt.Runtime]
     ILogger: type[tensorrt.ILogger]
-    BuilderFlag: type[tensorrt.BuilderFlag]
-    NetworkDefinitionCreationFlag: type[tensorrt.NetworkDefinitionCreationFlag]
     ProfilingVerbosity: type[tensorrt.ProfilingVerbosity]
-    LayerInformationFormat: type[tensorrt.LayerInformationFormat]
     TensorIOMode: type[tensorrt.TensorIOMode]
-    TimingCacheKey: type[tensorrt.TimingCacheKey]
-    TimingCacheValue: type[tensorrt.TimingCacheValue]
     Dims: type[tensorrt.Dims]
 
 
@@ -79,7 +75,8 @@ def load_trt(trt_module: TrtModule | None = None) -> TrtModule:
     load_tensorrt()
     import tensorrt
 
-    return tensorrt
+    module: TrtModule = tensorrt  # checked against the protocol where the stubs type the module
+    return module
 
 
 # Without a timing cache every build times every layer from scratch.
@@ -235,7 +232,7 @@ def process_logger(trt: TrtModule) -> tensorrt.ILogger:
         if known is None:
             base: Any = trt.ILogger
 
-            class ProcessLogger(base):
+            class ProcessLogger(base):  # type: ignore[misc]  # the loaded module's ILogger: a class known at run time only
                 def __init__(self) -> None:
                     base.__init__(self)
 

@@ -13,8 +13,9 @@ inspector lists bare layer names. Two layouts exist:
   ``get_engine_tensor_info``) reads the split field as ``"Datatype"`` while
   the ``I/O Tensors`` objects spell it ``"DataType"``; both are accepted.
 
-Data types are normalised ("FP16", "Half" -> "float16") so layers compare
-across layouts; formats are kept as TensorRT wrote them.
+Data types are normalised to the harness's names ("FP16", "Half" -> "fp16",
+:mod:`harness.dtypes`) so layers compare across layouts and with the other
+engines; formats are kept as TensorRT wrote them.
 """
 
 from __future__ import annotations
@@ -24,7 +25,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
+import torch
+
 from harness.cache.timing_cache import CacheEntry, normalize_hash
+from harness.dtypes import dtype_name
 from harness.engines.protocol import BatchProfile
 from harness.engines.tensorrt.log_parser import log_lines, onnx_layers
 from harness.engines.tensorrt.versions import TrtApi, load_tensorrt
@@ -36,36 +40,33 @@ if TYPE_CHECKING:
 
 Layout = Literal["10.x", "11.x"]
 
-_DTYPES = {
-    "float": "float32",
-    "fp32": "float32",
-    "float32": "float32",
-    "half": "float16",
-    "fp16": "float16",
-    "float16": "float16",
-    "bfloat16": "bfloat16",
-    "bf16": "bfloat16",
-    "double": "float64",
+# TensorRT's spellings (lower-cased) -> torch dtypes; types torch has no dtype for keep TensorRT's name.
+_DTYPES: dict[str, torch.dtype | str] = {
+    "float": torch.float32,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "half": torch.float16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "double": torch.float64,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "int32": torch.int32,
+    "int64": torch.int64,
+    "bool": torch.bool,
     "fp8": "fp8",
     "fp4": "fp4",
     "int4": "int4",
-    "int8": "int8",
-    "uint8": "uint8",
-    "int32": "int32",
-    "int64": "int64",
-    "bool": "bool",
     "e8m0": "e8m0",
 }
-
-
-# Normalised names -> the engines' short names (harness.engines.protocol.DTYPE_NAMES).
-_ENGINE_DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "float64": "fp64"}
 
 
 @dataclass(frozen=True)
 class TensorInfo:
     name: str
-    dtype: str
+    dtype: str  # harness.dtypes name, or TensorRT's for types torch has not ("fp8")
     format: str
     dimensions: tuple[int, ...]
 
@@ -88,11 +89,11 @@ class InspectedLayer:
 
     @property
     def input_dtypes(self) -> tuple[str, ...]:
-        return tuple(_ENGINE_DTYPES.get(t.dtype, t.dtype) for t in self.inputs)
+        return tuple(t.dtype for t in self.inputs)
 
     @property
     def output_dtypes(self) -> tuple[str, ...]:
-        return tuple(_ENGINE_DTYPES.get(t.dtype, t.dtype) for t in self.outputs)
+        return tuple(t.dtype for t in self.outputs)
 
 
 @dataclass(frozen=True)
@@ -106,13 +107,14 @@ _ENUM_MEMBER = re.compile(r"k[A-Z0-9_]+")
 
 
 def _canonical_dtype(text: str) -> str:
-    """"FP16", "Half", and the enum spellings "kHALF", "DataType.HALF" -> "float16"; an
+    """"FP16", "Half", and the enum spellings "kHALF", "DataType.HALF" -> "fp16"; an
     unknown spelling is kept as written. Which spelling TensorRT 11 writes in a layer
     tensor's ``Datatype`` is unconfirmed (tests/data/trt/README.md), hence the latitude."""
     word = text.strip().rsplit("::", 1)[-1].rsplit(".", 1)[-1]
     if _ENUM_MEMBER.fullmatch(word):
         word = word[1:]
-    return _DTYPES.get(word.lower(), text.strip())
+    dtype = _DTYPES.get(word.lower(), text.strip())
+    return dtype_name(dtype) if isinstance(dtype, torch.dtype) else dtype
 
 
 def _dtype_from_combined(text: str) -> str:
@@ -291,7 +293,8 @@ def engine_information_json(engine: tensorrt.ICudaEngine, trt_module: TrtApi | N
     """The inspector's JSON for a whole engine (thin call into TensorRT)."""
     trt = load_tensorrt(trt_module)
     inspector = engine.create_engine_inspector()
-    return inspector.get_engine_information(trt.LayerInformationFormat.JSON)
+    information: str = inspector.get_engine_information(trt.LayerInformationFormat.JSON)
+    return information
 
 
 def trt_fingerprint(

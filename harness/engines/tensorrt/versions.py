@@ -13,6 +13,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, SupportsInt
 
+from harness.engines.modes import is_weak
 from harness.errors import HarnessError
 
 if TYPE_CHECKING:
@@ -53,7 +54,8 @@ def load_tensorrt(trt_module: TrtApi | None = None) -> TrtApi:
             "`import tensorrt` found only type stubs or an empty namespace package, not the "
             "TensorRT bindings; install the `tensorrt` wheel matching your CUDA version"
         )
-    return tensorrt
+    api: TrtApi = tensorrt  # checked against the protocol where the stubs type the module
+    return api
 
 
 _VERSION = re.compile(r"^(\d+)\.(\d+)(?:\.(\d+))?(?:\.(\d+))?")
@@ -135,10 +137,6 @@ WEAK_TYPING_FLAGS = {"weak-fp16": ("FP16",), "weak-bf16": ("BF16",)}
 OBEY_PRECISION_CONSTRAINTS = "OBEY_PRECISION_CONSTRAINTS"
 
 
-def is_weak_mode(mode: str) -> bool:
-    return mode in WEAK_TYPING_FLAGS
-
-
 def network_flag_names(mode: str) -> tuple[str, ...]:
     """Network creation flags: strong typing for every mode but the weak ones.
 
@@ -146,7 +144,7 @@ def network_flag_names(mode: str) -> tuple[str, ...]:
     is passed on every version for uniform build records. Whether a weak mode
     is possible at all is :func:`builder_flag_names`' business.
     """
-    return () if is_weak_mode(mode) else (STRONGLY_TYPED,)
+    return () if is_weak(mode) else (STRONGLY_TYPED,)
 
 
 def builder_flag_names(
@@ -161,7 +159,7 @@ def builder_flag_names(
     names: list[str] = []
     if tf32:
         names.append(TF32)
-    if is_weak_mode(mode):
+    if is_weak(mode):
         require_weak_typing(v, mode)
         names += [*WEAK_TYPING_FLAGS[mode], OBEY_PRECISION_CONSTRAINTS]
     if editable_timing_cache:

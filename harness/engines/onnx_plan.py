@@ -1,0 +1,197 @@
+"""The ``plan.json`` fields of engines that run the exported ONNX model.
+
+The onnxruntime, openvino and tensorrt backends all build from the file of
+:func:`harness.engines.onnx_export.export_onnx`, so their plans record the
+same interface: the mode, the exported model's inputs, outputs and casts,
+the model's output structure and the autocast settings. The onnxruntime and
+openvino engines store that model itself beside the plan (``model.onnx``,
+checked against ``model_digest`` on load) and share what such an engine
+reports about itself (:class:`ModelEngine`).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Protocol, TypedDict
+
+import onnx
+import torch
+
+from harness.engines.onnx_export import (
+    CAST_SCHEMA,
+    TENSOR_SPEC_SCHEMA,
+    CastRecord,
+    TensorSpec,
+    initializer_bytes_by_dtype,
+    initializers_digest,
+)
+from harness.engines.protocol import PRECISION_MODES, EngineBase
+from harness.engines.saved import DIGEST_SCHEMA, PLAN_FILE, PlanFormat, read_payload
+from harness.errors import HarnessError
+from harness.fileio import digest, json_bytes
+from harness.outputs import OutputSpec
+
+MODEL_FILE = "model.onnx"
+
+INTERFACE_FIELDS: dict[str, Any] = {
+    "mode": {"enum": list(PRECISION_MODES)},
+    "inputs": {"type": "array", "items": TENSOR_SPEC_SCHEMA},
+    "outputs": {"type": "array", "items": TENSOR_SPEC_SCHEMA},
+    "casts": {"type": "array", "items": CAST_SCHEMA},
+    "output_structure": {"type": "string"},
+    "compiler_settings": {"type": ["object", "null"]},
+}
+
+
+class Interface(TypedDict):
+    """The interface fields of an engine record, as its constructor takes them."""
+
+    mode: str
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    casts: tuple[CastRecord, ...]
+    structure: OutputSpec
+    compiler_settings: dict[str, Any] | None  # the autocast settings as JSON (None: they did not apply)
+
+
+class ExportedRecord(Protocol):
+    """An engine record holding the interface (each backend's ``EngineRecord``)."""
+
+    @property
+    def mode(self) -> str: ...
+    @property
+    def inputs(self) -> tuple[TensorSpec, ...]: ...
+    @property
+    def outputs(self) -> tuple[TensorSpec, ...]: ...
+    @property
+    def casts(self) -> tuple[CastRecord, ...]: ...
+    @property
+    def structure(self) -> OutputSpec: ...
+    @property
+    def compiler_settings(self) -> dict[str, Any] | None: ...
+    def to_json(self) -> dict[str, Any]:
+        """The record's plan.json fields."""
+        ...
+
+
+def io_json(record: ExportedRecord) -> dict[str, Any]:
+    """The mode, the I/O tensors and the casts as plan.json gives them."""
+    return {
+        "mode": record.mode,
+        "inputs": [s.to_json() for s in record.inputs],
+        "outputs": [s.to_json() for s in record.outputs],
+        "casts": [c.to_json() for c in record.casts],
+    }
+
+
+def interface_json(record: ExportedRecord) -> dict[str, Any]:
+    """The plan.json fields of :data:`INTERFACE_FIELDS`."""
+    return {
+        **io_json(record),
+        "output_structure": record.structure.to_json(),
+        "compiler_settings": record.compiler_settings,
+    }
+
+
+def read_interface(obj: dict[str, Any], where: str) -> Interface:
+    """The interface of a schema-validated plan (:func:`check_output_count` is the caller's)."""
+    return Interface(
+        mode=obj["mode"],
+        inputs=tuple(TensorSpec.from_json(s) for s in obj["inputs"]),
+        outputs=tuple(TensorSpec.from_json(s) for s in obj["outputs"]),
+        casts=tuple(CastRecord.from_json(c) for c in obj["casts"]),
+        structure=OutputSpec.from_json(obj["output_structure"], where),
+        compiler_settings=obj["compiler_settings"],
+    )
+
+
+def model_plan_format(
+    backend: str, name: str, version: int, runtime_fields: dict[str, Any], layer_schema: dict[str, Any]
+) -> PlanFormat:
+    """The format of a plan stored beside ``model.onnx``: the interface, the runtime's own
+    fields, the model file and its digest, the executed layers and the fingerprint."""
+    fields = {
+        **INTERFACE_FIELDS,
+        **runtime_fields,
+        "model_file": {"const": MODEL_FILE},
+        "model_digest": DIGEST_SCHEMA,
+        "layers": {"type": "array", "items": layer_schema},
+        "fingerprint": DIGEST_SCHEMA,
+    }
+    return PlanFormat(backend, name, version, MODEL_FILE, fields)
+
+
+def check_output_count(structure: OutputSpec, outputs: tuple[TensorSpec, ...], where: str) -> None:
+    """Refuse a plan whose output structure holds another number of outputs than the model has."""
+    if structure.count != len(outputs):
+        raise HarnessError(
+            f"{where}: the output structure holds {structure.count} outputs, the plan {len(outputs)}"
+        )
+
+
+def read_model_plan(plan: PlanFormat, path: str | os.PathLike[str]) -> tuple[bytes, dict[str, Any], str]:
+    """The model bytes (checked against the plan's digest), the plan and its "engine plan FILE" prefix."""
+    directory, obj, where = plan.read(path)
+    return read_payload(directory, obj["model_file"], obj["model_digest"], "engine model"), obj, where
+
+
+class ModelEngine(EngineBase):
+    """An engine stored as ``model.onnx`` beside its plan: what it reports about itself.
+
+    A subclass sets ``_fingerprint`` and names its plan format (``plan``), the
+    fields its runtime adds before the record (``_runtime_json``) and the
+    layers the plan records (``_layers_json``).
+    """
+
+    backend: str
+    plan: PlanFormat
+    _fingerprint: str
+
+    def __init__(self, model_bytes: bytes, model: onnx.ModelProto, record: ExportedRecord) -> None:
+        self.mode = record.mode
+        self.record = record
+        self.outputs = record.structure
+        self._model_bytes = model_bytes
+        self._onnx = model  # the parsed model_bytes
+
+    def _runtime_json(self) -> dict[str, Any]:
+        return {}
+
+    def _layers_json(self) -> list[dict[str, Any]]:
+        raise NotImplementedError
+
+    def input_dtypes(self) -> tuple[torch.dtype, ...]:
+        return tuple(spec.torch_dtype for spec in self.record.inputs)
+
+    def fingerprint(self) -> str:
+        return self._fingerprint
+
+    def weights_digest(self) -> str:
+        return initializers_digest(self._onnx)
+
+    def size_bytes(self) -> int:
+        return len(self._model_bytes)
+
+    def device_memory_bytes(self) -> int | None:
+        return None  # host engine: its memory is in the run's peak RSS
+
+    def compiler_settings(self) -> dict[str, Any] | None:
+        return self.record.compiler_settings
+
+    def weight_bytes_by_dtype(self) -> dict[str, int]:
+        return initializer_bytes_by_dtype(self._onnx)
+
+    def plan_json(self) -> dict[str, Any]:
+        return {
+            **self.plan.header(),
+            **self._runtime_json(),
+            **self.record.to_json(),
+            "model_file": MODEL_FILE,
+            "model_digest": digest(self._model_bytes),
+            "layers": self._layers_json(),
+            "fingerprint": self._fingerprint,
+        }
+
+    def files(self) -> dict[str, bytes]:
+        """``model.onnx`` and ``plan.json``."""
+        return {MODEL_FILE: self._model_bytes, PLAN_FILE: json_bytes(self.plan_json())}

@@ -1,0 +1,95 @@
+"""Optional dependencies: import one, or fail naming the extra that installs it.
+
+A plain ``pip install mixed-precision-harness`` brings what the CPU engine
+path needs (compile, build, bench, cache, gate). The rest comes with extras:
+
+* ``onnx``: onnx, onnxscript, onnx-ir, onnxruntime (the ``onnxruntime``
+  backend, the ONNX hand-off of the ``tensorrt`` backend, the
+  ``onnxruntime`` peer);
+* ``openvino``: OpenVINO and the ONNX exporter it reads from (the
+  ``openvino`` backend and peer);
+* ``plots``: matplotlib (the PNGs of ``bench``, ``report`` and ``debug``);
+* ``digits``: scikit-learn (the zoo's ``digits`` model and its data);
+* ``hf``: transformers (the zoo's ``hf-*`` models);
+* ``all``: every one of them.
+
+:func:`require` is where such a module enters: it returns the module, or
+raises :class:`MissingExtra` (a :class:`HarnessError`, exit code 2) whose
+message names the missing package and the exact ``pip install`` command.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+from harness.errors import HarnessError
+
+DISTRIBUTION = "mixed-precision-harness"
+
+# import name -> the package pip installs it from
+PACKAGES = {
+    "onnx": "onnx",
+    "onnxscript": "onnxscript",
+    "onnx_ir": "onnx-ir",
+    "onnxruntime": "onnxruntime",
+    "openvino": "openvino",
+    "matplotlib": "matplotlib",
+    "sklearn": "scikit-learn",
+    "transformers": "transformers",
+}
+
+
+def install_command(extra: str) -> str:
+    """The command that installs ``extra``, quoted for a POSIX shell."""
+    return f"pip install '{DISTRIBUTION}[{extra}]'"
+
+
+class MissingExtra(HarnessError):
+    """An optional module is not installed; the message names its package and extra."""
+
+    def __init__(self, module: str, extra: str, purpose: str, detail: str | None = None) -> None:
+        self.module = module
+        self.extra = extra
+        self.package = PACKAGES.get(module.partition(".")[0], module)
+        why = f" ({detail})" if detail else ""
+        super().__init__(
+            f"{purpose} needs {self.package}, which is not installed{why}; it comes with the "
+            f"'{extra}' extra: {install_command(extra)}"
+        )
+
+
+def require(module: str, extra: str, purpose: str) -> ModuleType:
+    """``import module``, or raise :class:`MissingExtra` naming ``extra``.
+
+    ``purpose`` says what needed it ("backend 'onnxruntime'"). An ImportError
+    raised *inside* an installed module (a broken install: one of its own
+    dependencies missing) is reported with the module that failed.
+    """
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        missing = exc.name or module
+        detail = None if missing == module else f"importing {module} failed: {exc}"
+        raise MissingExtra(module, extra, purpose, detail) from exc
+
+
+def require_all(modules: tuple[str, ...], extra: str, purpose: str) -> None:
+    """:func:`require` each of ``modules`` (the first missing one is reported)."""
+    for module in modules:
+        require(module, extra, purpose)
+
+
+def missing(modules: tuple[str, ...], extra: str, purpose: str) -> MissingExtra | None:
+    """The error :func:`require_all` would raise, or None when every module imports."""
+    try:
+        require_all(modules, extra, purpose)
+    except MissingExtra as exc:
+        return exc
+    return None
+
+
+# The modules each extra's features import, for the checks above.
+ONNX_MODULES = ("onnx", "onnxscript", "onnx_ir", "onnxruntime")
+ONNX_EXPORT_MODULES = ("onnx", "onnxscript", "onnx_ir")  # torch.onnx.export (dynamo) and its optimizer
+PLOT_MODULES = ("matplotlib",)
