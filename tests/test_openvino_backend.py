@@ -124,12 +124,14 @@ def test_every_mode_is_supported_exactly_when_the_probe_says_so():
                 BACKEND.check_mode(mode)
 
 
-def test_a_refused_strong_fp16_mode_is_refused_for_what_openvino_really_does(tmp_path):
-    """The probe's claim holds on a real graph: under the f32 hint the fp16 convolutions run f32."""
-    if _supported("fp16"):
-        pytest.skip("this OpenVINO keeps f16 ops under the f32 hint: fp16 is supported here")
-    with pytest.raises(HarnessError, match=r"INFERENCE_PRECISION_HINT=f32 .* it would not follow the graph's fp16 casts"):
+def test_strong_fp16_is_accepted_or_refused_for_what_openvino_really_does(tmp_path):
+    """The probe's claim holds on a real graph: under the f32 hint the fp16 convolutions run f16 exactly when fp16 is accepted."""
+    supported = _supported("fp16")
+    if supported:
         BACKEND.check_mode("fp16")
+    else:
+        with pytest.raises(HarnessError, match=r"INFERENCE_PRECISION_HINT=f32 .* it would not follow the graph's fp16 casts"):
+            BACKEND.check_mode("fp16")
     from harness.engines.onnx_export import export_onnx
     from harness.engines.openvino.runtime import core
 
@@ -142,7 +144,7 @@ def test_a_refused_strong_fp16_mode_is_refused_for_what_openvino_really_does(tmp
         for op in ran.get_runtime_model().get_ordered_ops()
         if op.get_rt_info()["layerType"].astype(str) == "Convolution"
     }
-    assert precisions == {"f32"}
+    assert precisions == ({"f16"} if supported else {"f32"})
 
 
 def test_unknown_modes_and_builder_options_are_refused(built):
@@ -236,15 +238,18 @@ def test_an_explicit_file_decides_the_runtime_precision_node_by_node(built, tmp_
 
 
 def test_an_explicit_file_with_a_type_openvino_would_not_keep_is_refused_naming_the_casts(tmp_path):
-    refused = [name for name in ("fp16", "bf16") if not probe(name, "f32").honoured]
-    if not refused:
-        pytest.skip("this OpenVINO keeps every reduced type under the f32 hint")
-    explicit = tmp_path / "explicit.json"
-    explicit.write_text(json.dumps({"^conv2d$": refused[0]}))
-    compiled = compile_for_mode(models.load("lenet"), "explicit", str(explicit))
-    low = refused[0]
-    with pytest.raises(HarnessError, match=rf"explicit file {re.escape(str(explicit))}\) casts to {low} at x_{low}"):
-        BACKEND.build(compiled, BuildConfig("explicit", explicit_path=str(explicit), threads=1), None)
+    """Each reduced type in an explicit file is either kept by OpenVINO, or refused naming the file and the casts."""
+    for low in ("fp16", "bf16"):
+        explicit = tmp_path / f"explicit-{low}.json"
+        explicit.write_text(json.dumps({"^conv2d$": low}))
+        compiled = compile_for_mode(models.load("lenet"), "explicit", str(explicit))
+        config = BuildConfig("explicit", explicit_path=str(explicit), threads=1)
+        if probe(low, "f32").honoured:
+            engine, _ = BACKEND.build(compiled, config, None)
+            assert layer_computing(engine, "conv2d")["runtimePrecision"] == OV_NAMES[low], low
+            continue
+        with pytest.raises(HarnessError, match=rf"explicit file {re.escape(str(explicit))}\) casts to {low} at x_{low}"):
+            BACKEND.build(compiled, config, None)
 
 
 # ---------------------------------------------------------------- weak typing: the hint decides
