@@ -1,4 +1,4 @@
-"""Helpers shared by the tests: exact comparisons that also hold for NaN."""
+"""Helpers shared by the tests: exact comparisons that also hold for NaN, CLI exit codes."""
 
 from __future__ import annotations
 
@@ -30,3 +30,13 @@ def assert_same_outputs(out: object, ref: object) -> None:
     for (path, a), (_, b) in zip(got, want, strict=True):
         assert a.dtype == b.dtype, (path, a.dtype, b.dtype)
         assert bits_equal(a, b), (path, (a.float() - b.float()).abs().max())
+
+
+def exit_code(argv: list[str]) -> int:
+    """``harness argv``'s exit code, whether the command returned it or argparse exited while parsing a flag."""
+    from harness.cli.main import main
+
+    try:
+        return main(argv)
+    except SystemExit as exc:
+        return int(exc.code or 0)

@@ -24,6 +24,7 @@ from harness.engines.protocol import BuildConfig
 from harness.errors import HarnessError
 from harness.fileio import validate
 from harness.models import ModelSpec
+from tests.helpers import exit_code
 
 FAST = {"timing_runs": 3, "warmup_runs": 1}
 
@@ -163,10 +164,7 @@ def test_inspect_profile_json_on_the_models_inputs(lenet_engine, capsys):
     ],
 )
 def test_inspect_profile_refuses_what_it_cannot_do(lenet_engine, capsys, extra, message):
-    try:
-        code = main(["inspect", str(lenet_engine), *extra])
-    except SystemExit as exc:  # refused by argparse while parsing
-        code = exc.code
+    code = exit_code(["inspect", str(lenet_engine), *extra])
     assert code == 2
     err = capsys.readouterr().err
     assert re.search(message, err), err

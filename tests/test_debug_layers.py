@@ -25,6 +25,7 @@ from harness.debug.layers import debug_layers
 from harness.engines.cpu import CpuBackend
 from harness.engines.onnxruntime.backend import OnnxRuntimeBackend
 from harness.errors import HarnessError
+from tests.helpers import exit_code
 
 MODEL_FILE = '''
 import dataclasses
@@ -301,10 +302,7 @@ def test_explicit_plan_is_debugged_as_written(model_file, tmp_path, capsys):
 def test_bad_input_is_one_clear_error(model_file, tmp_path, capsys, monkeypatch, argv, message):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "plan.json").write_text(json.dumps({".*": "fp32"}))
-    try:
-        code = main(["debug", "layers", "--model", f"{model_file}:planted_fp16", "--no-plot", *argv])
-    except SystemExit as exc:  # refused by argparse while parsing
-        code = exc.code
+    code = exit_code(["debug", "layers", "--model", f"{model_file}:planted_fp16", "--no-plot", *argv])
     assert code == 2
     assert message in capsys.readouterr().err
 

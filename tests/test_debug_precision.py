@@ -29,6 +29,7 @@ from harness.engines.onnxruntime.backend import OnnxRuntimeBackend
 from harness.errors import HarnessError
 from harness.fileio import json_bytes
 from harness.globalstate import GlobalState
+from tests.helpers import exit_code
 from tests.test_debug_layers import HEAD, MODEL_FILE
 
 FAST = ["--seconds", "0.02", "--final-seconds", "0.1", "--no-progress"]
@@ -242,9 +243,6 @@ def test_unreachable_target_reports_the_best_value(model_file, capsys):
 )
 def test_bad_input_is_one_clear_error(model_file, capsys, argv, message):
     argv = ["--target", "1-cosine<=1e-5", *argv] if "--target" not in argv else argv
-    try:
-        code = main(["debug", "precision", "--model", f"{model_file}:harmless", "--no-plot", *FAST, *argv])
-    except SystemExit as exc:  # refused by argparse while parsing
-        code = exc.code
+    code = exit_code(["debug", "precision", "--model", f"{model_file}:harmless", "--no-plot", *FAST, *argv])
     assert code == 2
     assert message in capsys.readouterr().err
