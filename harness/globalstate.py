@@ -36,6 +36,7 @@ class GlobalState:
     autocast_cache: bool
     num_threads: int
     cpu_rng: bytes
+    onednn_fusion: bool  # TorchScript's oneDNN Graph fusion, which the CPU engine switches on briefly
 
     @classmethod
     def capture(cls) -> GlobalState:
@@ -47,6 +48,7 @@ class GlobalState:
             autocast_cache=torch.is_autocast_cache_enabled(),
             num_threads=torch.get_num_threads(),
             cpu_rng=bytes(torch.random.get_rng_state().numpy().tobytes()),
+            onednn_fusion=onednn_fusion_enabled(),
         )
 
     def restore(self) -> None:
@@ -58,15 +60,22 @@ class GlobalState:
         if torch.get_num_threads() != self.num_threads:
             torch.set_num_threads(self.num_threads)
         torch.random.set_rng_state(torch.frombuffer(bytearray(self.cpu_rng), dtype=torch.uint8))
+        if onednn_fusion_enabled() != self.onednn_fusion:
+            torch.jit.enable_onednn_fusion(self.onednn_fusion)
 
     def differences(self, other: GlobalState) -> list[str]:
         """Names of the settings that differ, for a test's failure message."""
         return [name for name in self.__dataclass_fields__ if getattr(self, name) != getattr(other, name)]
 
 
+def onednn_fusion_enabled() -> bool:
+    """TorchScript's process-wide oneDNN Graph fusion switch (False where this PyTorch has none)."""
+    return bool(torch._C._jit_llga_enabled()) if hasattr(torch._C, "_jit_llga_enabled") else False
+
+
 @contextmanager
 def preserved_global_state() -> Iterator[None]:
-    """Restore grad mode, autocast state, CPU RNG and thread count on exit, whatever happened."""
+    """Restore grad mode, autocast state, CPU RNG, thread count and oneDNN fusion on exit, whatever happened."""
     state = GlobalState.capture()
     initialized = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
     cuda_rng = torch.cuda.get_rng_state_all() if initialized else None

@@ -16,7 +16,8 @@ from harness.autocast import compile
 from harness.build import build_engine, compile_graph
 from harness.cache.operations import pin
 from harness.cache.timing_cache import TimingCache
-from harness.engines.cpu import CpuBackend, CpuEngine, tactics
+from harness.dtypes import dtype_name
+from harness.engines.cpu import CpuBackend, CpuEngine, onednn_graph, tactics
 from harness.engines.cpu.lowering import lower
 from harness.engines.cpu.plan import Ref
 from harness.engines.protocol import BuildConfig
@@ -134,6 +135,8 @@ def test_every_tactic_of_every_fused_layer_agrees_with_the_typed_graph(blocks, d
         (out,) = [values[o.name] for o in plan.outputs]
         torch.testing.assert_close(out.float(), compiled(*inputs).float(), rtol=tol, atol=tol)
     expected = {"conv1x1_gemm", "gemm_nn"} | ({"conv1x1_onednn", "conv_onednn", "gemm_onednn"} if ONEDNN else set())
+    if onednn_graph.available(dtype_name(dtype)):
+        expected |= {"conv_onednn_graph", "gemm_onednn_graph"}
     if dtype != torch.float32:
         expected |= {"conv1x1_widened", "gemm_widened"}
     assert tried >= expected

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from harness.dtypes import LOW_DTYPES
+from harness.engines.cpu import onednn_graph
 from harness.engines.cpu.plan import (
     Node,
     Ref,
@@ -134,8 +135,11 @@ def impl_names(
         # loop 50-100x slower: never a sensible candidate, so never timed.
         if precision == "fp32":
             impls.append("conv_no_mkldnn")
-        if packet == "conv2d" and not isinstance(named["padding"], str) and _onednn_ok(precision):
-            impls.append("conv_onednn")
+        if packet == "conv2d" and not isinstance(named["padding"], str):
+            if _onednn_ok(precision):
+                impls.append("conv_onednn")
+            if _onednn_graph_ok(node, precision):
+                impls.append("conv_onednn_graph")
         if _pointwise_conv(packet, named, weights):
             impls += ["conv1x1_gemm", *_gemm_variants("conv1x1", precision)]
         return impls
@@ -144,6 +148,8 @@ def impl_names(
         impls = ["gemm_direct"] + [f"gemm_splitk{n}" for n in (2, 4) if k // n >= _MIN_SPLIT_CHUNK]
         if packet == "linear" and _linear_ok(named):
             impls += ["gemm_nn", *_gemm_variants("gemm", node.out().dtype)]
+            if _onednn_graph_ok(node, node.out().dtype):
+                impls.append("gemm_onednn_graph")
         return impls
     if packet in _SOFTMAX_LOG:
         undecomposable = named.get("dtype") is not None or named.get("half_to_float", False)
@@ -213,10 +219,12 @@ def bind(
 
     # Slots are numbered in argument order, the order node.refs() lists them.
     named = {name: map_leaves(value, template) for name, value in _named(node).items()}
-    refs = node.refs()
-    low = any(metas[r.name].dtype in LOW_DTYPES for r in refs)
-    input_shape = metas[refs[0].name].shape if refs else ()
-    ctx = _Ctx(fn, named, plan_packet(node.op), low, node.epilogue, input_shape, node.residual is not None)
+    inputs = tuple(metas[r.name] for r in node.refs())
+    low = any(meta.dtype in LOW_DTYPES for meta in inputs)
+    input_shape = inputs[0].shape if inputs else ()
+    ctx = _Ctx(
+        node.name, fn, named, plan_packet(node.op), low, node.epilogue, input_shape, node.residual is not None, inputs
+    )
     return _BINDERS[impl](ctx)
 
 
@@ -275,6 +283,7 @@ def make_call(fn: Callable[..., Any], args: Any, kwargs: Mapping[str, Any]) -> B
 
 @dataclass(frozen=True)
 class _Ctx:
+    name: str  # the layer's
     fn: Any  # the resolved OpOverload
     named: dict[str, Any]  # schema name -> Slot | tensor | constant
     packet: str
@@ -282,6 +291,7 @@ class _Ctx:
     epilogue: str  # activation to apply to the result ("" for none)
     input_shape: tuple[int, ...]  # of the first dynamic input
     residual: bool  # the layer adds its last dynamic input to its result (before the epilogue)
+    inputs: tuple[TensorMeta, ...]  # of the dynamic inputs, in slot order
 
     def call(self, **changes: Any) -> Bound:
         """The node's op on the node's arguments, some replaced (e.g. a prepared weight)."""
@@ -335,7 +345,7 @@ def _conv_onednn(ctx: _Ctx) -> Bound:
     packed = torch.ops.mkldnn._reorder_convolution_weight(
         named["weight"], padding, stride, dilation, groups, list(ctx.input_shape)
     )
-    attr, algorithm = _ONEDNN_ATTRS[ctx.epilogue]
+    attr, algorithm = _EPILOGUES[ctx.epilogue].onednn
     if ctx.residual:
         binary = torch.ops.mkldnn._convolution_pointwise.binary._op
         unary = None if attr == "none" else attr
@@ -358,6 +368,49 @@ def _conv_onednn(ctx: _Ctx) -> Bound:
     )
 
 
+def _onednn_graph(
+    op: Callable[..., torch.Tensor], layout: torch.memory_format, attr_names: tuple[str, ...]
+) -> Callable[[_Ctx], Bound]:
+    """The layer as a compiled oneDNN Graph partition (:mod:`harness.engines.cpu.onednn_graph`).
+
+    Its inputs are made ``layout``-contiguous with the exact strides the
+    partition was compiled for (a size-1 dimension leaves a tensor's strides
+    ambiguous, and the partition's guard compares them all).
+    """
+
+    def binder(ctx: _Ctx) -> Bound:
+        named = ctx.named
+        layouts = [
+            (m.shape, torch.empty(m.shape, device="meta", memory_format=layout).stride(), m.dtype)
+            for m in ctx.inputs
+        ]
+        run = onednn_graph.compile_layer(
+            ctx.name,
+            op,
+            named["weight"],
+            named["bias"],
+            [named[k] for k in attr_names],
+            _EPILOGUES[ctx.epilogue].traced,
+            layouts,
+        )
+        exact = [_exact_layout(shape, strides, layout) for shape, strides, _ in layouts]
+        if ctx.residual:
+            fix_x, fix_r = exact
+            return lambda x, r: run(fix_x(x), fix_r(r))
+        (fix,) = exact
+        return lambda x: run(fix(x))
+
+    return binder
+
+
+def _exact_layout(
+    shape: tuple[int, ...], strides: tuple[int, ...], layout: torch.memory_format
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    if 1 not in shape:
+        return lambda t: t.contiguous(memory_format=layout)
+    return lambda t: t.contiguous(memory_format=layout).as_strided(shape, strides)
+
+
 def _row_gemm(
     ctx: _Ctx, weight: torch.Tensor, kind: str, rows: int
 ) -> tuple[Callable[[torch.Tensor], torch.Tensor], bool]:
@@ -376,7 +429,7 @@ def _row_gemm(
     if kind == "onednn":
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), rows)
         fused = not ctx.residual
-        attr, algorithm = _ONEDNN_ATTRS[ctx.epilogue if fused else ""]
+        attr, algorithm = _EPILOGUES[ctx.epilogue if fused else ""].onednn
         linear = torch.ops.mkldnn._linear_pointwise.default._op
         return (lambda x2: linear(x2, packed, bias, attr, [], algorithm)), fused
     mm, addmm = torch.mm, torch.addmm
@@ -459,11 +512,11 @@ def _gemm_onednn(ctx: _Ctx) -> Bound:
     bias = ctx.named["bias"]
     if ctx.residual:
         binary = torch.ops.mkldnn._linear_pointwise.binary._op
-        post = _EPILOGUE_FNS[ctx.epilogue]
+        post = _EPILOGUES[ctx.epilogue].in_place
         if post is None:
             return lambda x, r: binary(x, r, packed, bias, "add")
         return lambda x, r: post(binary(x, r, packed, bias, "add"))
-    attr, algorithm = _ONEDNN_ATTRS[ctx.epilogue]
+    attr, algorithm = _EPILOGUES[ctx.epilogue].onednn
     linear = torch.ops.mkldnn._linear_pointwise.default._op
     return lambda x: linear(x, packed, bias, attr, [], algorithm)
 
@@ -475,7 +528,7 @@ def _with_epilogue(fn: Bound, epilogue: str, residual: bool = False) -> Bound:
     roundings as the separate add and activation layers, without a new tensor
     for each.
     """
-    post = _EPILOGUE_FNS[epilogue]
+    post = _EPILOGUES[epilogue].in_place
     # Layers with an epilogue or a residual have one other dynamic input (convolutions
     # and linear layers with constant weights), so these wrappers take it alone.
     if residual:
@@ -635,6 +688,10 @@ def _onednn_ok(precision: str) -> bool:
     return precision == "fp32"
 
 
+def _onednn_graph_ok(node: Node, precision: str) -> bool:
+    return onednn_graph.available(precision) and _EPILOGUES[node.epilogue].graph
+
+
 def _linear_ok(named: Mapping[str, Any]) -> bool:
     """A linear layer with a constant 2-D weight and bias, fed by a computed input."""
     return (
@@ -705,26 +762,35 @@ _PRODUCT_FNS: dict[str, Callable[..., Any]] = {
 _SOFTMAX_LOG = ("softmax", "_softmax", "log_softmax", "_log_softmax")
 # Precisions whose products are exact in fp32, so a widened GEMM keeps their numbers.
 _WIDENABLE = frozenset(LOW_DTYPES)
-# epilogue -> in-place-or-not PyTorch op applied after the layer's own op
-_EPILOGUE_FNS: dict[str, Callable[[torch.Tensor], torch.Tensor] | None] = {
-    "": None,
-    "relu": torch.relu_,  # the layer's result is a fresh tensor: in place is safe
-    "gelu": torch.nn.functional.gelu,
-    "gelu_tanh": lambda t: torch.nn.functional.gelu(t, approximate="tanh"),
-    "hardswish": torch._C._nn.hardswish_,
-    "hardsigmoid": torch._C._nn.hardsigmoid_,
+
+
+@dataclass(frozen=True)
+class _Epilogue:
+    """How each kind of tactic applies one epilogue activation."""
+
+    in_place: Callable[[torch.Tensor], torch.Tensor] | None  # on the layer's fresh result
+    traced: Callable[[torch.Tensor], torch.Tensor] | None  # out of place, in a traced oneDNN graph
+    onednn: tuple[str, str]  # oneDNN post-op (attr, algorithm)
+    graph: bool = True  # whether PyTorch's oneDNN Graph bridge computes ``traced`` as written
+
+
+def _gelu_tanh(t: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.gelu(t, approximate="tanh")
+
+
+_F = torch.nn.functional
+_EPILOGUES = {
+    "": _Epilogue(None, None, ("none", "")),
+    # The layer's result is a fresh tensor: in place is safe.
+    "relu": _Epilogue(torch.relu_, _F.relu, ("relu", "")),
+    "gelu": _Epilogue(_F.gelu, _F.gelu, ("gelu", "none")),
+    # PyTorch's oneDNN Graph bridge maps gelu(approximate="tanh") to the erf gelu (0.0005 off).
+    "gelu_tanh": _Epilogue(_gelu_tanh, _gelu_tanh, ("gelu", "tanh"), graph=False),
+    "hardswish": _Epilogue(torch._C._nn.hardswish_, _F.hardswish, ("hardswish", "")),
+    "hardsigmoid": _Epilogue(torch._C._nn.hardsigmoid_, _F.hardsigmoid, ("hardsigmoid", "")),
 }
 _CONV_EPILOGUES = ("relu", "hardswish", "hardsigmoid")
 _LINEAR_EPILOGUES = ("relu", "gelu", "gelu_tanh", "hardswish", "hardsigmoid")
-# epilogue -> oneDNN post-op (attr, algorithm)
-_ONEDNN_ATTRS = {
-    "": ("none", ""),
-    "relu": ("relu", ""),
-    "gelu": ("gelu", "none"),
-    "gelu_tanh": ("gelu", "tanh"),
-    "hardswish": ("hardswish", ""),
-    "hardsigmoid": ("hardsigmoid", ""),
-}
 
 _BINDERS: dict[str, Callable[[_Ctx], Bound]] = {
     "direct": _direct,
@@ -733,6 +799,7 @@ _BINDERS: dict[str, Callable[[_Ctx], Bound]] = {
     "conv_channels_last": _conv(_CL),
     "conv_no_mkldnn": _conv(torch.contiguous_format, mkldnn=False),
     "conv_onednn": _conv_onednn,
+    "conv_onednn_graph": _onednn_graph(torch.conv2d, _CL, ("stride", "padding", "dilation", "groups")),
     "conv1x1_gemm": _conv1x1("mm"),
     "conv1x1_widened": _conv1x1("widen"),
     "conv1x1_onednn": _conv1x1("onednn"),
@@ -740,6 +807,7 @@ _BINDERS: dict[str, Callable[[_Ctx], Bound]] = {
     "gemm_widened": _gemm_rows("widen"),
     "gemm_direct": _gemm_direct,
     "gemm_onednn": _gemm_onednn,
+    "gemm_onednn_graph": _onednn_graph(_F.linear, torch.contiguous_format, ()),
     "gemm_splitk2": _split_k(2),
     "gemm_splitk4": _split_k(4),
     "softmax_fused": _direct,

@@ -1,0 +1,133 @@
+"""The CPU engine's oneDNN Graph tactics: a layer compiled into one partition through
+TorchScript's bridge, which must fuse, take inputs of any producer's layout on the fused
+path, compute what the plain ATen call computes, and leave the process-wide switch alone."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from harness.autocast import compile
+from harness.engines.cpu import onednn_graph, tactics
+from harness.engines.cpu.lowering import lower
+from harness.globalstate import onednn_fusion_enabled
+from harness.opnames import plan_packet
+
+pytestmark = pytest.mark.skipif(
+    not onednn_graph.available("fp32"), reason="this PyTorch has no oneDNN Graph bridge"
+)
+
+
+class SqueezeExcite(nn.Module):
+    """A depthwise conv + hardswish, then 1x1 convolutions on a 1x1 map (inputs whose size-1
+    dimensions leave their strides ambiguous), a 1x1 projection with a residual add, and
+    linear layers with gelu (erf) and gelu (tanh) epilogues."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dw = nn.Conv2d(24, 24, 3, padding=1, groups=24)
+        self.fc1 = nn.Conv2d(24, 8, 1)
+        self.fc2 = nn.Conv2d(8, 24, 1)
+        self.project = nn.Conv2d(24, 24, 1)
+        self.erf = nn.Linear(24, 32)
+        self.tanh = nn.Linear(32, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.hardswish(self.dw(x))
+        s = F.hardsigmoid(self.fc2(F.relu(self.fc1(F.adaptive_avg_pool2d(y, 1)))))
+        y = self.project(y * s) + x
+        h = F.gelu(self.erf(y.mean((2, 3))))
+        return F.gelu(self.tanh(h), approximate="tanh")
+
+
+def _plan(dtype: torch.dtype):
+    gen = torch.Generator().manual_seed(11)
+    module = SqueezeExcite().eval()
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_((torch.rand(p.shape, generator=gen) - 0.5) * 0.8)
+    inputs = (torch.randn(1, 24, 10, 10, generator=gen),)
+    policy, low = ("fp32", None) if dtype == torch.float32 else ("full", dtype)
+    plan, _ = lower(compile(module, inputs, policy=policy, low_precision_type=low).graph_module, "test")
+    return plan, inputs
+
+
+def _partitions(fn, *args) -> int:
+    """How many oneDNN Graph partitions a call executed (the fused path, not the fallback)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn(*args)
+    return sum(event.name.startswith("LlgaPartition") for event in prof.events())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_graph_tactics_fuse_and_match_the_plain_call_whatever_the_input_layout(dtype, caplog):
+    if not onednn_graph.available({torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype]):
+        pytest.skip("no bf16 oneDNN kernels on this CPU")
+    plan, inputs = _plan(dtype)
+    metas = plan.value_metas()
+    values = {name: t for (name, _), t in zip(plan.inputs, inputs, strict=True)}
+    graph_layers = []
+    tol = 1e-5 if dtype == torch.float32 else 0.02
+    with torch.inference_mode(), caplog.at_level(logging.WARNING):
+        for node in plan.nodes:
+            args = [values[r.name] for r in node.refs()]
+            impls = tactics.impl_names(node, metas, plan.weights)
+            values[node.name] = reference = tactics.bind(node, impls[0], metas, plan.weights)(*args)
+            graph = [i for i in impls if i.endswith("_onednn_graph")]
+            if not graph:
+                continue
+            fn = tactics.bind(node, graph[0], metas, plan.weights)
+            graph_layers.append((plan_packet(node.op), node.epilogue, node.residual is not None))
+            # NCHW-contiguous and channels-last-contiguous copies: the same values in
+            # other layouts (for 1x1 maps, other strides of the same memory order).
+            for layout in (torch.contiguous_format, torch.channels_last):
+                moved = [a.contiguous(memory_format=layout) if a.dim() == 4 else a for a in args]
+                out = fn(*moved)
+                assert out.dtype == reference.dtype and out.shape == reference.shape
+                torch.testing.assert_close(out.float(), reference.float(), rtol=tol, atol=tol, msg=node.name)
+                assert _partitions(fn, *moved) == 1, (node.name, layout)
+    assert not [r for r in caplog.records if "unfused" in r.getMessage()]
+    kinds = set(graph_layers)
+    assert {("conv2d", "hardswish", False), ("conv2d", "relu", False), ("conv2d", "hardsigmoid", False)} <= kinds
+    assert ("conv2d", "", True) in kinds  # the projection with its residual add
+    assert ("linear", "gelu", False) in kinds
+
+
+def test_the_tanh_gelu_linear_has_no_graph_tactic_because_the_bridge_computes_the_erf_gelu():
+    plan, _ = _plan(torch.float32)
+    metas = plan.value_metas()
+    (tanh,) = [n for n in plan.nodes if n.epilogue == "gelu_tanh"]
+    assert "gemm_onednn_graph" not in tactics.impl_names(tanh, metas, plan.weights)
+
+
+@pytest.mark.parametrize("before", [False, True])
+def test_compiling_a_layer_leaves_the_process_wide_fusion_switch_as_it_was(before):
+    plan, _ = _plan(torch.float32)
+    metas = plan.value_metas()
+    conv = next(n for n in plan.nodes if plan_packet(n.op) == "conv2d")
+    torch.jit.enable_onednn_fusion(before)
+    try:
+        tactics.bind(conv, "conv_onednn_graph", metas, plan.weights)
+        assert onednn_fusion_enabled() is before
+        with pytest.raises(RuntimeError):  # a failed compile restores it too
+            onednn_graph.compile_layer("bad", F.conv2d, torch.ones(4, 3, 3, 3), None, [], None, [((1, 5, 8, 8), (320, 64, 8, 1), "fp32")])
+        assert onednn_fusion_enabled() is before
+    finally:
+        torch.jit.enable_onednn_fusion(False)
+
+
+def test_a_layer_the_bridge_cannot_fuse_is_reported_and_still_computes_its_function(caplog):
+    # fp16 has no kernels in the bridge: available() refuses it, and compiling anyway runs
+    # TorchScript's unfused fallback, which gives the plain call's result, and says so.
+    assert not onednn_graph.available("fp16")
+    weight = torch.randn(8, 4, generator=torch.Generator().manual_seed(0)).half()
+    with caplog.at_level(logging.WARNING):
+        fn = onednn_graph.compile_layer("half", F.linear, weight, None, [], F.relu, [((2, 4), (4, 1), "fp16")])
+    assert any("'half'" in r.getMessage() and "unfused" in r.getMessage() for r in caplog.records)
+    x = torch.randn(2, 4).half()
+    with torch.inference_mode():
+        torch.testing.assert_close(fn(x), F.relu(F.linear(x, weight)))
