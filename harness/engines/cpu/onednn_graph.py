@@ -106,7 +106,9 @@ def compile_layer(
         # torch.jit.trace is deprecated in favour of torch.compile, whose CPU
         # path calls the per-call-descriptor ops this tactic exists to avoid.
         warnings.simplefilter("ignore", DeprecationWarning)
-        traced = torch.jit.freeze(torch.jit.trace(module, tuple(examples), check_trace=False))
+        # torch leaves torch.jit.trace unannotated.
+        trace = torch.jit.trace(module, tuple(examples), check_trace=False)  # type: ignore[no-untyped-call]
+        traced = torch.jit.freeze(trace)
         for _ in range(_WARMUP_CALLS):
             traced(*examples)
         graph = str(traced.graph_for(*examples))  # type: ignore[no-untyped-call]
