@@ -131,3 +131,32 @@ def test_a_layer_the_bridge_cannot_fuse_is_reported_and_still_computes_its_funct
     x = torch.randn(2, 4).half()
     with torch.inference_mode():
         torch.testing.assert_close(fn(x), F.relu(F.linear(x, weight)))
+
+
+def test_a_partition_runs_on_the_thread_count_of_the_call_not_of_its_compile(caplog):
+    """oneDNN primitives fix their thread count at creation: a partition compiled at 2 threads
+    would keep running on 2 after the caller pins 1, so each count gets its own partition."""
+    plan, inputs = _plan(torch.float32)
+    metas = plan.value_metas()
+    conv = next(n for n in plan.nodes if plan_packet(n.op) == "conv2d")
+    original = torch.get_num_threads()
+
+    def compiles() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "compiled a oneDNN Graph partition" in r.getMessage()]
+
+    try:
+        with caplog.at_level(logging.DEBUG, logger="harness.engines.cpu.onednn_graph"), torch.inference_mode():
+            torch.set_num_threads(2)
+            fn = tactics.bind(conv, "conv_onednn_graph", metas, plan.weights)
+            assert compiles() == [f"layer {conv.name!r}: compiled a oneDNN Graph partition for 2 thread(s)"]
+            at_two = fn(*inputs)
+            torch.set_num_threads(1)
+            at_one = fn(*inputs)
+            fn(*inputs)
+            torch.set_num_threads(2)
+            fn(*inputs)
+            assert compiles()[1:] == [f"layer {conv.name!r}: compiled a oneDNN Graph partition for 1 thread(s)"]
+            torch.testing.assert_close(at_one, at_two, rtol=1e-6, atol=1e-6)
+            assert _partitions(fn, *inputs) == 1
+    finally:
+        torch.set_num_threads(original)
