@@ -5,6 +5,7 @@ path, compute what the plain ATen call computes, and leave the process-wide swit
 from __future__ import annotations
 
 import logging
+import threading
 
 import pytest
 import torch
@@ -111,10 +112,14 @@ def test_compiling_a_layer_leaves_the_process_wide_fusion_switch_as_it_was(befor
     conv = next(n for n in plan.nodes if plan_packet(n.op) == "conv2d")
     torch.jit.enable_onednn_fusion(before)
     try:
-        tactics.bind(conv, "conv_onednn_graph", metas, plan.weights)
+        with torch.inference_mode():
+            tactics.bind(conv, "conv_onednn_graph", metas, plan.weights)(*_plan(torch.float32)[1])
         assert onednn_fusion_enabled() is before
+        bad = onednn_graph.compile_layer(
+            "bad", F.conv2d, torch.ones(4, 3, 3, 3), None, [], None, [((1, 5, 8, 8), (320, 64, 8, 1), "fp32")]
+        )
         with pytest.raises(RuntimeError):  # a failed compile restores it too
-            onednn_graph.compile_layer("bad", F.conv2d, torch.ones(4, 3, 3, 3), None, [], None, [((1, 5, 8, 8), (320, 64, 8, 1), "fp32")])
+            bad(torch.ones(1, 5, 8, 8))
         assert onednn_fusion_enabled() is before
     finally:
         torch.jit.enable_onednn_fusion(False)
@@ -125,12 +130,11 @@ def test_a_layer_the_bridge_cannot_fuse_is_reported_and_still_computes_its_funct
     # TorchScript's unfused fallback, which gives the plain call's result, and says so.
     assert not onednn_graph.available("fp16")
     weight = torch.randn(8, 4, generator=torch.Generator().manual_seed(0)).half()
-    with caplog.at_level(logging.WARNING):
-        fn = onednn_graph.compile_layer("half", F.linear, weight, None, [], F.relu, [((2, 4), (4, 1), "fp16")])
-    assert any("'half'" in r.getMessage() and "unfused" in r.getMessage() for r in caplog.records)
+    fn = onednn_graph.compile_layer("half", F.linear, weight, None, [], F.relu, [((2, 4), (4, 1), "fp16")])
     x = torch.randn(2, 4).half()
-    with torch.inference_mode():
+    with caplog.at_level(logging.WARNING), torch.inference_mode():
         torch.testing.assert_close(fn(x), F.relu(F.linear(x, weight)))
+    assert any("'half'" in r.getMessage() and "unfused" in r.getMessage() for r in caplog.records)
 
 
 def test_a_partition_runs_on_the_thread_count_of_the_call_not_of_its_compile(caplog):
@@ -148,8 +152,9 @@ def test_a_partition_runs_on_the_thread_count_of_the_call_not_of_its_compile(cap
         with caplog.at_level(logging.DEBUG, logger="harness.engines.cpu.onednn_graph"), torch.inference_mode():
             torch.set_num_threads(2)
             fn = tactics.bind(conv, "conv_onednn_graph", metas, plan.weights)
-            assert compiles() == [f"layer {conv.name!r}: compiled a oneDNN Graph partition for 2 thread(s)"]
+            assert compiles() == []  # nothing until the first call
             at_two = fn(*inputs)
+            assert compiles() == [f"layer {conv.name!r}: compiled a oneDNN Graph partition for 2 thread(s)"]
             torch.set_num_threads(1)
             at_one = fn(*inputs)
             fn(*inputs)
@@ -160,3 +165,55 @@ def test_a_partition_runs_on_the_thread_count_of_the_call_not_of_its_compile(cap
             assert _partitions(fn, *inputs) == 1
     finally:
         torch.set_num_threads(original)
+
+
+def test_two_threads_compiling_at_once_both_fuse_and_leave_the_switch_off(monkeypatch, caplog):
+    """The switch is process-wide, so compiles are serialized. The race is forced: the first
+    compile is held inside the switched-on region until the second has got there too (or 2 s
+    have passed), and the second then until the first call has returned (or 2 s). Without
+    the lock, the first turns fusion off under the second (whose layer stays unfused), and
+    the second, which found it on, leaves it on; with it, the first waits out the 2 s alone."""
+    arrived = threading.Barrier(2, timeout=2)
+    first_done = threading.Event()
+    order: list[int] = []
+    freeze = torch.jit.freeze
+
+    def held_freeze(module):
+        order.append(threading.get_ident())
+        try:
+            arrived.wait()
+        except threading.BrokenBarrierError:
+            pass  # serialized: the other thread cannot get here while this one holds the lock
+        if order[0] != threading.get_ident():
+            first_done.wait(timeout=2)
+        return freeze(module)
+
+    monkeypatch.setattr(torch.jit, "freeze", held_freeze)
+    torch.jit.enable_onednn_fusion(False)
+    gen = torch.Generator().manual_seed(3)
+    weight, x = torch.randn(8, 16, generator=gen), torch.randn(4, 16, generator=gen)
+    layers = [
+        onednn_graph.compile_layer(f"t{i}", F.linear, weight, None, [], F.relu, [((4, 16), (16, 1), "fp32")])
+        for i in range(2)
+    ]
+    results: list[torch.Tensor] = []
+
+    def first_call(fn) -> None:
+        with torch.inference_mode():
+            results.append(fn(x))
+        if order and order[0] == threading.get_ident():
+            first_done.set()
+
+    with caplog.at_level(logging.WARNING):
+        threads = [threading.Thread(target=first_call, args=(fn,)) for fn in layers]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert onednn_fusion_enabled() is False
+    assert not [r for r in caplog.records if "unfused" in r.getMessage()]
+    assert len(results) == 2
+    for out in results:
+        torch.testing.assert_close(out, F.relu(F.linear(x, weight)))
+    with torch.inference_mode():
+        assert all(_partitions(fn, x) == 1 for fn in layers)

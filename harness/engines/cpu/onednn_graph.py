@@ -21,6 +21,7 @@ bf16 layers get the tactic.
 from __future__ import annotations
 
 import logging
+import threading
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -36,6 +37,7 @@ log = logging.getLogger(__name__)
 # The executor profiles a graph this many times before it fuses; a few more calls cover bailouts.
 _WARMUP_CALLS = 3
 _FUSION_GROUP = "prim::oneDNNFusionGroup"
+_COMPILING = threading.Lock()
 
 
 def available(precision: str) -> bool:
@@ -97,12 +99,13 @@ def compile_layer(
     strides given here. A layer the bridge leaves unfused still computes the
     same function, only slower, which timing then shows; it is logged.
 
-    A oneDNN primitive fixes its thread count when it is created, and a
-    partition keeps its primitives: one compiled while torch had 2 threads
-    still runs on 2 after ``torch.set_num_threads(1)`` (an engine loaded
-    before pinning measured 0.93 ms where its 1-thread run takes 1.26 ms). So
-    each call looks up the partition compiled for the caller's current thread
-    count, and compiles one on the first call at a new count.
+    Nothing is compiled until the first call, at each thread count: a oneDNN
+    primitive fixes its thread count when it is created, and a partition keeps
+    its primitives, so one compiled while torch had 2 threads still runs on 2
+    after ``torch.set_num_threads(1)`` (an engine loaded before pinning
+    measured 0.93 ms where its 1-thread run takes 1.26 ms). Compiling on first
+    use also leaves an engine that is only built and saved (``harness
+    build``) without the cost (about 6 ms a layer).
     """
     module = _Layer(op, weight, bias, attrs, post, residual=len(inputs) > 1).eval()
     examples = [
@@ -110,7 +113,7 @@ def compile_layer(
         for shape, strides, dtype in inputs
     ]
     threads = torch.get_num_threads
-    compiled = {threads(): _compile(name, module, examples)}
+    compiled: dict[int, Callable[..., torch.Tensor]] = {}
 
     def run(*args: torch.Tensor) -> torch.Tensor:
         fn = compiled.get(threads())
@@ -122,7 +125,9 @@ def compile_layer(
 
 
 def _compile(name: str, module: _Layer, examples: Sequence[torch.Tensor]) -> Callable[..., torch.Tensor]:
-    with warnings.catch_warnings(), torch.inference_mode(), _fusion_on():
+    # The fusion switch is process-wide: two threads compiling at once would
+    # turn it off under each other (and could leave it on).
+    with _COMPILING, warnings.catch_warnings(), torch.inference_mode(), _fusion_on():
         # torch.jit.trace is deprecated in favour of torch.compile, whose CPU
         # path calls the per-call-descriptor ops this tactic exists to avoid.
         warnings.simplefilter("ignore", DeprecationWarning)
