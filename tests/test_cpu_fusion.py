@@ -142,6 +142,28 @@ def test_every_tactic_of_every_fused_layer_agrees_with_the_typed_graph(blocks, d
     assert tried >= expected
 
 
+def test_pointwise_convolution_tactics_take_inputs_in_any_layout(blocks):
+    """1x1 convolutions as GEMMs view their channels-last input as rows: an NCHW input (and,
+    on a 1x1 map, either stride pattern of the same memory) must give the same result."""
+    _, plan, _ = _plan(blocks)
+    _, inputs = blocks
+    metas = plan.value_metas()
+    values = {name: t for (name, _), t in zip(plan.inputs, inputs, strict=True)}
+    checked = 0
+    with torch.inference_mode():
+        for node in plan.nodes:
+            args = [values[r.name] for r in node.refs()]
+            impls = tactics.impl_names(node, metas, plan.weights)
+            values[node.name] = reference = tactics.bind(node, impls[0], metas, plan.weights)(*args)
+            for impl in (i for i in impls if i.startswith("conv1x1")):
+                fn = tactics.bind(node, impl, metas, plan.weights)
+                for layout in (torch.contiguous_format, torch.channels_last):
+                    out = fn(*(a.contiguous(memory_format=layout) for a in args))
+                    torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5, msg=f"{node.name} {impl}")
+                    checked += 1
+    assert checked >= 2 * 2 * 4  # the two squeeze-excite convs (1x1 map), the projection, the shortcut
+
+
 def test_tactics_leave_their_inputs_and_the_residual_untouched(blocks):
     _, plan, _ = _plan(blocks)
     metas = plan.value_metas()

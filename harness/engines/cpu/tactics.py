@@ -483,13 +483,17 @@ def _conv1x1(kind: str) -> Callable[[_Ctx], Bound]:
         pixels = (batch, len(range(0, height, step_h)), len(range(0, width, step_w)))
         rows = math.prod(pixels)
         gemm, fused = _row_gemm(ctx, weight.reshape(cout, cin), kind, rows)
-        nhwc = (*pixels, cout)
+        out_shape = (batch, cout, pixels[1], pixels[2])
+        out_strides = torch.empty(out_shape, device="meta", memory_format=_CL).stride()
 
+        # A channels-last-contiguous tensor's memory is dense N,H,W,C whatever the strides
+        # of its size-1 dimensions, so one as_strided is the (rows, C) view (and back),
+        # where permute + reshape cost two dispatches each way.
         def pointwise(x: torch.Tensor) -> torch.Tensor:
             if strided:
                 x = x[:, :, ::step_h, ::step_w]
-            rows_in = x.contiguous(memory_format=_CL).permute(0, 2, 3, 1).reshape(rows, cin)
-            return gemm(rows_in).view(nhwc).permute(0, 3, 1, 2)
+            rows_in = x.contiguous(memory_format=_CL).as_strided((rows, cin), (cin, 1))
+            return gemm(rows_in).as_strided(out_shape, out_strides)
 
         return _with_epilogue(pointwise, "" if fused else ctx.epilogue, ctx.residual)
 
