@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -11,7 +12,14 @@ from harness.zoo import digits
 from harness import models
 from harness.bench import runner as runner_mod
 from harness.bench.results import ResultsWriter, load_results
-from harness.bench.runner import BenchRunner, MeasureSettings, build_matrix, cache_file, parse_shard
+from harness.bench.runner import (
+    BenchRunner,
+    MeasureSettings,
+    build_matrix,
+    cache_file,
+    case_messages,
+    parse_shard,
+)
 from harness.cache.timing_cache import TimingCache
 from harness.engines.cpu import CpuBackend
 from harness.engines.modes import is_weak
@@ -163,6 +171,31 @@ def test_ok_case_measures_against_eager_fp32_and_pins_on_rerun(tmp_path):
     assert second["engine_fingerprint"] == first["engine_fingerprint"]
     assert second["timing_cache_digest"] == first["timing_cache_digest"]
     assert second["output_digest"] == first["output_digest"]
+
+
+def test_a_cache_timed_before_a_tactic_existed_is_a_case_warning(tmp_path):
+    """A committed cache from an older harness pins every layer; the case says which tactics
+    its layers never raced, so a reader comparing speeds knows the engine may not be the
+    fastest this harness can build."""
+    cache_dir = tmp_path / "caches"
+    first = BenchRunner(CpuBackend(), cache_dir=cache_dir, settings=TINY).run_case("digits", "fp32")
+    assert first["status"] == "ok", first["error"]
+    assert not [w for w in first["warnings"] if "timed before" in w]
+    path = cache_file(cache_dir, "digits", BuildConfig("fp32", threads=TINY.threads), "cpu")
+    cache = TimingCache.load(path)
+    newest = "gemm_nn[fp32]"  # stands for a tactic a later harness added
+    for entry in cache.entries():
+        kept = tuple(c for c in entry.candidates if c.tactic != newest)
+        best = min(kept, key=lambda c: c.time_ms)
+        cache.update(dataclasses.replace(
+            entry, candidates=kept, tactic=best.tactic, tactic_hash=best.tactic_hash, time_ms=best.time_ms
+        ))
+    cache.save(path)
+    second = BenchRunner(CpuBackend(), cache_dir=cache_dir, settings=TINY).run_case("digits", "fp32")
+    assert second["from_cache"] is True
+    (warning,) = [w for w in second["warnings"] if "timed before" in w]
+    assert warning.startswith("2 layer(s) use cached tactics timed before this harness had gemm_nn")
+    assert f"case digits/fp32: {warning}" in case_messages(second)
 
 
 def test_corrupt_cache_fails_the_case_and_is_not_overwritten(tmp_path):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import replace
 
 import pytest
 import torch
@@ -13,9 +14,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from harness.autocast import compile
-from harness.engines.cpu import onednn_graph, tactics
+from harness.build import build_engine
+from harness.cache.timing_cache import TimingCache
+from harness.engines.cpu import CpuBackend, onednn_graph, tactics
 from harness.engines.cpu.lowering import lower
+from harness.engines.protocol import BuildConfig
 from harness.globalstate import onednn_fusion_enabled
+from harness.models import ModelSpec
 from harness.opnames import plan_packet
 
 pytestmark = pytest.mark.skipif(
@@ -45,13 +50,17 @@ class SqueezeExcite(nn.Module):
         return F.gelu(self.tanh(h), approximate="tanh")
 
 
-def _plan(dtype: torch.dtype):
+def _module_and_inputs() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     gen = torch.Generator().manual_seed(11)
     module = SqueezeExcite().eval()
     with torch.no_grad():
         for p in module.parameters():
             p.copy_((torch.rand(p.shape, generator=gen) - 0.5) * 0.8)
-    inputs = (torch.randn(1, 24, 10, 10, generator=gen),)
+    return module, (torch.randn(1, 24, 10, 10, generator=gen),)
+
+
+def _plan(dtype: torch.dtype):
+    module, inputs = _module_and_inputs()
     policy, low = ("fp32", None) if dtype == torch.float32 else ("full", dtype)
     plan, _ = lower(compile(module, inputs, policy=policy, low_precision_type=low).graph_module, "test")
     return plan, inputs
@@ -217,3 +226,35 @@ def test_two_threads_compiling_at_once_both_fuse_and_leave_the_switch_off(monkey
         torch.testing.assert_close(out, F.relu(F.linear(x, weight)))
     with torch.inference_mode():
         assert all(_partitions(fn, x) == 1 for fn in layers)
+
+
+def test_a_cache_timed_before_these_tactics_keeps_its_choices_and_says_what_never_competed(tmp_path):
+    """A cache from a harness without the oneDNN Graph tactics: its entries list the
+    candidates they beat, without them. The build keeps every cached choice (rebuilds stay
+    pinned) and notes which layers never raced the new tactics and how to let them."""
+    spec = ModelSpec("se", "squeeze-excite", *_module_and_inputs(), calibration_data=[])
+    config = BuildConfig(mode="fp32", options={"timing_runs": 3, "warmup_runs": 1})
+    cache_path = tmp_path / "cache.json"
+    build_engine(spec, config, CpuBackend(), cache_path)
+    cache = TimingCache.load(cache_path)
+    old = [e for e in cache.entries() if any("onednn_graph" in c.tactic for c in e.candidates)]
+    assert old
+    for entry in old:
+        kept = tuple(c for c in entry.candidates if "onednn_graph" not in c.tactic)
+        best = min(kept, key=lambda c: c.time_ms)
+        cache.update(replace(entry, candidates=kept, tactic=best.tactic, tactic_hash=best.tactic_hash, time_ms=best.time_ms))
+    cache.save(cache_path)
+    strict = replace(config, error_on_cache_miss=True)
+    built = build_engine(spec, strict, CpuBackend(), cache_path)
+    chosen = {layer.name: layer.tactic for layer in built.engine.layers()}
+    assert all(chosen[e.layer] == cache.query(e.key).tactic for e in old)
+    (note,) = [m for m in built.log.messages if "timed before" in m]
+    assert f"{len(old)} layer(s) use cached tactics timed before this harness had conv_onednn_graph" in note
+    assert "--disable-cache" in note
+    assert built.log.warnings == [note]
+    # A pinned entry is a decision, not an old timing: no note for it.
+    for entry in old:
+        cache.update(replace(cache.query(entry.key), pinned=True))
+    cache.save(cache_path)
+    again = build_engine(spec, strict, CpuBackend(), cache_path)
+    assert not [m for m in again.log.messages if "timed before" in m]

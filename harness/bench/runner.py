@@ -338,7 +338,7 @@ class BenchRunner:
             engine_memory = case.memory or MemoryReport()
             case.threads = self.settings.threads
             case.load_average = {"start": load_start, "end": list(os.getloadavg()), "cpus": os.cpu_count() or 1}
-            case.warnings = load_warnings(case.load_average)
+            case.warnings = [*case.warnings, *load_warnings(case.load_average)]
             case.memory = dataclasses.replace(
                 peaks,
                 weight_bytes=engine_memory.weight_bytes,
@@ -454,6 +454,7 @@ class BenchRunner:
             output_digest=output_digest(outputs),
             model_weights_digest=module_weights_digest(spec.module),
             layers=[layer.to_json() for layer in engine.layers()],
+            warnings=list(built.log.warnings),
         ), build
 
     def _build(self, model: str, mode: str, batch: int | None, spec: Any) -> tuple[BuildResult, dict[str, Any]]:

@@ -248,6 +248,9 @@ class BuildLog:
     # Timing-cache entries this build timed or decided differently from the cache it was
     # given. Backends never change that cache; the build orchestration writes these.
     new_entries: list[CacheEntry] = field(default_factory=list)
+    # The messages that make the engine's measurements doubtful (also in ``messages``):
+    # `harness bench` shows them as the case's warnings.
+    warnings: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return {

@@ -104,6 +104,7 @@ class CpuBackend:
             builder.messages,
             time.perf_counter() - start,
             list(builder.added.values()),
+            list(builder.warnings),
         )
         return engine, log
 

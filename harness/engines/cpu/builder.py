@@ -110,7 +110,10 @@ class PlanBuilder:
             dtype_name(low) if is_weak(config.mode) and (low := low_dtype(config.mode)) else None
         )
         self.messages: list[str] = []
+        self.warnings: list[str] = []
         self.timings: list[LayerTiming] = []
+        # tactic -> layers whose cache entry was timed without it (a cache older than the tactic)
+        self.untimed: dict[str, list[str]] = {}
 
     def build(self, gm: torch.fx.GraphModule, example_inputs: Sequence[torch.Tensor]) -> Plan:
         graph, self.messages = lower(gm, self.config.mode)
@@ -137,6 +140,9 @@ class PlanBuilder:
         }
         used |= {o.name for o in self.plan.outputs if isinstance(o, WeightRef)}
         self.plan.weights = {k: v for k, v in self.plan.weights.items() if k in used}
+        if self.untimed:
+            self.warnings.append(_untimed_note(self.untimed))
+            self.messages.append(self.warnings[-1])
         return self.plan
 
     # --- decisions ----------------------------------------------------------------------
@@ -168,6 +174,11 @@ class PlanBuilder:
                     f"which this layer does not have; valid tactics: {', '.join(names)}"
                 )
             index = names.index(entry.tactic)
+            if entry.candidates and not entry.pinned:
+                raced = {c.tactic for c in entry.candidates}
+                for name in names:
+                    if name not in raced:
+                        self.untimed.setdefault(name, []).append(node.name)
             return index, LayerTiming(
                 node.name, key, entry.candidates, entry.tactic, entry.tactic_hash, True
             )
@@ -363,6 +374,22 @@ class PlanBuilder:
             return fn(*(x if t is None else x.to(t) for x, t in zip(inputs, targets, strict=True)))
 
         return with_casts
+
+
+def _untimed_note(untimed: dict[str, list[str]]) -> str:
+    """Say which cached layers never competed against tactics this harness has.
+
+    The cache's choice still stands (that is what makes rebuilds
+    deterministic), but a user comparing speeds should know the engine may be
+    missing a faster tactic, and how to let it compete.
+    """
+    layers = sorted({layer for names in untimed.values() for layer in names})
+    tactics_ = ", ".join(sorted({name.split("[")[0] for name in untimed}))
+    return (
+        f"{len(layers)} layer(s) use cached tactics timed before this harness had {tactics_} "
+        f"(e.g. {layers[0]!r}); to let them compete, rebuild without the cache (--disable-cache) "
+        "or remove the cache file, and keep the new one"
+    )
 
 
 def _compute_precision(node: Node, input_metas: list[TensorMeta]) -> str:
