@@ -18,6 +18,14 @@ def test_table_for_the_seed_example(capsys):
     assert "nodes_to_exclude" in out and "autocast_region" in out
 
 
+@pytest.mark.parametrize("low", ["fp16", "bf16"])
+def test_the_summary_names_the_low_precision_type_weights_are_clipped_to(low, capsys):
+    assert main(["compile", "--model", "lenet", "--low", low]) == 0
+    summary = capsys.readouterr().out.strip().splitlines()[-1]
+    assert f"low precision {low}:" in summary
+    assert f"weight values clipped to the {low} range" in summary
+
+
 def test_json_output(capsys):
     assert main(["compile", "--model", "digits", "--low", "bf16", "--policy", "amp", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)

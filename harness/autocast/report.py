@@ -57,10 +57,10 @@ class PrecisionReport:
         summary = (
             f"policy {self.policy}, low precision {self.low_precision_type}: {self.casts_inserted} casts inserted, "
             f"{self.weights_converted} weight copies converted ahead of time, "
-            f"{self.clipped_values} weight values clipped to the fp16 range"
+            f"{self.clipped_values} weight values clipped to the {self.low_precision_type} range"
         )
         if self.overflowed_values:
-            summary += f", {self.overflowed_values} weight values overflow fp16 (as in eager autocast)"
+            summary += f", {self.overflowed_values} weight values overflow {self.low_precision_type} (as in eager autocast)"
         return f"{tabulate(body, headers=head)}\n\n{counts}\n\n{summary}"
 
 
