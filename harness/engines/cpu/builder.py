@@ -387,8 +387,8 @@ def _untimed_note(untimed: dict[str, list[str]]) -> str:
     tactics_ = ", ".join(sorted({name.split("[")[0] for name in untimed}))
     return (
         f"{len(layers)} layer(s) use cached tactics timed before this harness had {tactics_} "
-        f"(e.g. {layers[0]!r}); to let them compete, rebuild without the cache (--disable-cache) "
-        "or remove the cache file, and keep the new one"
+        f"(e.g. {layers[0]!r}); to let them compete, delete the cache file: the next "
+        "`harness build --cache` or `harness bench` times every layer again and writes a new one"
     )
 
 
