@@ -116,9 +116,10 @@ def compile_layer(
     compiled: dict[int, Callable[..., torch.Tensor]] = {}
 
     def run(*args: torch.Tensor) -> torch.Tensor:
-        fn = compiled.get(threads())
+        count = threads()
+        fn = compiled.get(count)
         if fn is None:
-            fn = compiled[threads()] = _compile(name, module, examples)
+            fn = compiled[count] = _compile(name, module, examples)
         return fn(*args)
 
     return run

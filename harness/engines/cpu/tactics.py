@@ -220,11 +220,7 @@ def bind(
     # Slots are numbered in argument order, the order node.refs() lists them.
     named = {name: map_leaves(value, template) for name, value in _named(node).items()}
     inputs = tuple(metas[r.name] for r in node.refs())
-    low = any(meta.dtype in LOW_DTYPES for meta in inputs)
-    input_shape = inputs[0].shape if inputs else ()
-    ctx = _Ctx(
-        node.name, fn, named, plan_packet(node.op), low, node.epilogue, input_shape, node.residual is not None, inputs
-    )
+    ctx = _Ctx(node.name, fn, named, plan_packet(node.op), node.epilogue, node.residual is not None, inputs)
     return _BINDERS[impl](ctx)
 
 
@@ -287,11 +283,19 @@ class _Ctx:
     fn: Any  # the resolved OpOverload
     named: dict[str, Any]  # schema name -> Slot | tensor | constant
     packet: str
-    low: bool  # some dynamic input is fp16/bf16
     epilogue: str  # activation to apply to the result ("" for none)
-    input_shape: tuple[int, ...]  # of the first dynamic input
     residual: bool  # the layer adds its last dynamic input to its result (before the epilogue)
     inputs: tuple[TensorMeta, ...]  # of the dynamic inputs, in slot order
+
+    @property
+    def low(self) -> bool:
+        """Some dynamic input is fp16/bf16."""
+        return any(meta.dtype in LOW_DTYPES for meta in self.inputs)
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        """The first dynamic input's."""
+        return self.inputs[0].shape if self.inputs else ()
 
     def call(self, **changes: Any) -> Bound:
         """The node's op on the node's arguments, some replaced (e.g. a prepared weight)."""
@@ -560,6 +564,7 @@ def _split_k(parts: int) -> Callable[[_Ctx], Bound]:
         get_bias = _getter(ctx.named["self"]) if ctx.packet == "addmm" else None
         first, rest = _SPLIT_FNS[ctx.packet]
         product = _PRODUCT_FNS[ctx.packet]
+        low = ctx.low
 
         def split(*d: Any) -> Any:
             a, b = get_a(d), get_b(d)
@@ -570,7 +575,7 @@ def _split_k(parts: int) -> Callable[[_Ctx], Bound]:
                 if get_bias
                 else first(a[..., s0], b[..., s0, :])
             )
-            if ctx.low:
+            if low:
                 return _sum_in_fp32(out, (product(a[..., s], b[..., s, :]) for s in chunks[1:]))
             for s in chunks[1:]:
                 out = rest(out, a[..., s], b[..., s, :])
@@ -628,12 +633,13 @@ def _layer_norm(ctx: _Ctx) -> Bound:
     dims = tuple(range(-len(ctx.named["normalized_shape"]), 0))
     eps = float(ctx.named["eps"])
     weight, bias = ctx.named["weight"], ctx.named["bias"]
-    if ctx.low:
+    low = ctx.low
+    if low:
         weight = None if weight is None else weight.float()
         bias = None if bias is None else bias.float()
 
     def decomposed(x: torch.Tensor) -> torch.Tensor:
-        xf = x.float() if ctx.low else x
+        xf = x.float() if low else x
         centered = xf - xf.mean(dims, keepdim=True)
         y = centered * torch.rsqrt(centered.square().mean(dims, keepdim=True) + eps)
         if weight is not None:
@@ -778,11 +784,13 @@ class _Epilogue:
     graph: bool = True  # whether PyTorch's oneDNN Graph bridge computes ``traced`` as written
 
 
-def _gelu_tanh(t: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.gelu(t, approximate="tanh")
-
-
 _F = torch.nn.functional
+
+
+def _gelu_tanh(t: torch.Tensor) -> torch.Tensor:
+    return _F.gelu(t, approximate="tanh")
+
+
 _EPILOGUES = {
     "": _Epilogue(None, None, ("none", "")),
     # The layer's result is a fresh tensor: in place is safe.
