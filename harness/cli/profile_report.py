@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from harness.engines.protocol import Engine
 
 # Options that only mean something with --profile.
-_PROFILE_ONLY = ("model", "threads", "iters", "warmup", "top")
+_PROFILE_ONLY = ("model", "threads", "iters", "warmup", "top", "per_layer")
 
 
 def add_arguments(inspect: argparse.ArgumentParser) -> None:
@@ -47,12 +47,19 @@ def add_arguments(inspect: argparse.ArgumentParser) -> None:
     inspect.add_argument(
         "--top", type=argtypes.positive_int, metavar="N", help="with --profile: list the N slowest layers, sum the rest"
     )
+    inspect.add_argument(
+        "--per-layer",
+        action="store_true",
+        default=None,
+        help="with --profile: call every layer on its own, so each layer of a oneDNN Graph region gets a "
+        "time (the engine's run calls a region once, and the profile times what the run calls)",
+    )
 
 
 def check_arguments(args: argparse.Namespace) -> None:
     """Refuse profile options given without ``--profile`` (they would be silently ignored)."""
     if not args.profile:
-        given = [f"--{name}" for name in _PROFILE_ONLY if getattr(args, name) is not None]
+        given = [f"--{name.replace('_', '-')}" for name in _PROFILE_ONLY if getattr(args, name) is not None]
         if given:
             raise HarnessError(f"{', '.join(given)}: {'applies' if len(given) == 1 else 'apply'} only with --profile")
 
@@ -67,6 +74,8 @@ def run_profile(args: argparse.Namespace, engine: Engine) -> int:
         )
     from harness.engines.protocol import engine_inputs
 
+    if args.per_layer:
+        engine = CpuEngine(engine.plan, regions=False)
     inputs, source = _inputs(args.model)
     if inputs is not None:  # the model's fp32 batch, as the engine takes it (keep_io_types=False)
         inputs = engine_inputs(engine, inputs)
@@ -80,7 +89,8 @@ def run_profile(args: argparse.Namespace, engine: Engine) -> int:
         print(json.dumps({**profile.to_json(), "engine": str(args.engine), "inputs": source}, indent=2))
         return 0
     print(
-        f"profile of {args.engine}: backend cpu, mode {profile.mode}, {len(profile.layers)} layers, "
+        f"profile of {args.engine}: backend cpu, mode {profile.mode}, {profile.layer_count} layers in "
+        f"{len(profile.layers)} calls, "
         f"{profile.threads} thread(s), {profile.iterations} runs after {profile.warmup} warm-up, "
         f"inputs: {source}"
     )

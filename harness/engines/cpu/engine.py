@@ -46,14 +46,14 @@ _InferenceMode = torch._C._InferenceMode
 class CpuEngine(EngineBase):
     backend = "cpu"
 
-    def __init__(self, plan: Plan) -> None:
+    def __init__(self, plan: Plan, regions: bool = True) -> None:
         self.plan = plan
         self.mode = plan.mode
         self.outputs = plan.output_structure
         self._expected = [
             (name, torch.Size(meta.shape), dtype_from_name(meta.dtype)) for name, meta in plan.inputs
         ]
-        self._program = compile_plan(plan)
+        self._program = compile_plan(plan, regions)
 
     def run(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         self._check_inputs(inputs)
@@ -147,7 +147,7 @@ class CpuEngine(EngineBase):
         return {WEIGHTS_FILE: save_safetensors(weights), PLAN_FILE: json_bytes(self.plan.to_json())}
 
     @staticmethod
-    def load(path: str | os.PathLike[str]) -> CpuEngine:
+    def load(path: str | os.PathLike[str], regions: bool = True) -> CpuEngine:
         directory, obj, where = PLAN.read(path)
         body = {k: v for k, v in obj.items() if k not in ("fingerprint", "weights_digest")}
         if digest(canonical_json(body)) != obj["fingerprint"]:
@@ -162,7 +162,7 @@ class CpuEngine(EngineBase):
                 f"engine weights {weights_path}: digest does not match the plan's; "
                 "the weights were modified or belong to another engine"
             )
-        return CpuEngine(plan)
+        return CpuEngine(plan, regions)
 
 
 def _read_weights(path: Path) -> dict[str, torch.Tensor]:

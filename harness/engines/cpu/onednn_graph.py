@@ -83,6 +83,34 @@ class _Layer(torch.nn.Module):
         return y if self.post is None else self.post(y)
 
 
+class GraphLayer:
+    """A layer compiled into a partition: its traced module, its inputs' exact layouts, and the call.
+
+    The module and layouts stay available so that :func:`compile_region` can
+    trace a run of consecutive layers as one graph.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        module: _Layer,
+        inputs: Sequence[tuple[tuple[int, ...], tuple[int, ...], str]],
+        layout: torch.memory_format,
+    ) -> None:
+        self.name, self.module, self.inputs = name, module, tuple(inputs)
+        self.fixers = tuple(exact_layout(shape, strides, layout) for shape, strides, _ in inputs)
+        run = _lazy(name, module, [_example(*meta) for meta in inputs])
+        if len(self.fixers) == 2:
+            fix_x, fix_r = self.fixers
+            self._call: Callable[..., torch.Tensor] = lambda x, r: run(fix_x(x), fix_r(r))
+        else:
+            (fix,) = self.fixers
+            self._call = lambda x: run(fix(x))
+
+    def __call__(self, *args: torch.Tensor) -> torch.Tensor:
+        return self._call(*args)
+
+
 def compile_layer(
     name: str,
     op: Callable[..., torch.Tensor],
@@ -91,31 +119,97 @@ def compile_layer(
     attrs: Sequence[Any],
     post: Callable[[torch.Tensor], torch.Tensor] | None,
     inputs: Sequence[tuple[tuple[int, ...], tuple[int, ...], str]],
-) -> Callable[..., torch.Tensor]:
+    layout: torch.memory_format = torch.contiguous_format,
+) -> GraphLayer:
     """The layer as a compiled partition, called on tensors of ``inputs``' (shape, strides, dtype).
 
     The partition is guarded on its inputs' exact strides (any other layout
-    takes TorchScript's unfused fallback), so callers pass tensors with the
-    strides given here. A layer the bridge leaves unfused still computes the
-    same function, only slower, which timing then shows; it is logged.
-
-    Nothing is compiled until the first call, at each thread count: a oneDNN
-    primitive fixes its thread count when it is created, and a partition keeps
-    its primitives, so one compiled while torch had 2 threads still runs on 2
-    after ``torch.set_num_threads(1)`` (an engine loaded before pinning
-    measured 0.93 ms where its 1-thread run takes 1.26 ms). Compiling on first
-    use also leaves an engine that is only built and saved (``harness
-    build``) without the cost (about 6 ms a layer).
+    takes TorchScript's unfused fallback), so the call first gives each input
+    those strides (``layout``-contiguous, size-1 dimensions included). A layer
+    the bridge leaves unfused still computes the same function, only slower,
+    which timing then shows; it is logged.
     """
     module = _Layer(op, weight, bias, attrs, post, residual=len(inputs) > 1).eval()
-    examples = [
-        torch.zeros(shape, dtype=dtype_from_name(dtype)).as_strided(shape, strides)
-        for shape, strides, dtype in inputs
-    ]
-    threads = torch.get_num_threads
-    compiled: dict[int, Callable[..., torch.Tensor]] = {}
+    return GraphLayer(name, module, inputs, layout)
 
-    def run(*args: torch.Tensor) -> torch.Tensor:
+
+class _Region(torch.nn.Module):
+    """Consecutive layers as one module: ``wiring[i]`` indexes the values layer ``i`` reads
+    (the region's inputs, then each layer's result in order); ``outputs`` those it returns."""
+
+    def __init__(
+        self, layers: Sequence[_Layer], wiring: Sequence[tuple[int, ...]], outputs: Sequence[int]
+    ) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(layers)
+        self.wiring, self.outputs = tuple(wiring), tuple(outputs)
+
+    def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        values = list(inputs)
+        for layer, reads in zip(self.layers, self.wiring, strict=True):
+            values.append(layer(*(values[i] for i in reads)))
+        return tuple(values[i] for i in self.outputs)
+
+
+def compile_region(
+    name: str,
+    layers: Sequence[GraphLayer],
+    inputs: Sequence[tuple[int, int]],
+    wiring: Sequence[tuple[int, ...]],
+    outputs: Sequence[int],
+) -> Callable[..., tuple[torch.Tensor, ...]]:
+    """Consecutive compiled layers traced as one graph, called once per run.
+
+    Per layer, a partition call pays the TorchScript executor, a Python call
+    and plain-layout tensors at both ends; in one graph the bridge hands each
+    partition's result to the next in oneDNN's own (blocked) layout and the
+    run makes one call for the whole region. The partitions are the layers'
+    own (the same ops, dtypes and fused post-ops), so the region computes
+    what its layers compute.
+
+    ``inputs[k] = (layer, slot)`` says which layer input gives region input
+    ``k`` its exact layout; ``wiring`` and ``outputs`` index the region's
+    values as :class:`_Region` does.
+    """
+    module = _Region([layer.module for layer in layers], wiring, outputs).eval()
+    metas = [layers[i].inputs[slot] for i, slot in inputs]
+    fixers = [layers[i].fixers[slot] for i, slot in inputs]
+    run = _lazy(name, module, [_example(*meta) for meta in metas])
+
+    def region(*args: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return run(*(fix(arg) for fix, arg in zip(fixers, args, strict=True)))  # type: ignore[no-any-return]
+
+    return region
+
+
+def exact_layout(
+    shape: tuple[int, ...], strides: tuple[int, ...], layout: torch.memory_format
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``layout``-contiguous with exactly ``strides``: a size-1 dimension leaves a tensor's
+    strides ambiguous, and a partition's guard compares them all."""
+    if 1 not in shape:
+        return lambda t: t.contiguous(memory_format=layout)
+    return lambda t: t.contiguous(memory_format=layout).as_strided(shape, strides)
+
+
+def _example(shape: tuple[int, ...], strides: tuple[int, ...], dtype: str) -> torch.Tensor:
+    return torch.zeros(shape, dtype=dtype_from_name(dtype)).as_strided(shape, strides)
+
+
+def _lazy(name: str, module: torch.nn.Module, examples: Sequence[torch.Tensor]) -> Callable[..., Any]:
+    """``module`` compiled on first call, at each thread count.
+
+    A oneDNN primitive fixes its thread count when it is created, and a
+    partition keeps its primitives, so one compiled while torch had 2 threads
+    still runs on 2 after ``torch.set_num_threads(1)`` (an engine loaded
+    before pinning measured 0.93 ms where its 1-thread run takes 1.26 ms).
+    Compiling on first use also leaves an engine that is only built and saved
+    (``harness build``) without the cost (about 6 ms a layer).
+    """
+    threads = torch.get_num_threads
+    compiled: dict[int, Callable[..., Any]] = {}
+
+    def run(*args: torch.Tensor) -> Any:
         count = threads()
         fn = compiled.get(count)
         if fn is None:
@@ -125,7 +219,7 @@ def compile_layer(
     return run
 
 
-def _compile(name: str, module: _Layer, examples: Sequence[torch.Tensor]) -> Callable[..., torch.Tensor]:
+def _compile(name: str, module: torch.nn.Module, examples: Sequence[torch.Tensor]) -> Callable[..., Any]:
     # The fusion switch is process-wide: two threads compiling at once would
     # turn it off under each other (and could leave it on).
     with _COMPILING, warnings.catch_warnings(), torch.inference_mode(), _fusion_on():
@@ -141,5 +235,5 @@ def _compile(name: str, module: _Layer, examples: Sequence[torch.Tensor]) -> Cal
     if _FUSION_GROUP not in graph:
         log.warning("layer %r: oneDNN Graph left it unfused; its onednn_graph tactic runs unfused ATen", name)
     log.debug("layer %r: compiled a oneDNN Graph partition for %d thread(s)", name, torch.get_num_threads())
-    forward: Callable[..., torch.Tensor] = traced.forward
+    forward: Callable[..., Any] = traced.forward
     return forward

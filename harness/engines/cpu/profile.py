@@ -33,6 +33,8 @@ from harness.opnames import plan_packet
 DEFAULT_ITERATIONS = 50
 DEFAULT_WARMUP = 5
 MAX_ITERATIONS = 100_000
+# The op of a profile entry that times a region of consecutive oneDNN Graph layers (one call).
+REGION_OP = "onednn_graph_region"
 
 PROFILE_SCHEMA: dict[str, Any] = {
     "type": "object",
@@ -71,6 +73,8 @@ PROFILE_SCHEMA: dict[str, Any] = {
                     "precision": {"type": "string"},
                     "time_ms": {"type": "number", "minimum": 0},
                     "share": {"type": "number", "minimum": 0, "maximum": 1},
+                    # A region's entry: the layers its one call runs, in plan order.
+                    "region": {"type": "array", "items": {"type": "string"}, "minItems": 2},
                 },
             },
         },
@@ -88,6 +92,7 @@ class LayerTime:
     tactic: str
     precision: str
     time_ms: float
+    region: tuple[str, ...] = ()  # the layers of a region's call (plan order); empty for one layer
 
 
 @dataclass(frozen=True)
@@ -103,6 +108,11 @@ class Profile:
     @property
     def layers_ms(self) -> float:
         return sum(layer.time_ms for layer in self.layers)
+
+    @property
+    def layer_count(self) -> int:
+        """Engine layers the profiled calls ran (a region's call runs several)."""
+        return sum(len(entry.region) or 1 for entry in self.layers)
 
     @property
     def total_ms(self) -> float:
@@ -138,6 +148,7 @@ class Profile:
                     "precision": layer.precision,
                     "time_ms": layer.time_ms,
                     "share": self.share(layer.time_ms),
+                    **({"region": list(layer.region)} if layer.region else {}),
                 }
                 for layer in self.ranked()
             ],
@@ -186,7 +197,7 @@ def measure(
     """
     check_counts(iterations, warmup)
     clock = time.perf_counter_ns
-    count = len(program.layers)
+    count = len(program.calls)
     per_layer: list[list[int]] = [[] for _ in range(count)]
     overheads: list[int] = []
     plain: list[int] = []
@@ -207,22 +218,31 @@ def measure(
                 per_layer[layer].append(spent)
                 inside += spent
             overheads.append(end - middle - inside)
-    layers = tuple(
-        _layer_time(index, node, statistics.median(samples) / 1e6)
-        for index, (node, samples) in enumerate(zip(program.layers, per_layer, strict=True))
-    )
+    layers = []
+    index = 0  # of the call's first layer among the engine's layers
+    for nodes, samples in zip(program.calls, per_layer, strict=True):
+        layers.append(_call_time(index, nodes, statistics.median(samples) / 1e6))
+        index += len(nodes)
     return Profile(
         mode=mode,
         threads=torch.get_num_threads(),
         iterations=iterations,
         warmup=warmup,
-        layers=layers,
+        layers=tuple(layers),
         overhead_ms=statistics.median(overheads) / 1e6,
         run_ms=statistics.median(plain) / 1e6,
     )
 
 
-def _layer_time(index: int, node: Node, ms: float) -> LayerTime:
-    _, precision = tactics.parse_tactic(node.tactic)
+def _call_time(index: int, nodes: Sequence[Node], ms: float) -> LayerTime:
+    """One layer's entry, or a region's: named ``first..last``, with every graph node its layers fused."""
+    precisions = {tactics.parse_tactic(node.tactic)[1] for node in nodes}
+    precision = precisions.pop() if len(precisions) == 1 else "mixed"
+    if len(nodes) > 1:
+        name = f"{nodes[0].name}..{nodes[-1].name}"
+        fused = tuple(f for node in nodes for f in node.fused)
+        region = tuple(node.name for node in nodes)
+        return LayerTime(index, name, REGION_OP, "region", fused, f"region[{precision}]", precision, ms, region)
+    (node,) = nodes
     op = plan_packet(node.op) + (f"+{node.epilogue}" if node.epilogue else "")
     return LayerTime(index, node.name, op, node.layer_type, node.fused, node.tactic, precision, ms)

@@ -1,26 +1,31 @@
 """A plan turned into straight-line Python: the engine's run function and its timed twin.
 
-Both functions are generated from one list of steps (the bound layer, the
+Both functions are generated from one list of steps (the bound call, the
 variables it reads and writes, the intermediates it frees), as fx's codegen
 does, so the profiler times exactly the calls the engine makes, in the same
 order with the same frees, instead of a second interpreter of the plan that
 could drift from the real one. The timed variant only adds a clock reading
-before and after each layer call.
+before and after each call.
+
+A call is one layer, or a region: consecutive layers whose tactics are oneDNN
+Graph partitions, traced together as one graph
+(:func:`harness.engines.cpu.onednn_graph.compile_region`), so the run pays
+one call for them and the partitions pass each other oneDNN's own layouts.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from harness.engines.cpu import tactics
+from harness.engines.cpu import onednn_graph, tactics
 from harness.engines.cpu.plan import GETITEM, Node, Plan, Ref
 
 RunFn = Callable[..., tuple[torch.Tensor, ...]]
-# timed(clock, stamps, *inputs): stamps[2i], stamps[2i + 1] = clock() around layer i.
+# timed(clock, stamps, *inputs): stamps[2i], stamps[2i + 1] = clock() around call i.
 TimedRunFn = Callable[..., tuple[torch.Tensor, ...]]
 
 
@@ -28,35 +33,58 @@ TimedRunFn = Callable[..., tuple[torch.Tensor, ...]]
 class Program:
     """The plan's layers, bound once, and the two generated functions calling them."""
 
-    layers: tuple[Node, ...]  # the nodes the timed function stamps, in call order
+    calls: tuple[tuple[Node, ...], ...]  # the layers of each call the timed function stamps, in order
     run: RunFn
     timed: TimedRunFn
 
 
-def compile_plan(plan: Plan) -> Program:
-    """Bind every layer's tactic once and generate ``run`` and ``timed`` from the same steps."""
+def compile_plan(plan: Plan, regions: bool = True) -> Program:
+    """Bind every layer's tactic once and generate ``run`` and ``timed`` from the same steps.
+
+    ``regions=False`` calls every layer on its own (a profile then times each
+    oneDNN Graph layer separately).
+    """
     metas = plan.value_metas()
-    variables = {name: f"a{i}" for i, (name, _) in enumerate(plan.inputs)}
-    namespace: dict[str, Any] = {}
+    bound: dict[int, Any] = {}
+    for index, node in enumerate(plan.nodes):
+        if node.op != GETITEM:
+            impl, _ = tactics.parse_tactic(node.tactic)
+            bound[index] = tactics.bind(node, impl, metas, plan.weights)
     last_use: dict[str, int] = {}
     for index, node in enumerate(plan.nodes):
         for ref in node.refs():
             last_use[ref.name] = index
-    outputs = {o.name for o in plan.outputs if isinstance(o, Ref)}
-    body: list[tuple[str, bool]] = []  # (statement, is a layer call)
-    layers: list[Node] = []
-    for index, node in enumerate(plan.nodes):
-        var = variables[node.name] = f"v{index}"
-        args = ", ".join(variables[r.name] for r in node.refs())
-        if node.op == GETITEM:
-            body.append((f"{var} = {args}[{int(node.args[1])}]", False))
+    for out in plan.outputs:
+        if isinstance(out, Ref):
+            last_use[out.name] = len(plan.nodes)  # never freed
+    variables = {name: f"a{i}" for i, (name, _) in enumerate(plan.inputs)}
+    namespace: dict[str, Any] = {}
+    body: list[tuple[str, bool]] = []  # (statement, is a timed call)
+    calls: list[tuple[Node, ...]] = []
+    for group in _groups(plan.nodes, bound, regions):
+        first, last = group[0], group[-1]
+        nodes = [plan.nodes[i] for i in group]
+        if len(group) > 1:
+            statement = _region_call(f"r{first}", nodes, group, bound, last_use, variables, namespace)
+            calls.append(tuple(nodes))
         else:
-            impl, _ = tactics.parse_tactic(node.tactic)
-            namespace[f"f{index}"] = tactics.bind(node, impl, metas, plan.weights)
-            body.append((f"{var} = f{index}({args})", True))
-            layers.append(node)
+            node = nodes[0]
+            var = variables[node.name] = f"v{first}"
+            args = ", ".join(variables[r.name] for r in node.refs())
+            if node.op == GETITEM:
+                statement = f"{var} = {args}[{int(node.args[1])}]"
+            else:
+                namespace[f"f{first}"] = bound[first]
+                statement = f"{var} = f{first}({args})"
+                calls.append((node,))
+        body.append((statement, node.op != GETITEM if len(group) == 1 else True))
         dead = sorted(
-            {variables[r.name] for r in node.refs() if last_use[r.name] == index and r.name not in outputs}
+            {
+                variables[r.name]
+                for n in nodes
+                for r in n.refs()
+                if first <= last_use[r.name] <= last and r.name in variables
+            }
         )
         if dead:
             body.append((f"del {', '.join(dead)}", False))
@@ -71,18 +99,75 @@ def compile_plan(plan: Plan) -> Program:
     params = ", ".join(variables[name] for name, _ in plan.inputs)
     run_lines = [f"def run({params}):", *(f"    {s}" for s, _ in body), f"    {ret}"]
     timed_lines = [f"def timed(clock, stamps{', ' if params else ''}{params}):"]
-    layer = 0
-    for statement, is_layer in body:
-        if is_layer:
+    call = 0
+    for statement, is_call in body:
+        if is_call:
             timed_lines += [
-                f"    stamps[{2 * layer}] = clock()",
+                f"    stamps[{2 * call}] = clock()",
                 f"    {statement}",
-                f"    stamps[{2 * layer + 1}] = clock()",
+                f"    stamps[{2 * call + 1}] = clock()",
             ]
-            layer += 1
+            call += 1
         else:
             timed_lines.append(f"    {statement}")
     timed_lines.append(f"    {ret}")
     source = "\n".join(run_lines) + "\n\n" + "\n".join(timed_lines)
     exec(compile(source, "<cpu-engine>", "exec"), namespace)
-    return Program(tuple(layers), namespace["run"], namespace["timed"])
+    return Program(tuple(calls), namespace["run"], namespace["timed"])
+
+
+def _groups(nodes: Sequence[Node], bound: dict[int, Any], regions: bool) -> list[list[int]]:
+    """Node indices in call order: maximal runs of consecutive oneDNN Graph layers together."""
+    groups: list[list[int]] = []
+    for index in range(len(nodes)):
+        graph = regions and isinstance(bound.get(index), onednn_graph.GraphLayer)
+        previous = groups[-1] if groups else []
+        if graph and previous and isinstance(bound.get(previous[-1]), onednn_graph.GraphLayer):
+            previous.append(index)
+        else:
+            groups.append([index])
+    return groups
+
+
+def _region_call(
+    name: str,
+    nodes: Sequence[Node],
+    group: Sequence[int],
+    bound: dict[int, Any],
+    last_use: dict[str, int],
+    variables: dict[str, str],
+    namespace: dict[str, Any],
+) -> str:
+    """Compile ``nodes`` as one region; its statement assigns the results used after it."""
+    inside = {node.name: k for k, node in enumerate(nodes)}
+    keys: dict[tuple[str, tuple[int, ...]], int] = {}  # (value, strides) -> region input
+    inputs: list[tuple[int, int]] = []
+    args: list[str] = []
+    wiring: list[tuple[int, ...]] = []
+    for k, node in enumerate(nodes):
+        layer: onednn_graph.GraphLayer = bound[group[k]]
+        reads = []
+        for slot, ref in enumerate(node.refs()):
+            if ref.name in inside:
+                reads.append(-1 - inside[ref.name])  # resolved below, once the inputs are counted
+                continue
+            key = (ref.name, layer.inputs[slot][1])
+            if key not in keys:
+                keys[key] = len(inputs)
+                inputs.append((k, slot))
+                args.append(variables[ref.name])
+            reads.append(keys[key])
+        wiring.append(tuple(reads))
+    wiring = [tuple(r if r >= 0 else len(inputs) - 1 - r for r in reads) for reads in wiring]
+    produced = [k for k, node in enumerate(nodes) if last_use.get(node.name, -1) > group[-1]]
+    for k in produced:
+        variables[nodes[k].name] = f"v{group[k]}"
+    namespace[name] = onednn_graph.compile_region(
+        f"{nodes[0].name}..{nodes[-1].name}",
+        [bound[i] for i in group],
+        inputs,
+        wiring,
+        [len(inputs) + k for k in produced],
+    )
+    call = f"{name}({', '.join(args)})"
+    return f"{''.join(f'v{group[k]}, ' for k in produced)}= {call}" if produced else call

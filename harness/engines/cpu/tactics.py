@@ -375,12 +375,8 @@ def _conv_onednn(ctx: _Ctx) -> Bound:
 def _onednn_graph(
     op: Callable[..., torch.Tensor], layout: torch.memory_format, attr_names: tuple[str, ...]
 ) -> Callable[[_Ctx], Bound]:
-    """The layer as a compiled oneDNN Graph partition (:mod:`harness.engines.cpu.onednn_graph`).
-
-    Its inputs are made ``layout``-contiguous with the exact strides the
-    partition was compiled for (a size-1 dimension leaves a tensor's strides
-    ambiguous, and the partition's guard compares them all).
-    """
+    """The layer as a compiled oneDNN Graph partition (:mod:`harness.engines.cpu.onednn_graph`),
+    on ``layout``-contiguous inputs."""
 
     def binder(ctx: _Ctx) -> Bound:
         named = ctx.named
@@ -388,7 +384,7 @@ def _onednn_graph(
             (m.shape, torch.empty(m.shape, device="meta", memory_format=layout).stride(), m.dtype)
             for m in ctx.inputs
         ]
-        run = onednn_graph.compile_layer(
+        return onednn_graph.compile_layer(
             ctx.name,
             op,
             named["weight"],
@@ -396,23 +392,10 @@ def _onednn_graph(
             [named[k] for k in attr_names],
             _EPILOGUES[ctx.epilogue].traced,
             layouts,
+            layout,
         )
-        exact = [_exact_layout(shape, strides, layout) for shape, strides, _ in layouts]
-        if ctx.residual:
-            fix_x, fix_r = exact
-            return lambda x, r: run(fix_x(x), fix_r(r))
-        (fix,) = exact
-        return lambda x: run(fix(x))
 
     return binder
-
-
-def _exact_layout(
-    shape: tuple[int, ...], strides: tuple[int, ...], layout: torch.memory_format
-) -> Callable[[torch.Tensor], torch.Tensor]:
-    if 1 not in shape:
-        return lambda t: t.contiguous(memory_format=layout)
-    return lambda t: t.contiguous(memory_format=layout).as_strided(shape, strides)
 
 
 def _row_gemm(

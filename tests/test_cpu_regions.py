@@ -1,0 +1,168 @@
+"""Regions: consecutive oneDNN Graph layers traced as one graph and called once per run.
+
+They must compute what their layers compute one by one (and what eager PyTorch
+computes), run on the fused path, hand results used after the region back to
+the run, read a value twice in different roles, and show in the profile as one
+call naming its layers, with ``--per-layer`` timing each layer on its own.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from harness.autocast import compile
+from harness.cli.main import main
+from harness.engines.cpu import CpuEngine, onednn_graph
+from harness.engines.cpu.lowering import lower
+from harness.engines.cpu.plan import Plan
+from harness.engines.cpu.profile import PROFILE_SCHEMA, REGION_OP
+from harness.fileio import validate
+from harness.opnames import plan_packet
+from tests.helpers import exit_code
+
+pytestmark = pytest.mark.skipif(
+    not onednn_graph.available("fp32"), reason="this PyTorch has no oneDNN Graph bridge"
+)
+GRAPH_TACTICS = {"conv2d": "conv_onednn_graph", "linear": "gemm_onednn_graph"}
+
+
+class Chain(nn.Module):
+    """Three convolutions in a row (the third adds the block's input back: ``x`` is read by the
+    first and, as a residual, by the third), a value from the middle of the run used after it,
+    then a reduction that ends the run, and two linear layers in a row (a second region)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Conv2d(8, 8, 3, padding=1)
+        self.b = nn.Conv2d(8, 8, 1)
+        self.c = nn.Conv2d(8, 8, 3, padding=1)
+        self.fc1 = nn.Linear(8, 16)
+        self.fc2 = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = F.relu(self.a(x))
+        w = F.relu(self.c(F.hardswish(self.b(y))) + x)
+        out = self.fc2(F.relu(self.fc1(w.mean((2, 3)))))
+        return out, y.amax((2, 3))
+
+
+def _inputs() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    gen = torch.Generator().manual_seed(5)
+    module = Chain().eval()
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_((torch.rand(p.shape, generator=gen) - 0.5) * 0.6)
+    # Batch 1: the input's size-1 dimension leaves its strides ambiguous.
+    return module, (torch.randn(1, 8, 6, 6, generator=gen),)
+
+
+def _graph_plan(dtype: torch.dtype) -> Plan:
+    """The plan with every convolution and linear layer on its oneDNN Graph tactic."""
+    module, inputs = _inputs()
+    policy, low = ("fp32", None) if dtype == torch.float32 else ("full", dtype)
+    plan, _ = lower(compile(module, inputs, policy=policy, low_precision_type=low).graph_module, "test")
+    precision = {torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype]
+    for i, node in enumerate(plan.nodes):
+        if node.is_layer:
+            impl = GRAPH_TACTICS.get(plan_packet(node.op), "direct")
+            plan.nodes[i] = replace(node, tactic=f"{impl}[{node.outputs[0].dtype if impl == 'direct' else precision}]")
+    return plan
+
+
+def _events(fn, *args) -> list[str]:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn(*args)
+    return [event.name for event in prof.events()]
+
+
+# What a convolution or linear layer runs when it is not inside a partition (TorchScript's fallback).
+_UNFUSED = ("aten::_convolution", "aten::convolution", "aten::mkldnn_convolution", "aten::linear", "aten::addmm")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_region_computes_what_its_layers_compute_on_the_fused_path(dtype):
+    if not onednn_graph.available("bf16" if dtype == torch.bfloat16 else "fp32"):
+        pytest.skip("no bf16 oneDNN kernels on this CPU")  # the tactic is never offered there
+    module, inputs = _inputs()
+    plan = _graph_plan(dtype)
+    merged, alone = CpuEngine(plan), CpuEngine(plan, regions=False)
+    calls = [[n.name for n in call] for call in merged._program.calls]
+    convs = [n.name for n in plan.nodes if plan_packet(n.op) == "conv2d"]
+    linears = [n.name for n in plan.nodes if plan_packet(n.op) == "linear"]
+    assert convs in calls and linears in calls  # the three convolutions, then the two linear layers
+    assert all(len(call) == 1 for call in alone._program.calls)
+    with torch.inference_mode():
+        together, separate = merged.run(*inputs), alone.run(*inputs)
+        reference = module(*inputs)
+        events = _events(merged.run, *inputs)
+        alone_events = _events(alone.run, *inputs)
+    # The regions ran fused, not TorchScript's fallback: every layer inside partitions. The
+    # bridge may put two layers of a region in one partition (oneDNN's conv-chain patterns).
+    assert not [e for e in events if e in _UNFUSED]
+    partitions = sum(e.startswith("LlgaPartition") for e in events)
+    assert 2 <= partitions <= len(convs) + len(linears)
+    assert sum(e.startswith("LlgaPartition") for e in alone_events) == len(convs) + len(linears)
+    tol = 1e-5 if dtype == torch.float32 else 2**-7
+    for a, b, ref in zip(together, separate, reference, strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape == ref.shape
+        # The same partitions on other layouts between them: equal up to the dtype's rounding.
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+        close = 1e-5 if dtype == torch.float32 else 0.05
+        torch.testing.assert_close(a.float(), ref, rtol=close, atol=close)
+
+
+def test_the_profile_times_a_region_as_one_call_naming_its_layers():
+    plan = _graph_plan(torch.float32)
+    engine = CpuEngine(plan)
+    profile = engine.profile(iterations=3, warmup=1, threads=1)
+    names = [layer.name for layer in engine.layers()]
+    seen = [n for entry in profile.layers for n in (entry.region or (entry.name,))]
+    assert sorted(seen) == sorted(names) and len(seen) == len(names)  # every layer once
+    assert profile.layer_count == len(names) and len(profile.layers) < len(names)
+    regions = sorted((e for e in profile.layers if e.region), key=lambda e: len(e.region))
+    assert [len(e.region) for e in regions] == [2, 3]  # the linear layers, the convolutions
+    region = regions[-1]
+    assert region.op == REGION_OP and region.layer_type == "region" and region.tactic == "region[fp32]"
+    assert region.name == f"{region.region[0]}..{region.region[-1]}"
+    assert set(region.fused) >= {"relu", "hardswish"}  # the epilogues its layers fused
+    assert region.index == names.index(region.region[0])
+    obj = profile.to_json()
+    validate(obj, PROFILE_SCHEMA, "profile")
+    assert sorted(len(e["region"]) for e in obj["layers"] if "region" in e) == [2, 3]
+    per_layer = CpuEngine(plan, regions=False).profile(iterations=2, warmup=0, threads=1)
+    assert [e.name for e in per_layer.layers] == names and not any(e.region for e in per_layer.layers)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("regions") / "engine"
+    out.mkdir()
+    for name, data in CpuEngine(_graph_plan(torch.float32)).files().items():
+        (out / name).write_bytes(data)
+    return out
+
+
+def test_inspect_profile_per_layer_times_each_layer_of_a_region(saved, capsys):
+    capsys.readouterr()
+    assert main(["inspect", str(saved), "--profile", "--iters", "2", "--warmup", "0", "--threads", "1", "--json"]) == 0
+    merged = json.loads(capsys.readouterr().out)
+    assert any(e["op"] == REGION_OP for e in merged["layers"])
+    assert main(["inspect", str(saved), "--profile", "--per-layer", "--iters", "2", "--threads", "1", "--json"]) == 0
+    alone = json.loads(capsys.readouterr().out)
+    assert not any(e["op"] == REGION_OP for e in alone["layers"])
+    assert len(alone["layers"]) == len(CpuEngine.load(saved).layers())
+    assert main(["inspect", str(saved), "--profile", "--iters", "2", "--threads", "1"]) == 0
+    header = capsys.readouterr().out.splitlines()[0]
+    assert f"{len(alone['layers'])} layers in {len(merged['layers'])} calls" in header
+
+
+def test_per_layer_without_profile_is_refused_by_its_flag_name(saved, capsys):
+    assert exit_code(["inspect", str(saved), "--per-layer"]) == 2
+    assert "--per-layer: applies only with --profile" in capsys.readouterr().err
