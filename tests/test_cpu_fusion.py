@@ -283,8 +283,10 @@ def test_mobilenet_engine_matches_eager_within_the_modes_tolerance(mode, tol):
     spec = models.load("mobilenet")
     config = BuildConfig(mode=mode, options=FAST)
     engine, log = CpuBackend().build(compile_graph(spec, config, CpuBackend()), config, None)
-    tactics_used = {layer.tactic.split("[")[0] for layer in engine.layers()}
-    assert tactics_used & {"conv1x1_gemm", "conv1x1_widened", "conv1x1_onednn"}
+    # Some layer's own fastest tactic is a 1x1-as-GEMM one (the builder may then move it onto
+    # its oneDNN Graph tactic for the region around it; its candidates keep the timing).
+    fastest = {min(t.candidates, key=lambda c: c.time_ms).tactic.split("[")[0] for t in log.layers if t.candidates}
+    assert fastest & {"conv1x1_gemm", "conv1x1_widened", "conv1x1_onednn"}
     assert sum("fused residual" in m for m in log.messages) == 6  # every block with a residual
     with torch.inference_mode():
         for batch in (spec.example_inputs, spec.calibration_data[0]):

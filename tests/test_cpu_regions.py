@@ -9,6 +9,7 @@ call naming its layers, with ``--per-layer`` timing each layer on its own.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import replace
 from pathlib import Path
 
@@ -18,12 +19,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from harness.autocast import compile
+from harness.build import build_engine
+from harness.cache.timing_cache import TimingCache
 from harness.cli.main import main
-from harness.engines.cpu import CpuEngine, onednn_graph
+from harness.engines.cpu import CpuBackend, CpuEngine, builder, onednn_graph, tactics
 from harness.engines.cpu.lowering import lower
 from harness.engines.cpu.plan import Plan
 from harness.engines.cpu.profile import PROFILE_SCHEMA, REGION_OP
+from harness.engines.protocol import BuildConfig
 from harness.fileio import validate
+from harness.globalstate import onednn_fusion_enabled
+from harness.models import ModelSpec
 from harness.opnames import plan_packet
 from tests.helpers import exit_code
 
@@ -35,8 +41,8 @@ GRAPH_TACTICS = {"conv2d": "conv_onednn_graph", "linear": "gemm_onednn_graph"}
 
 class Chain(nn.Module):
     """Three convolutions in a row (the third adds the block's input back: ``x`` is read by the
-    first and, as a residual, by the third), a value from the middle of the run used after it,
-    then a reduction that ends the run, and two linear layers in a row (a second region)."""
+    first and, as a residual, by the third), a plain reduction of their result, two linear
+    layers, and a reduction of a value from the region's middle, used after the region."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -96,7 +102,10 @@ def test_a_region_computes_what_its_layers_compute_on_the_fused_path(dtype):
     calls = [[n.name for n in call] for call in merged._program.calls]
     convs = [n.name for n in plan.nodes if plan_packet(n.op) == "conv2d"]
     linears = [n.name for n in plan.nodes if plan_packet(n.op) == "linear"]
-    assert convs in calls and linears in calls  # the three convolutions, then the two linear layers
+    # One region: the convolutions, the mean between them and the linear layers (it reads only
+    # region values), the linear layers; the amax after them (and any cast) is a call of its own.
+    assert [call for call in calls if len(call) > 1] == [[*convs, "mean", *linears]]
+    assert ["amax"] in calls
     assert all(len(call) == 1 for call in alone._program.calls)
     with torch.inference_mode():
         together, separate = merged.run(*inputs), alone.run(*inputs)
@@ -126,16 +135,15 @@ def test_the_profile_times_a_region_as_one_call_naming_its_layers():
     seen = [n for entry in profile.layers for n in (entry.region or (entry.name,))]
     assert sorted(seen) == sorted(names) and len(seen) == len(names)  # every layer once
     assert profile.layer_count == len(names) and len(profile.layers) < len(names)
-    regions = sorted((e for e in profile.layers if e.region), key=lambda e: len(e.region))
-    assert [len(e.region) for e in regions] == [2, 3]  # the linear layers, the convolutions
-    region = regions[-1]
+    (region,) = [e for e in profile.layers if e.region]
+    assert len(region.region) == len(names) - 1  # all but the amax after it
     assert region.op == REGION_OP and region.layer_type == "region" and region.tactic == "region[fp32]"
     assert region.name == f"{region.region[0]}..{region.region[-1]}"
     assert set(region.fused) >= {"relu", "hardswish"}  # the epilogues its layers fused
     assert region.index == names.index(region.region[0])
     obj = profile.to_json()
     validate(obj, PROFILE_SCHEMA, "profile")
-    assert sorted(len(e["region"]) for e in obj["layers"] if "region" in e) == [2, 3]
+    assert [e["region"] for e in obj["layers"] if "region" in e] == [list(region.region)]
     per_layer = CpuEngine(plan, regions=False).profile(iterations=2, warmup=0, threads=1)
     assert [e.name for e in per_layer.layers] == names and not any(e.region for e in per_layer.layers)
 
@@ -166,3 +174,74 @@ def test_inspect_profile_per_layer_times_each_layer_of_a_region(saved, capsys):
 def test_per_layer_without_profile_is_refused_by_its_flag_name(saved, capsys):
     assert exit_code(["inspect", str(saved), "--per-layer"]) == 2
     assert "--per-layer: applies only with --profile" in capsys.readouterr().err
+
+
+# --- the builder's choice -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("regions_faster", [True, False])
+def test_the_builder_moves_timed_layers_onto_graph_tactics_only_if_the_whole_run_is_faster(
+    regions_faster, monkeypatch, tmp_path
+):
+    """Which plan runs faster is timing's call (double: the whole-run timing says so); what
+    the builder does with the answer is asserted: the faster plan is kept, the cache records
+    it, and a rebuild from that cache is the same engine without timing anything."""
+    module, inputs = _inputs()
+    spec = ModelSpec("chain", "regions", module, inputs, calibration_data=[])
+    config = BuildConfig(mode="fp32", options={"timing_runs": 2, "warmup_runs": 0})
+    timed: list[list[dict[str, str]]] = []  # per whole-run timing: each plan's tactics then
+
+    def decided(plans, run_inputs, timing):
+        timed.append([{n.name: n.tactic for n in p.nodes if n.is_layer} for p in plans])
+        return [2.0, 1.0] if regions_faster else [1.0, 2.0]
+
+    monkeypatch.setattr(builder, "run_ms", decided)
+    cache = tmp_path / "cache.json"
+    built = build_engine(spec, config, CpuBackend(), cache)
+    ((as_timed, alternative),) = timed
+    moved = {name for name in as_timed if as_timed[name] != alternative[name]}
+    assert moved and all(alternative[name].split("[")[0] in tactics.GRAPH_IMPLS for name in moved)
+    # Each timed layer's own fastest candidate, in the plan as timed.
+    fastest = {t.layer: min(t.candidates, key=lambda c: c.time_ms).tactic for t in built.log.layers if t.candidates}
+    assert all(as_timed[name] == fastest[name] for name in fastest)
+    kept = alternative if regions_faster else as_timed
+    tactics_of = {layer.name: layer.tactic for layer in built.engine.layers()}
+    assert tactics_of == kept
+    assert {t.layer: t.chosen for t in built.log.layers} == {n: kept[n] for n in (t.layer for t in built.log.layers)}
+    note = next(m for m in built.log.messages if "oneDNN Graph tactics" in m)
+    assert note.startswith(f"moved {len(moved)} layer(s)" if regions_faster else f"kept the timed tactics: with {len(moved)}")
+    # The cache holds the decision: a rebuild from it times nothing, and is the same engine.
+    recorded = {e.layer: e.tactic for e in TimingCache.load(cache).entries()}
+    assert all(recorded[name] == kept[name] for name in recorded)
+    timed.clear()
+    again = build_engine(spec, replace(config, error_on_cache_miss=True), CpuBackend(), cache)
+    assert timed == [] and {layer.name: layer.tactic for layer in again.engine.layers()} == kept
+    assert not any("oneDNN Graph tactics" in m for m in again.log.messages)
+    with torch.inference_mode():
+        for got, ref in zip(built.engine.run(*inputs), module(*inputs), strict=True):
+            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_a_region_the_bridge_cannot_compile_runs_its_layers_one_by_one(caplog):
+    """The bridge refuses some graphs whose ops it takes one by one (max_pool2d with its
+    default stride, seen on lenet). The refusal is forced here by a plain layer that fails
+    while traced; the region must then run its layers through their own calls, say so once,
+    and leave the fusion switch off."""
+    gen = torch.Generator().manual_seed(9)
+    w1, w2, x = torch.randn(16, 8, generator=gen), torch.randn(4, 16, generator=gen), torch.randn(2, 8, generator=gen)
+    first = onednn_graph.compile_layer("first", F.linear, w1, None, [], F.relu, [((2, 8), (8, 1), "fp32")])
+    second = onednn_graph.compile_layer("second", F.linear, w2, None, [], None, [((2, 16), (16, 1), "fp32")])
+
+    def doubled(t: torch.Tensor) -> torch.Tensor:
+        if torch.jit.is_tracing():
+            raise RuntimeError("could not set attribute to the op")
+        return t * 2
+
+    region = onednn_graph.compile_region("first..second", [first, doubled, second], [(0, 0)], [(0,), (1,), (2,)], [3])
+    with caplog.at_level(logging.WARNING), torch.inference_mode():
+        (out,) = region(x)
+        region(x)
+    torch.testing.assert_close(out, F.linear(F.relu(F.linear(x, w1)) * 2, w2))
+    warned = [r.getMessage() for r in caplog.records if "cannot compile" in r.getMessage()]
+    assert warned == ["region 'first..second': oneDNN Graph cannot compile it (could not set attribute to the op); its layers run one by one"]
+    assert onednn_fusion_enabled() is False

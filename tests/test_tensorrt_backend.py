@@ -743,15 +743,15 @@ def test_harness_rebuild_prints_every_builds_messages_once(capsys):
     argv = ["rebuild", "--model", "lenet", "--mode", "fp32", "--backend", "cpu", "--times", "2",
             "--option", "timing_runs=1", "--option", "warmup_runs=0"]  # fmt: skip
     assert main(argv) == 0
+    fused = ["note: fused activation relu into conv2d", "note: fused activation relu_1 into conv2d_1"]
     out = capsys.readouterr().out
-    assert [line for line in out.splitlines() if line.startswith("note: ")] == [
-        "note: fused activation relu into conv2d",
-        "note: fused activation relu_1 into conv2d_1",
-    ]
+    notes = [line for line in out.splitlines() if line.startswith("note: ")]
+    # The builds' region decisions carry their own run times, so they differ between builds.
+    assert [n for n in notes if "oneDNN Graph tactics" not in n] == fused and len(set(notes)) == len(notes)
     assert main([*argv, "--json"]) == 0
     out, err = capsys.readouterr()
     assert json.loads(out)["builds"] == 2  # stdout stays one JSON document
-    assert err.splitlines() == ["note: fused activation relu into conv2d", "note: fused activation relu_1 into conv2d_1"]
+    assert [n for n in err.splitlines() if "oneDNN Graph tactics" not in n] == fused
 
 
 # --- JSON cache bookkeeping ------------------------------------------------------------------

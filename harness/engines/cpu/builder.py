@@ -40,6 +40,7 @@ from harness.engines.cpu.plan import (
     iter_leaves,
     map_leaves,
 )
+from harness.engines.cpu.program import compile_plan
 from harness.engines.cpu.timing import TimingOptions, median_ms
 from harness.engines.modes import is_weak, low_dtype
 from harness.engines.protocol import BuildConfig, LayerTiming
@@ -114,6 +115,7 @@ class PlanBuilder:
         self.timings: list[LayerTiming] = []
         # tactic -> layers whose cache entry was timed without it (a cache older than the tactic)
         self.untimed: dict[str, list[str]] = {}
+        self.timed: set[str] = set()  # keys of the layers this build timed (not from the cache)
 
     def build(self, gm: torch.fx.GraphModule, example_inputs: Sequence[torch.Tensor]) -> Plan:
         graph, self.messages = lower(gm, self.config.mode)
@@ -140,6 +142,7 @@ class PlanBuilder:
         }
         used |= {o.name for o in self.plan.outputs if isinstance(o, WeightRef)}
         self.plan.weights = {k: v for k, v in self.plan.weights.items() if k in used}
+        self._choose_regions()
         if self.untimed:
             self.warnings.append(_untimed_note(self.untimed))
             self.messages.append(self.warnings[-1])
@@ -197,6 +200,7 @@ class PlanBuilder:
         )
         index = min(range(len(timed)), key=lambda i: timed[i].time_ms)
         best = timed[index]
+        self.timed.add(key)
         if self.cache is not None and self.config.editable_cache:
             self.added[key] = CacheEntry(key, node.name, best.tactic, best.tactic_hash, best.time_ms, timed)
         return index, LayerTiming(node.name, key, timed, best.tactic, best.tactic_hash, False)
@@ -284,6 +288,60 @@ class PlanBuilder:
     @staticmethod
     def _float_as(meta: TensorMeta, dtype: str) -> TensorMeta:
         return TensorMeta(meta.shape, dtype) if meta.dtype in FLOAT_DTYPES else meta
+
+    def _choose_regions(self) -> None:
+        """Move timed layers onto their oneDNN Graph tactic if the whole run is then faster.
+
+        Consecutive oneDNN Graph layers run as one region (one call, blocked
+        layouts between partitions: :mod:`harness.engines.cpu.program`), a
+        gain no layer's own timing sees: a squeeze-excite block's 1x1
+        convolutions are faster alone as GEMMs but break the region around
+        them. So the plan as timed and the plan with every layer this build
+        timed on its graph tactic (same precision) run whole, in alternating
+        rounds, and the faster stays. Layers taken from the cache keep their
+        tactic: the cache records what was chosen, so a rebuild from it is
+        the same engine.
+        """
+        metas = self.runtime
+        switched = list(self.plan.nodes)
+        moved = []
+        for i, node in enumerate(self.plan.nodes):
+            if node.op == GETITEM or node.key not in self.timed:
+                continue
+            impl, precision = tactics.parse_tactic(node.tactic)
+            graph = [g for g in tactics.impl_names(node, metas, self.plan.weights) if g in tactics.GRAPH_IMPLS]
+            if graph and impl not in graph:
+                tactic = tactics.tactic_name(graph[0], precision)
+                switched[i] = replace(node, tactic=tactic, tactic_hash=tactics.tactic_hash(tactic))
+                moved.append(switched[i])
+        if not moved:
+            return
+        inputs = [self.values[name] for name, _ in self.plan.inputs]
+        as_timed, regions = run_ms([self.plan, replace(self.plan, nodes=switched)], inputs, self.timing)
+        if regions >= as_timed:
+            self.messages.append(
+                f"kept the timed tactics: with {len(moved)} more layer(s) on oneDNN Graph tactics "
+                f"the run takes {regions:.4g} ms, against {as_timed:.4g} ms"
+            )
+            return
+        self.plan.nodes = switched
+        for node in moved:
+            if node.key in self.added:  # the cache records the decision the build made
+                entry = self.added[node.key]
+                time_ms = next(c.time_ms for c in entry.candidates if c.tactic == node.tactic)
+                self.added[node.key] = replace(
+                    entry, tactic=node.tactic, tactic_hash=node.tactic_hash, time_ms=time_ms
+                )
+        chosen = {node.key: node for node in moved}
+        self.timings = [
+            replace(t, chosen=chosen[t.key].tactic, chosen_hash=chosen[t.key].tactic_hash) if t.key in chosen else t
+            for t in self.timings
+        ]
+        self.messages.append(
+            f"moved {len(moved)} layer(s) onto oneDNN Graph tactics so that consecutive layers run as "
+            f"regions: the run takes {regions:.4g} ms, against {as_timed:.4g} ms with each layer's own "
+            f"fastest tactic (e.g. {moved[0].name!r})"
+        )
 
     # --- emission -------------------------------------------------------------------------
 
@@ -374,6 +432,11 @@ class PlanBuilder:
             return fn(*(x if t is None else x.to(t) for x, t in zip(inputs, targets, strict=True)))
 
         return with_casts
+
+
+def run_ms(plans: Sequence[Plan], inputs: Sequence[torch.Tensor], timing: TimingOptions) -> list[float]:
+    """Median time of a whole run of each plan, timed as candidates are (alternating rounds)."""
+    return median_ms([compile_plan(plan).run for plan in plans], inputs, timing)
 
 
 def _untimed_note(untimed: dict[str, list[str]]) -> str:

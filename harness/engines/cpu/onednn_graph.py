@@ -133,12 +133,23 @@ def compile_layer(
     return GraphLayer(name, module, inputs, layout)
 
 
+class _Op(torch.nn.Module):
+    """A plain layer between partitions (a pooling, a rescale), traced as the ATen call it is."""
+
+    def __init__(self, call: Callable[..., torch.Tensor]) -> None:
+        super().__init__()
+        self.call = call
+
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
+        return self.call(*inputs)
+
+
 class _Region(torch.nn.Module):
     """Consecutive layers as one module: ``wiring[i]`` indexes the values layer ``i`` reads
     (the region's inputs, then each layer's result in order); ``outputs`` those it returns."""
 
     def __init__(
-        self, layers: Sequence[_Layer], wiring: Sequence[tuple[int, ...]], outputs: Sequence[int]
+        self, layers: Sequence[torch.nn.Module], wiring: Sequence[tuple[int, ...]], outputs: Sequence[int]
     ) -> None:
         super().__init__()
         self.layers = torch.nn.ModuleList(layers)
@@ -153,28 +164,42 @@ class _Region(torch.nn.Module):
 
 def compile_region(
     name: str,
-    layers: Sequence[GraphLayer],
+    layers: Sequence[GraphLayer | Callable[..., torch.Tensor]],
     inputs: Sequence[tuple[int, int]],
     wiring: Sequence[tuple[int, ...]],
     outputs: Sequence[int],
 ) -> Callable[..., tuple[torch.Tensor, ...]]:
-    """Consecutive compiled layers traced as one graph, called once per run.
+    """Consecutive layers traced as one graph, called once per run.
 
     Per layer, a partition call pays the TorchScript executor, a Python call
     and plain-layout tensors at both ends; in one graph the bridge hands each
     partition's result to the next in oneDNN's own (blocked) layout and the
     run makes one call for the whole region. The partitions are the layers'
     own (the same ops, dtypes and fused post-ops), so the region computes
-    what its layers compute.
+    what its layers compute. A layer that is not a :class:`GraphLayer` is a
+    plain ATen call reading only values of the region: it is traced as that
+    call (the bridge may fuse it into a neighbouring partition as a post-op).
 
-    ``inputs[k] = (layer, slot)`` says which layer input gives region input
-    ``k`` its exact layout; ``wiring`` and ``outputs`` index the region's
-    values as :class:`_Region` does.
+    ``inputs[k] = (layer, slot)`` names the graph layer input that gives
+    region input ``k`` its exact layout; ``wiring`` and ``outputs`` index the
+    region's values as :class:`_Region` does.
     """
-    module = _Region([layer.module for layer in layers], wiring, outputs).eval()
-    metas = [layers[i].inputs[slot] for i, slot in inputs]
-    fixers = [layers[i].fixers[slot] for i, slot in inputs]
-    run = _lazy(name, module, [_example(*meta) for meta in metas])
+    modules = [layer.module if isinstance(layer, GraphLayer) else _Op(layer) for layer in layers]
+    module = _Region(modules, wiring, outputs).eval()
+    readers = [layers[i] for i, _ in inputs]
+    if not all(isinstance(reader, GraphLayer) for reader in readers):
+        raise ValueError(f"region {name!r}: only its oneDNN Graph layers may read values from outside it")
+    slots = [(reader, slot) for reader, (_, slot) in zip(readers, inputs, strict=True)]
+    fixers = [reader.fixers[slot] for reader, slot in slots]  # type: ignore[union-attr]
+
+    def one_by_one(*args: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        values = list(args)
+        for layer, reads in zip(layers, wiring, strict=True):
+            values.append(layer(*(values[i] for i in reads)))
+        return tuple(values[i] for i in outputs)
+
+    examples = [_example(*reader.inputs[slot]) for reader, slot in slots]  # type: ignore[union-attr]
+    run = _lazy(name, module, examples, fallback=one_by_one)
 
     def region(*args: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return run(*(fix(arg) for fix, arg in zip(fixers, args, strict=True)))  # type: ignore[no-any-return]
@@ -196,8 +221,13 @@ def _example(shape: tuple[int, ...], strides: tuple[int, ...], dtype: str) -> to
     return torch.zeros(shape, dtype=dtype_from_name(dtype)).as_strided(shape, strides)
 
 
-def _lazy(name: str, module: torch.nn.Module, examples: Sequence[torch.Tensor]) -> Callable[..., Any]:
-    """``module`` compiled on first call, at each thread count.
+def _lazy(
+    name: str,
+    module: torch.nn.Module,
+    examples: Sequence[torch.Tensor],
+    fallback: Callable[..., Any] | None = None,
+) -> Callable[..., Any]:
+    """``module`` compiled on first call, at each thread count; ``fallback`` where the bridge fails.
 
     A oneDNN primitive fixes its thread count when it is created, and a
     partition keeps its primitives, so one compiled while torch had 2 threads
@@ -213,7 +243,15 @@ def _lazy(name: str, module: torch.nn.Module, examples: Sequence[torch.Tensor]) 
         count = threads()
         fn = compiled.get(count)
         if fn is None:
-            fn = compiled[count] = _compile(name, module, examples)
+            try:
+                fn = _compile(name, module, examples)
+            except RuntimeError as exc:  # the bridge refuses some graphs its ops allow one by one
+                if fallback is None:
+                    raise
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                log.warning("region %r: oneDNN Graph cannot compile it (%s); its layers run one by one", name, first)
+                fn = fallback
+            compiled[count] = fn
         return fn(*args)
 
     return run

@@ -23,10 +23,21 @@ import torch
 
 from harness.engines.cpu import onednn_graph, tactics
 from harness.engines.cpu.plan import GETITEM, Node, Plan, Ref
+from harness.opnames import plan_packet
 
 RunFn = Callable[..., tuple[torch.Tensor, ...]]
+# Plain layers that may sit inside a region, between its oneDNN Graph layers: by layer type,
+# and the global pooling of squeeze-excite blocks (other poolings can make the bridge fail
+# to compile the region: max_pool2d with its default stride).
+_INNER_TYPES = frozenset({"elementwise", "reduce", "shuffle", "cast"})
+_INNER_OPS = frozenset({"adaptive_avg_pool2d"})
 # timed(clock, stamps, *inputs): stamps[2i], stamps[2i + 1] = clock() around call i.
 TimedRunFn = Callable[..., tuple[torch.Tensor, ...]]
+# Plain layers that may sit inside a region, between its oneDNN Graph layers: by layer type,
+# and the global pooling of squeeze-excite blocks (other poolings can make the bridge fail
+# to compile the region: max_pool2d with its default stride).
+_INNER_TYPES = frozenset({"elementwise", "reduce", "shuffle", "cast"})
+_INNER_OPS = frozenset({"adaptive_avg_pool2d"})
 
 
 @dataclass(frozen=True)
@@ -66,7 +77,6 @@ def compile_plan(plan: Plan, regions: bool = True) -> Program:
         nodes = [plan.nodes[i] for i in group]
         if len(group) > 1:
             statement = _region_call(f"r{first}", nodes, group, bound, last_use, variables, namespace)
-            calls.append(tuple(nodes))
         else:
             node = nodes[0]
             var = variables[node.name] = f"v{first}"
@@ -76,8 +86,10 @@ def compile_plan(plan: Plan, regions: bool = True) -> Program:
             else:
                 namespace[f"f{first}"] = bound[first]
                 statement = f"{var} = f{first}({args})"
-                calls.append((node,))
-        body.append((statement, node.op != GETITEM if len(group) == 1 else True))
+        is_call = len(group) > 1 or nodes[0].op != GETITEM
+        if is_call:
+            calls.append(tuple(nodes))
+        body.append((statement, is_call))
         dead = sorted(
             {
                 variables[r.name]
@@ -117,15 +129,44 @@ def compile_plan(plan: Plan, regions: bool = True) -> Program:
 
 
 def _groups(nodes: Sequence[Node], bound: dict[int, Any], regions: bool) -> list[list[int]]:
-    """Node indices in call order: maximal runs of consecutive oneDNN Graph layers together."""
+    """Node indices in call order: runs of consecutive oneDNN Graph layers together.
+
+    A plain layer (``direct`` tactic, one output) may sit inside a run when it
+    reads only values the run computed, such as the pooling and the rescale of
+    a squeeze-excite block between its convolutions: its inputs then have the
+    layouts the trace saw. A run ends with a graph layer.
+    """
     groups: list[list[int]] = []
-    for index in range(len(nodes)):
+    run: list[int] = []
+    produced: set[str] = set()
+
+    def close() -> None:
+        tail: list[int] = []
+        while run and not isinstance(bound.get(run[-1]), onednn_graph.GraphLayer):
+            tail.insert(0, run.pop())
+        if run:
+            groups.append(list(run))
+        groups.extend([index] for index in tail)
+        run.clear()
+        produced.clear()
+
+    for index, node in enumerate(nodes):
         graph = regions and isinstance(bound.get(index), onednn_graph.GraphLayer)
-        previous = groups[-1] if groups else []
-        if graph and previous and isinstance(bound.get(previous[-1]), onednn_graph.GraphLayer):
-            previous.append(index)
+        inner = (
+            regions
+            and bool(run)
+            and node.tactic.startswith("direct[")
+            and not node.multi
+            and (tactics.layer_type(node) in _INNER_TYPES or plan_packet(node.op) in _INNER_OPS)
+            and all(ref.name in produced for ref in node.refs())
+        )
+        if graph or inner:
+            run.append(index)
+            produced.add(node.name)
         else:
+            close()
             groups.append([index])
+    close()
     return groups
 
 

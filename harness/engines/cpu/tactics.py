@@ -48,6 +48,8 @@ from harness.opnames import plan_packet
 
 Bound = Callable[..., Any]
 
+# The tactics that compile a layer into a oneDNN Graph partition (regions are made of them).
+GRAPH_IMPLS = ("conv_onednn_graph", "gemm_onednn_graph")
 _TACTIC_NAME = re.compile(r"^(\w+)\[(\w+)\]$")
 _CL = torch.channels_last
 # Smallest reduction-chunk a split-K tactic may use: below it the extra
