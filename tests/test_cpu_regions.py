@@ -69,17 +69,36 @@ def _inputs() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     return module, (torch.randn(1, 8, 6, 6, generator=gen),)
 
 
-def _graph_plan(dtype: torch.dtype) -> Plan:
-    """The plan with every convolution and linear layer on its oneDNN Graph tactic."""
-    module, inputs = _inputs()
+def _graph_plan(dtype: torch.dtype, model: tuple[nn.Module, tuple[torch.Tensor, ...]] | None = None) -> Plan:
+    """The plan with every convolution and linear layer on its oneDNN Graph tactic, every other
+    layer on its plain ATen call."""
+    module, inputs = model or _inputs()
     policy, low = ("fp32", None) if dtype == torch.float32 else ("full", dtype)
     plan, _ = lower(compile(module, inputs, policy=policy, low_precision_type=low).graph_module, "test")
-    precision = {torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype]
+    metas = plan.value_metas()
     for i, node in enumerate(plan.nodes):
         if node.is_layer:
-            impl = GRAPH_TACTICS.get(plan_packet(node.op), "direct")
-            plan.nodes[i] = replace(node, tactic=f"{impl}[{node.outputs[0].dtype if impl == 'direct' else precision}]")
+            impl = GRAPH_TACTICS.get(plan_packet(node.op)) or tactics.impl_names(node, metas, plan.weights)[0]
+            precision = node.outputs[0].dtype if node.outputs[0] is not None else "fp32"
+            plan.nodes[i] = replace(node, tactic=f"{impl}[{precision}]")
     return plan
+
+
+class Encoder(nn.Module):
+    """A transformer block's chain: linear layers with a layer norm, attention and a softmax
+    between them, all reading values the chain computed (one region)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(16, 48)
+        self.norm = nn.LayerNorm(16)
+        self.out = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv(x).view(1, 6, 3, 16).permute(2, 0, 1, 3)
+        y = self.out(F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2]))
+        return torch.softmax(self.head(self.norm(y)), dim=-1)
 
 
 def _events(fn, *args) -> list[str]:
@@ -125,6 +144,27 @@ def test_a_region_computes_what_its_layers_compute_on_the_fused_path(dtype):
         torch.testing.assert_close(a, b, rtol=tol, atol=tol)
         close = 1e-5 if dtype == torch.float32 else 0.05
         torch.testing.assert_close(a.float(), ref, rtol=close, atol=close)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_transformer_chain_is_one_region_up_to_its_last_graph_layer(dtype):
+    if not onednn_graph.available("bf16" if dtype == torch.bfloat16 else "fp32"):
+        pytest.skip("no bf16 oneDNN kernels on this CPU")  # the tactic is never offered there
+    gen = torch.Generator().manual_seed(2)
+    module = Encoder().eval()
+    inputs = (torch.randn(1, 6, 16, generator=gen),)
+    plan = _graph_plan(dtype, (module, inputs))
+    merged, alone = CpuEngine(plan), CpuEngine(plan, regions=False)
+    (region,) = [call for call in merged._program.calls if len(call) > 1]
+    packets = [plan_packet(n.op) for n in region]
+    assert packets[0] == "linear" and packets[-1] == "linear"  # the trailing softmax is a call of its own
+    assert {"layer_norm", "scaled_dot_product_attention", "select"} <= set(packets)
+    with torch.inference_mode():
+        together, separate, reference = merged.run(*inputs)[0], alone.run(*inputs)[0], module(*inputs)
+    tol = 1e-5 if dtype == torch.float32 else 2**-7
+    torch.testing.assert_close(together, separate, rtol=tol, atol=tol)
+    close = 1e-5 if dtype == torch.float32 else 0.03
+    torch.testing.assert_close(together.float(), reference, rtol=close, atol=close)
 
 
 def test_the_profile_times_a_region_as_one_call_naming_its_layers():

@@ -178,7 +178,9 @@ def compile_region(
     own (the same ops, dtypes and fused post-ops), so the region computes
     what its layers compute. A layer that is not a :class:`GraphLayer` is a
     plain ATen call reading only values of the region: it is traced as that
-    call (the bridge may fuse it into a neighbouring partition as a post-op).
+    call, and the bridge may run it in oneDNN instead (a layer norm becomes a
+    partition of its own, with fp32 statistics and its output in the layer's
+    dtype, as ATen computes it).
 
     ``inputs[k] = (layer, slot)`` names the graph layer input that gives
     region input ``k`` its exact layout; ``wiring`` and ``outputs`` index the

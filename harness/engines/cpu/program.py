@@ -26,17 +26,14 @@ from harness.engines.cpu.plan import GETITEM, Node, Plan, Ref
 from harness.opnames import plan_packet
 
 RunFn = Callable[..., tuple[torch.Tensor, ...]]
-# Plain layers that may sit inside a region, between its oneDNN Graph layers: by layer type,
-# and the global pooling of squeeze-excite blocks (other poolings can make the bridge fail
-# to compile the region: max_pool2d with its default stride).
-_INNER_TYPES = frozenset({"elementwise", "reduce", "shuffle", "cast"})
-_INNER_OPS = frozenset({"adaptive_avg_pool2d"})
 # timed(clock, stamps, *inputs): stamps[2i], stamps[2i + 1] = clock() around call i.
 TimedRunFn = Callable[..., tuple[torch.Tensor, ...]]
-# Plain layers that may sit inside a region, between its oneDNN Graph layers: by layer type,
-# and the global pooling of squeeze-excite blocks (other poolings can make the bridge fail
-# to compile the region: max_pool2d with its default stride).
-_INNER_TYPES = frozenset({"elementwise", "reduce", "shuffle", "cast"})
+# Plain layers that may sit inside a region, between its oneDNN Graph layers: tactics that
+# are the op's own ATen call, of these layer types, and the global pooling of squeeze-excite
+# blocks (other poolings can make the bridge fail to compile the region: max_pool2d with its
+# default stride).
+_INNER_TYPES = frozenset({"elementwise", "reduce", "shuffle", "cast", "normalization", "softmax", "attention"})
+_INNER_IMPLS = frozenset({"direct", "reshape", "layernorm_fused", "softmax_fused", "sdpa_fused"})
 _INNER_OPS = frozenset({"adaptive_avg_pool2d"})
 
 
@@ -131,10 +128,12 @@ def compile_plan(plan: Plan, regions: bool = True) -> Program:
 def _groups(nodes: Sequence[Node], bound: dict[int, Any], regions: bool) -> list[list[int]]:
     """Node indices in call order: runs of consecutive oneDNN Graph layers together.
 
-    A plain layer (``direct`` tactic, one output) may sit inside a run when it
-    reads only values the run computed, such as the pooling and the rescale of
-    a squeeze-excite block between its convolutions: its inputs then have the
-    layouts the trace saw. A run ends with a graph layer.
+    A plain layer (its op's own ATen call, one output) may sit inside a run
+    when it reads only values the run computed, such as the pooling and the
+    rescale of a squeeze-excite block between its convolutions, or a
+    transformer block's layer norms and attention between its linear layers:
+    its inputs then have the layouts the trace saw. A run ends with a graph
+    layer.
     """
     groups: list[list[int]] = []
     run: list[int] = []
@@ -155,7 +154,7 @@ def _groups(nodes: Sequence[Node], bound: dict[int, Any], regions: bool) -> list
         inner = (
             regions
             and bool(run)
-            and node.tactic.startswith("direct[")
+            and tactics.parse_tactic(node.tactic)[0] in _INNER_IMPLS
             and not node.multi
             and (tactics.layer_type(node) in _INNER_TYPES or plan_packet(node.op) in _INNER_OPS)
             and all(ref.name in produced for ref in node.refs())
