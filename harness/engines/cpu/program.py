@@ -128,24 +128,20 @@ def compile_plan(plan: Plan, regions: bool = True) -> Program:
 def _groups(nodes: Sequence[Node], bound: dict[int, Any], regions: bool) -> list[list[int]]:
     """Node indices in call order: runs of consecutive oneDNN Graph layers together.
 
-    A plain layer (its op's own ATen call, one output) may sit inside a run
-    when it reads only values the run computed, such as the pooling and the
+    A plain layer (its op's own ATen call, one output) joins a run when it
+    reads only values the run computed, such as the pooling and the
     rescale of a squeeze-excite block between its convolutions, or a
     transformer block's layer norms and attention between its linear layers:
-    its inputs then have the layouts the trace saw. A run ends with a graph
-    layer.
+    its inputs then have the layouts the trace saw. A run starts with a graph
+    layer (whose fixers give the region's inputs their layouts).
     """
     groups: list[list[int]] = []
     run: list[int] = []
     produced: set[str] = set()
 
     def close() -> None:
-        tail: list[int] = []
-        while run and not isinstance(bound.get(run[-1]), onednn_graph.GraphLayer):
-            tail.insert(0, run.pop())
         if run:
             groups.append(list(run))
-        groups.extend([index] for index in tail)
         run.clear()
         produced.clear()
 
@@ -154,8 +150,9 @@ def _groups(nodes: Sequence[Node], bound: dict[int, Any], regions: bool) -> list
         inner = (
             regions
             and bool(run)
-            and tactics.parse_tactic(node.tactic)[0] in _INNER_IMPLS
+            and node.op != GETITEM
             and not node.multi
+            and tactics.parse_tactic(node.tactic)[0] in _INNER_IMPLS
             and (tactics.layer_type(node) in _INNER_TYPES or plan_packet(node.op) in _INNER_OPS)
             and all(ref.name in produced for ref in node.refs())
         )
