@@ -286,3 +286,32 @@ def test_a_region_the_bridge_cannot_compile_runs_its_layers_one_by_one(caplog):
     warned = [r.getMessage() for r in caplog.records if "cannot compile" in r.getMessage()]
     assert warned == ["region 'first..second': oneDNN Graph cannot compile it (could not set attribute to the op); its layers run one by one"]
     assert onednn_fusion_enabled() is False
+
+
+class Pooled(nn.Module):
+    """A convolution, a max pooling (never in a region), then two convolutions."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Conv2d(4, 8, 3, padding=1)
+        self.b = nn.Conv2d(8, 8, 3, padding=1)
+        self.c = nn.Conv2d(8, 8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(F.relu(self.b(F.max_pool2d(F.relu(self.a(x)), 2))))
+
+
+def test_the_builder_moves_only_layers_that_then_share_a_region(monkeypatch):
+    """The first convolution is called alone whatever its tactic (the pooling after it never
+    joins a region): it keeps its own fastest tactic; the two after the pooling end on their
+    graph tactics, as one region, when the whole run says regions win."""
+    gen = torch.Generator().manual_seed(4)
+    spec = ModelSpec("pooled", "regions", Pooled().eval(), (torch.randn(1, 4, 8, 8, generator=gen),), [])
+    config = BuildConfig(mode="fp32", options={"timing_runs": 2, "warmup_runs": 0}, disable_cache=True)
+    monkeypatch.setattr(builder, "run_ms", lambda plans, run_inputs, timing: [2.0, 1.0])
+    built = build_engine(spec, config, CpuBackend(), None)
+    fastest = {t.layer: min(t.candidates, key=lambda c: c.time_ms).tactic for t in built.log.layers if t.candidates}
+    chosen = {layer.name: layer.tactic for layer in built.engine.layers()}
+    assert chosen["conv2d"] == fastest["conv2d"]
+    assert {chosen["conv2d_1"].split("[")[0], chosen["conv2d_2"].split("[")[0]} == {"conv_onednn_graph"}
+    assert [n.name for n in max(built.engine._program.calls, key=len)] == ["conv2d_1", "conv2d_2"]

@@ -40,7 +40,7 @@ from harness.engines.cpu.plan import (
     iter_leaves,
     map_leaves,
 )
-from harness.engines.cpu.program import compile_plan
+from harness.engines.cpu.program import compile_plan, region_groups
 from harness.engines.cpu.timing import TimingOptions, median_ms
 from harness.engines.modes import is_weak, low_dtype
 from harness.engines.protocol import BuildConfig, LayerTiming
@@ -298,13 +298,15 @@ class PlanBuilder:
         convolutions are faster alone as GEMMs but break the region around
         them. So the plan as timed and the plan with every layer this build
         timed on its graph tactic (same precision) run whole, in alternating
-        rounds, and the faster stays. Layers taken from the cache keep their
-        tactic: the cache records what was chosen, so a rebuild from it is
-        the same engine.
+        rounds, and the faster stays. Only layers that would then share a
+        region with another graph layer are moved (one called alone gains
+        nothing). Layers taken from the cache keep their tactic, and an
+        editable cache records the decision, so a rebuild from it is the same
+        engine; without one (``--disable-cache``, ``--no-editable-cache``)
+        each build decides again, by timing.
         """
         metas = self.runtime
         switched = list(self.plan.nodes)
-        moved = []
         for i, node in enumerate(self.plan.nodes):
             if node.op == GETITEM or node.key not in self.timed:
                 continue
@@ -313,7 +315,12 @@ class PlanBuilder:
             if graph and impl not in graph:
                 tactic = tactics.tactic_name(graph[0], precision)
                 switched[i] = replace(node, tactic=tactic, tactic_hash=tactics.tactic_hash(tactic))
-                moved.append(switched[i])
+        for group in region_groups(switched):
+            graph_layers = [i for i in group if tactics.parse_tactic(switched[i].tactic)[0] in tactics.GRAPH_IMPLS]
+            for i in group:
+                if switched[i] is not self.plan.nodes[i] and len(graph_layers) < 2:
+                    switched[i] = self.plan.nodes[i]  # alone either way: keep its own fastest tactic
+        moved = [new for new, old in zip(switched, self.plan.nodes, strict=True) if new is not old]
         if not moved:
             return
         inputs = [self.values[name] for name, _ in self.plan.inputs]
@@ -328,6 +335,7 @@ class PlanBuilder:
         for node in moved:
             if node.key in self.added:  # the cache records the decision the build made
                 entry = self.added[node.key]
+                # The graph tactic was one of the layer's timed candidates (the same impl_names).
                 time_ms = next(c.time_ms for c in entry.candidates if c.tactic == node.tactic)
                 self.added[node.key] = replace(
                     entry, tactic=node.tactic, tactic_hash=node.tactic_hash, time_ms=time_ms

@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import threading
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -156,10 +156,19 @@ class _Region(torch.nn.Module):
         self.wiring, self.outputs = tuple(wiring), tuple(outputs)
 
     def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        values = list(inputs)
-        for layer, reads in zip(self.layers, self.wiring, strict=True):
-            values.append(layer(*(values[i] for i in reads)))
-        return tuple(values[i] for i in self.outputs)
+        return _chain(self.layers, self.wiring, self.outputs, inputs)
+
+
+def _chain(
+    layers: Iterable[Callable[..., torch.Tensor]],
+    wiring: Sequence[tuple[int, ...]],
+    outputs: Sequence[int],
+    inputs: Sequence[torch.Tensor],
+) -> tuple[torch.Tensor, ...]:
+    values = list(inputs)
+    for layer, reads in zip(layers, wiring, strict=True):
+        values.append(layer(*(values[i] for i in reads)))
+    return tuple(values[i] for i in outputs)
 
 
 def compile_region(
@@ -195,10 +204,7 @@ def compile_region(
     fixers = [reader.fixers[slot] for reader, slot in slots]  # type: ignore[union-attr]
 
     def one_by_one(*args: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        values = list(args)
-        for layer, reads in zip(layers, wiring, strict=True):
-            values.append(layer(*(values[i] for i in reads)))
-        return tuple(values[i] for i in outputs)
+        return _chain(layers, wiring, outputs, args)
 
     examples = [_example(*reader.inputs[slot]) for reader, slot in slots]  # type: ignore[union-attr]
     run = _lazy(name, module, examples, fallback=one_by_one)
@@ -247,7 +253,7 @@ def _lazy(
         if fn is None:
             try:
                 fn = _compile(name, module, examples)
-            except RuntimeError as exc:  # the bridge refuses some graphs its ops allow one by one
+            except Exception as exc:  # the bridge refuses some graphs whose ops it takes one by one
                 if fallback is None:
                     raise
                 first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -273,7 +279,7 @@ def _compile(name: str, module: torch.nn.Module, examples: Sequence[torch.Tensor
             traced(*examples)
         graph = str(traced.graph_for(*examples))  # type: ignore[no-untyped-call]
     if _FUSION_GROUP not in graph:
-        log.warning("layer %r: oneDNN Graph left it unfused; its onednn_graph tactic runs unfused ATen", name)
+        log.warning("%r: oneDNN Graph left it unfused; it runs as unfused ATen calls", name)
     log.debug("layer %r: compiled a oneDNN Graph partition for %d thread(s)", name, torch.get_num_threads())
     forward: Callable[..., Any] = traced.forward
     return forward

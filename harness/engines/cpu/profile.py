@@ -33,7 +33,8 @@ from harness.opnames import plan_packet
 DEFAULT_ITERATIONS = 50
 DEFAULT_WARMUP = 5
 MAX_ITERATIONS = 100_000
-# The op of a profile entry that times a region of consecutive oneDNN Graph layers (one call).
+# The op of a profile entry that times a region (one call: consecutive oneDNN Graph layers
+# and the plain layers that read their values).
 REGION_OP = "onednn_graph_region"
 
 PROFILE_SCHEMA: dict[str, Any] = {
@@ -168,7 +169,8 @@ class Profile:
             )
         if rest:
             rest_ms = sum(layer.time_ms for layer in rest)
-            out.append(f"{f'({len(rest)} more layers)':<82} {rest_ms:>9.4f} {self.share(rest_ms):>6.1%}")
+            more = sum(len(layer.region) or 1 for layer in rest)
+            out.append(f"{f'({more} more layers)':<82} {rest_ms:>9.4f} {self.share(rest_ms):>6.1%}")
         out += [
             f"{'layers (sum of medians)':<82} {self.layers_ms:>9.4f} {self.share(self.layers_ms):>6.1%}",
             f"{'dispatch overhead (run minus its layers)':<82} {self.overhead_ms:>9.4f} "

@@ -8,7 +8,8 @@ could drift from the real one. The timed variant only adds a clock reading
 before and after each call.
 
 A call is one layer, or a region: consecutive layers whose tactics are oneDNN
-Graph partitions, traced together as one graph
+Graph partitions, with the plain layers among and after them that read only
+their values, traced together as one graph
 (:func:`harness.engines.cpu.onednn_graph.compile_region`), so the run pays
 one call for them and the partitions pass each other oneDNN's own layouts.
 """
@@ -28,7 +29,7 @@ from harness.opnames import plan_packet
 RunFn = Callable[..., tuple[torch.Tensor, ...]]
 # timed(clock, stamps, *inputs): stamps[2i], stamps[2i + 1] = clock() around call i.
 TimedRunFn = Callable[..., tuple[torch.Tensor, ...]]
-# Plain layers that may sit inside a region, between its oneDNN Graph layers: tactics that
+# Plain layers that may join a region after one of its oneDNN Graph layers: tactics that
 # are the op's own ATen call, of these layer types, and the global pooling of squeeze-excite
 # blocks (other poolings can make the bridge fail to compile the region: max_pool2d with its
 # default stride).
@@ -69,7 +70,7 @@ def compile_plan(plan: Plan, regions: bool = True) -> Program:
     namespace: dict[str, Any] = {}
     body: list[tuple[str, bool]] = []  # (statement, is a timed call)
     calls: list[tuple[Node, ...]] = []
-    for group in _groups(plan.nodes, bound, regions):
+    for group in region_groups(plan.nodes) if regions else [[i] for i in range(len(plan.nodes))]:
         first, last = group[0], group[-1]
         nodes = [plan.nodes[i] for i in group]
         if len(group) > 1:
@@ -125,15 +126,16 @@ def compile_plan(plan: Plan, regions: bool = True) -> Program:
     return Program(tuple(calls), namespace["run"], namespace["timed"])
 
 
-def _groups(nodes: Sequence[Node], bound: dict[int, Any], regions: bool) -> list[list[int]]:
-    """Node indices in call order: runs of consecutive oneDNN Graph layers together.
+def region_groups(nodes: Sequence[Node]) -> list[list[int]]:
+    """Node indices in call order, the runs that form regions together.
 
-    A plain layer (its op's own ATen call, one output) joins a run when it
-    reads only values the run computed, such as the pooling and the
-    rescale of a squeeze-excite block between its convolutions, or a
-    transformer block's layer norms and attention between its linear layers:
-    its inputs then have the layouts the trace saw. A run starts with a graph
-    layer (whose fixers give the region's inputs their layouts).
+    A run starts with a oneDNN Graph layer (whose input fixers give the
+    region's inputs their layouts) and takes every following graph layer. A
+    plain layer (its op's own ATen call, one output) joins it when it reads
+    only values the run computed, such as the pooling and the rescale of a
+    squeeze-excite block between its convolutions, or a transformer block's
+    layer norms and attention between its linear layers: its inputs then have
+    the layouts the trace saw.
     """
     groups: list[list[int]] = []
     run: list[int] = []
@@ -146,17 +148,15 @@ def _groups(nodes: Sequence[Node], bound: dict[int, Any], regions: bool) -> list
         produced.clear()
 
     for index, node in enumerate(nodes):
-        graph = regions and isinstance(bound.get(index), onednn_graph.GraphLayer)
+        impl = tactics.parse_tactic(node.tactic)[0] if node.op != GETITEM else ""
         inner = (
-            regions
-            and bool(run)
-            and node.op != GETITEM
+            bool(run)
             and not node.multi
-            and tactics.parse_tactic(node.tactic)[0] in _INNER_IMPLS
+            and impl in _INNER_IMPLS
             and (tactics.layer_type(node) in _INNER_TYPES or plan_packet(node.op) in _INNER_OPS)
             and all(ref.name in produced for ref in node.refs())
         )
-        if graph or inner:
+        if impl in tactics.GRAPH_IMPLS or inner:
             run.append(index)
             produced.add(node.name)
         else:
@@ -182,7 +182,7 @@ def _region_call(
     args: list[str] = []
     wiring: list[tuple[int, ...]] = []
     for k, node in enumerate(nodes):
-        layer: onednn_graph.GraphLayer = bound[group[k]]
+        layer = bound[group[k]]  # a GraphLayer wherever a value comes from outside the region
         reads = []
         for slot, ref in enumerate(node.refs()):
             if ref.name in inside:
