@@ -316,7 +316,7 @@ class PlanBuilder:
                 tactic = tactics.tactic_name(graph[0], precision)
                 switched[i] = replace(node, tactic=tactic, tactic_hash=tactics.tactic_hash(tactic))
         for group in region_groups(switched):
-            graph_layers = [i for i in group if tactics.parse_tactic(switched[i].tactic)[0] in tactics.GRAPH_IMPLS]
+            graph_layers = [i for i in group if tactics.on_graph_tactic(switched[i])]
             for i in group:
                 if switched[i] is not self.plan.nodes[i] and len(graph_layers) < 2:
                     switched[i] = self.plan.nodes[i]  # alone either way: keep its own fastest tactic

@@ -148,15 +148,16 @@ def region_groups(nodes: Sequence[Node]) -> list[list[int]]:
         produced.clear()
 
     for index, node in enumerate(nodes):
-        impl = tactics.parse_tactic(node.tactic)[0] if node.op != GETITEM else ""
+        graph = tactics.on_graph_tactic(node)
         inner = (
             bool(run)
+            and node.op != GETITEM
             and not node.multi
-            and impl in _INNER_IMPLS
+            and tactics.parse_tactic(node.tactic)[0] in _INNER_IMPLS
             and (tactics.layer_type(node) in _INNER_TYPES or plan_packet(node.op) in _INNER_OPS)
             and all(ref.name in produced for ref in node.refs())
         )
-        if impl in tactics.GRAPH_IMPLS or inner:
+        if graph or inner:
             run.append(index)
             produced.add(node.name)
         else:

@@ -36,6 +36,7 @@ import torch
 from harness.dtypes import LOW_DTYPES
 from harness.engines.cpu import onednn_graph
 from harness.engines.cpu.plan import (
+    GETITEM,
     Node,
     Ref,
     TensorMeta,
@@ -102,6 +103,11 @@ def parse_tactic(name: str) -> tuple[str, str]:
             f"malformed tactic name {name!r}; expected impl[precision], e.g. gemm_direct[fp32]"
         )
     return match.group(1), match.group(2)
+
+
+def on_graph_tactic(node: Node) -> bool:
+    """Whether ``node`` is a layer compiled into a oneDNN Graph partition (regions start at one)."""
+    return node.op != GETITEM and parse_tactic(node.tactic)[0] in GRAPH_IMPLS
 
 
 def tactic_hash(name: str) -> str:
