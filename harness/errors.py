@@ -21,3 +21,10 @@ class StaticBatchError(HarnessError):
     Raised by the ONNX hand-off; defined here so that code catching it (the
     bench runner) does not import the ONNX exporter, an optional extra.
     """
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of ``exc``'s message (its type name if it has none): what a one-line
+    error about a failing third-party call quotes."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
-from harness.errors import HarnessError
+from harness.errors import HarnessError, first_line
 from harness.fxutil import tensor_vals
 from harness.opnames import op_name
 
@@ -29,7 +29,7 @@ class _Checker(torch.fx.Interpreter):
         try:
             result = super().run_node(n)
         except Exception as exc:
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            first = first_line(exc)
             raise HarnessError(
                 f"node {n.name} ({op_name(n.target)}) cannot run with the types it was given: {first}"
             ) from exc

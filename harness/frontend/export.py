@@ -24,7 +24,7 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 from torch.overrides import TorchFunctionMode
 
-from harness.errors import HarnessError
+from harness.errors import HarnessError, first_line
 from harness.globalstate import preserves_global_state
 from harness.naming import fresh_name
 
@@ -116,7 +116,7 @@ def export_program(module: torch.nn.Module, example_inputs: Sequence[Any]) -> Ex
             return torch.export.export(module, args)
     except Exception as exc:  # export raises many unrelated types; the user needs the text
         _log.debug("torch.export output before the failure:\n%s", captured.getvalue())
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        first = first_line(exc)
         raise HarnessError(
             f"model {type(module).__name__} failed to export with torch.export: {type(exc).__name__}: {first}. "
             "The model must be traceable by torch.export (no data-dependent Python control flow)."

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from harness.dtypes import dtype_from_name
+from harness.errors import first_line
 from harness.globalstate import onednn_fusion_enabled
 
 log = logging.getLogger(__name__)
@@ -97,7 +98,7 @@ class GraphLayer:
         inputs: Sequence[tuple[tuple[int, ...], tuple[int, ...], str]],
         layout: torch.memory_format,
     ) -> None:
-        self.name, self.module, self.inputs = name, module, tuple(inputs)
+        self.module, self.inputs = module, tuple(inputs)
         self.fixers = tuple(exact_layout(shape, strides, layout) for shape, strides, _ in inputs)
         run = _lazy(name, module, [_example(*meta) for meta in inputs])
         if len(self.fixers) == 2:
@@ -197,16 +198,18 @@ def compile_region(
     """
     modules = [layer.module if isinstance(layer, GraphLayer) else _Op(layer) for layer in layers]
     module = _Region(modules, wiring, outputs).eval()
-    readers = [layers[i] for i, _ in inputs]
-    if not all(isinstance(reader, GraphLayer) for reader in readers):
-        raise ValueError(f"region {name!r}: only its oneDNN Graph layers may read values from outside it")
-    slots = [(reader, slot) for reader, (_, slot) in zip(readers, inputs, strict=True)]
-    fixers = [reader.fixers[slot] for reader, slot in slots]  # type: ignore[union-attr]
+    slots: list[tuple[GraphLayer, int]] = []
+    for i, slot in inputs:
+        reader = layers[i]
+        if not isinstance(reader, GraphLayer):
+            raise ValueError(f"region {name!r}: only its oneDNN Graph layers may read values from outside it")
+        slots.append((reader, slot))
+    fixers = [reader.fixers[slot] for reader, slot in slots]
 
     def one_by_one(*args: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return _chain(layers, wiring, outputs, args)
 
-    examples = [_example(*reader.inputs[slot]) for reader, slot in slots]  # type: ignore[union-attr]
+    examples = [_example(*reader.inputs[slot]) for reader, slot in slots]
     run = _lazy(name, module, examples, fallback=one_by_one)
 
     def region(*args: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -256,7 +259,7 @@ def _lazy(
             except Exception as exc:  # the bridge refuses some graphs whose ops it takes one by one
                 if fallback is None:
                     raise
-                first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                first = first_line(exc)
                 log.warning("region %r: oneDNN Graph cannot compile it (%s); its layers run one by one", name, first)
                 fn = fallback
             compiled[count] = fn

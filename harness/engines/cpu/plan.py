@@ -30,7 +30,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from harness.dtypes import DTYPES, dtype_from_name, dtype_name
 from harness.engines.protocol import LAYER_SCHEMA, LayerInfo
 from harness.engines.saved import DIGEST_SCHEMA, PlanFormat
-from harness.errors import HarnessError
+from harness.errors import HarnessError, first_line
 from harness.fileio import canonical_json, digest
 from harness.opnames import is_plan_name, plan_name, plan_packet, resolve_op
 from harness.outputs import OutputSpec
@@ -587,7 +587,7 @@ def check_on_fake_tensors(plan: Plan, where: str) -> None:
             with mode, _fake_tensor_log_silenced():
                 result = fn(*args, **kwargs)
         except Exception as exc:  # noqa: BLE001 - every op raises its own types for bad arguments
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            first = first_line(exc)
             raise HarnessError(f"{node_where}: invalid arguments: {first}") from None
         got = tuple(result) if node.multi else (result,)
         declared = node.outputs

@@ -44,7 +44,7 @@ from harness.engines.cpu.plan import (
     map_leaves,
     runnable_op,
 )
-from harness.errors import HarnessError
+from harness.errors import HarnessError, first_line
 from harness.opnames import plan_packet
 
 Bound = Callable[..., Any]
@@ -242,7 +242,7 @@ def layer_failures(node: Node) -> Iterator[None]:
     try:
         yield
     except (RuntimeError, TypeError, ValueError, IndexError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        first = first_line(exc)
         raise HarnessError(
             f"layer {node.name!r} ({node.op}) fails on its inputs: {first}; the typed graph cannot run as given"
         ) from exc
