@@ -177,6 +177,42 @@ def test_tactics_leave_their_inputs_and_the_residual_untouched(blocks):
             assert torch.equal(x, kept[0]) and torch.equal(residual, kept[1]), impl
 
 
+class _Dense(nn.Module):
+    """A linear layer, optionally plus a residual, optionally then relu."""
+
+    def __init__(self, activation: str, residual: bool) -> None:
+        super().__init__()
+        self.fc, self.activation, self.residual = nn.Linear(64, 64), activation, residual
+
+    def forward(self, x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        y = self.fc(x) + r if self.residual else self.fc(x)
+        return F.relu(y) if self.activation else y
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [64, 4096])  # the bias expanded once, and too large for that
+@pytest.mark.parametrize(("activation", "residual"), [("", False), ("relu", False), ("relu", True)])
+def test_row_gemm_computes_addmms_own_bits_with_its_bias_expanded_or_not(dtype, rows, activation, residual):
+    """gemm_nn copies a small bias expanded to its rows and fuses relu through
+    _addmm_activation: faster calls of the same kernels, so bit-identical to addmm(bias,
+    x, w.T), then the residual, then the activation."""
+    gen = torch.Generator().manual_seed(6)
+    module = _Dense(activation, residual).eval()
+    x, r = (torch.randn(rows, 64, generator=gen) for _ in range(2))
+    policy = ("fp32", None) if dtype == torch.float32 else ("full", dtype)
+    compiled = compile(module, (x, r), policy=policy[0], low_precision_type=policy[1])
+    plan, _ = lower(compiled.graph_module, "test")
+    (layer,) = [n for n in plan.nodes if tactics.layer_type(n) == "matmul"]
+    assert layer.epilogue == activation and (layer.residual is not None) == residual
+    weight, bias = (t.to(dtype) for t in (module.fc.weight, module.fc.bias))
+    xt, rt = x.to(dtype), r.to(dtype)
+    with torch.inference_mode():
+        out = tactics.bind(layer, "gemm_nn", plan.value_metas(), plan.weights)(xt, *([rt] if residual else []))
+        expected = torch.addmm(bias, xt, weight.t())
+        expected = expected + rt if residual else expected
+    assert bits_equal(out, expected.relu() if activation else expected)
+
+
 def test_widened_gemm_keeps_bf16_in_and_out_with_one_rounding():
     """bf16 products are exact in fp32: the widened GEMM computes what a bf16 GEMM with fp32
     accumulation computes, to within the accumulation order, and rounds once."""

@@ -430,7 +430,7 @@ def _row_gemm(
     mm, addmm = torch.mm, torch.addmm
     if kind == "widen":
         wt = weight.float().t().contiguous()
-        wide_bias = None if bias is None else bias.float()
+        wide_bias = None if bias is None else _bias_rows(bias.float(), rows)
 
         def widened(x2: torch.Tensor) -> torch.Tensor:
             xf = x2.float()
@@ -438,7 +438,31 @@ def _row_gemm(
 
         return widened, False
     wt = weight.t().contiguous()
-    return (lambda x2: mm(x2, wt) if bias is None else addmm(bias, x2, wt)), False
+    if bias is None:
+        return (lambda x2: mm(x2, wt)), False
+    rows_bias = _bias_rows(bias, rows)
+    if ctx.epilogue == "relu" and not ctx.residual:
+        # ATen's CPU kernel is addmm then relu_ in place: the same bits, one dispatch fewer.
+        addmm_relu = torch._addmm_activation
+        return (lambda x2: addmm_relu(rows_bias, x2, wt)), True
+    return (lambda x2: addmm(rows_bias, x2, wt)), False
+
+
+# The largest bias _bias_rows expands: past this the copy no longer stays in cache anyway.
+_BIAS_ROWS_BYTES = 1 << 18
+
+
+def _bias_rows(bias: torch.Tensor, rows: int) -> torch.Tensor:
+    """``bias`` expanded once to the GEMM result's ``rows``, where that is small.
+
+    ``addmm`` first copies its bias into the result; a broadcast (stride-0)
+    bias makes that a strided copy that costs about a microsecond, as much as
+    the kernel of a small layer's GEMM, where a materialized one is a plain
+    copy. The sums are the same, so are the bits.
+    """
+    if rows * bias.numel() * bias.element_size() > _BIAS_ROWS_BYTES:
+        return bias
+    return bias.expand(rows, bias.numel()).contiguous()
 
 
 def _gemm_rows(kind: str) -> Callable[[_Ctx], Bound]:
