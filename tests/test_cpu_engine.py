@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -15,8 +16,9 @@ from torch import nn
 
 from harness.autocast import compile
 from harness.build import build_engine
+from harness.cache.timing_cache import TimingCache
 from harness.dtypes import dtype_name
-from harness.engines.cpu import CpuBackend, CpuEngine, tactics
+from harness.engines.cpu import CpuBackend, CpuEngine, builder, tactics
 from harness.engines.cpu.lowering import lower
 from harness.engines.protocol import BuildConfig
 from harness.errors import HarnessError
@@ -177,10 +179,14 @@ def test_weak_mode_chooses_precision_per_layer_by_timing(net):
     ]
     assert {t.layer for t in choices} >= {"conv2d", "linear", "linear_1", "softmax", "layer_norm"}
     moved = any(m.startswith("moved") and "onto oneDNN Graph tactics" in m for m in log.messages)
+    lowered = any(m.startswith("ran ") and "more layer(s) in bf16" in m for m in log.messages)
     for record in choices:
-        fastest = min(record.candidates, key=lambda c: c.time_ms).tactic
+        # The fastest (of bf16's candidates, when the whole run was faster with every timed layer
+        # in bf16), or (when the whole run was faster with regions) that precision's graph tactic.
+        fastest = min(
+            (c for c in record.candidates if not lowered or c.tactic.endswith("[bf16]")), key=lambda c: c.time_ms
+        ).tactic
         impl, precision = tactics.parse_tactic(record.chosen)
-        # The fastest, or (when the whole run was faster with regions) that precision's graph tactic.
         assert record.chosen == fastest or (
             moved and impl in tactics.GRAPH_IMPLS and precision == tactics.parse_tactic(fastest)[1]
         )
@@ -192,6 +198,49 @@ def test_weak_mode_chooses_precision_per_layer_by_timing(net):
     assert out.dtype == torch.float32
     with torch.inference_mode():
         torch.testing.assert_close(out, module(*inputs), rtol=0.05, atol=0.02)
+
+
+@pytest.mark.parametrize("low_faster", [True, False])
+def test_weak_build_runs_its_timed_layers_in_bf16_only_if_the_whole_run_is_faster(net, low_faster, monkeypatch, tmp_path):
+    """Doubles for timing only: every layer's first candidate (its fp32 variant) times fastest,
+    so the per-layer choice is all fp32; the whole-run timing then says which plan wins. What the
+    builder does with the answers is asserted: the plans it compares, the one it keeps, the
+    note, the cache's record, and a rebuild from that cache being the same engine untimed."""
+    module, inputs = net
+    spec = ModelSpec("net", "weak precision", module, inputs, calibration_data=[])
+    config = BuildConfig(mode="weak-bf16", options=FAST)
+    compared: list[list[dict[str, str]]] = []
+
+    def whole_runs(plans, run_inputs, timing):
+        compared.append([{n.name: n.tactic for n in p.nodes if n.is_layer and n.key} for p in plans])
+        precision_call = len(compared) == 1
+        return [2.0, 1.0] if precision_call and low_faster else [1.0, 2.0]
+
+    monkeypatch.setattr(builder, "median_ms", lambda fns, run_inputs, timing: [float(i + 1) for i in range(len(fns))])
+    monkeypatch.setattr(builder, "run_ms", whole_runs)
+    cache = tmp_path / "cache.json"
+    built = build_engine(spec, config, CpuBackend(), cache)
+    as_timed, in_bf16 = compared[0]
+    choosable = {"conv2d", "linear", "linear_1", "layer_norm", "softmax"}
+    assert choosable <= set(as_timed) and all(as_timed[n].endswith("[fp32]") for n in choosable)
+    first_bf16 = {
+        t.layer: next(c.tactic for c in t.candidates if c.tactic.endswith("[bf16]")) for t in built.log.layers if t.layer in choosable
+    }
+    assert {n: in_bf16[n] for n in choosable} == first_bf16
+    kept = in_bf16 if low_faster else as_timed
+    layers = {layer.name: layer for layer in built.engine.layers()}
+    assert {n: layers[n].tactic for n in choosable} == {n: kept[n] for n in choosable}
+    assert all(layers[n].output_dtypes == (("bf16",) if low_faster else ("fp32",)) for n in choosable)
+    assert {t.layer: t.chosen for t in built.log.layers if t.layer in choosable} == {n: kept[n] for n in choosable}
+    note = next(m for m in built.log.messages if "more layer(s) in bf16" in m)
+    assert note.startswith("ran 5 more layer(s) in bf16" if low_faster else "kept the timed precisions: with 5 more layer(s)")
+    recorded = {e.layer: e.tactic for e in TimingCache.load(cache).entries()}
+    assert {n: recorded[n] for n in choosable} == {n: kept[n] for n in choosable}
+    compared.clear()
+    again = build_engine(spec, replace(config, error_on_cache_miss=True), CpuBackend(), cache)
+    assert compared == [] and again.engine.fingerprint() == built.engine.fingerprint()
+    with torch.inference_mode():
+        torch.testing.assert_close(built.engine(*inputs), module(*inputs), rtol=0.05, atol=0.02)
 
 
 def test_save_load_round_trip_is_bit_exact(fp32_build, net, tmp_path):

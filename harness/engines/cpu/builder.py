@@ -13,6 +13,11 @@ and each compute layer may also run in the low precision: the candidates are
 (precision x implementation), each timed including the cost of casting its
 inputs from whatever dtype the producer chose, and the chosen precision is
 made explicit in the plan with cast ("reformat") layers and converted weights.
+
+Two decisions no layer's own timing can make are then made by running the
+whole plan: in weak modes, whether every timed layer runs in the low precision
+(no casts between layers, one dtype through each region); then whether the
+timed layers move onto their oneDNN Graph tactics (regions).
 """
 
 from __future__ import annotations
@@ -116,10 +121,23 @@ class PlanBuilder:
         # tactic -> layers whose cache entry was timed without it (a cache older than the tactic)
         self.untimed: dict[str, list[str]] = {}
         self.timed: set[str] = set()  # keys of the layers this build timed (not from the cache)
+        # key -> the record of a layer this build timed, whose choice a later pass overrides
+        self.forced: dict[str, LayerTiming] = {}
 
     def build(self, gm: torch.fx.GraphModule, example_inputs: Sequence[torch.Tensor]) -> Plan:
         graph, self.messages = lower(gm, self.config.mode)
         self.graph_metas = graph.value_metas()
+        self._decide_all(graph, example_inputs)
+        if self.weak_low is not None:
+            self._choose_precisions(graph, example_inputs)
+        self._choose_regions()
+        if self.untimed:
+            self.warnings.append(_untimed_note(self.untimed))
+            self.messages.append(self.warnings[-1])
+        return self.plan
+
+    def _decide_all(self, graph: Plan, example_inputs: Sequence[torch.Tensor]) -> None:
+        """One pass over the lowered graph: a tactic (and precision) per layer, in order."""
         self.plan = Plan(graph.mode, list(graph.inputs), [], [], dict(graph.weights))
         self.runtime = dict(graph.inputs)  # value name -> meta as the engine produces it
         self.cast_names: dict[tuple[str, str], str] = {}
@@ -127,6 +145,7 @@ class PlanBuilder:
             name: t for (name, _), t in zip(graph.inputs, example_inputs, strict=True)
         }
         self.executed = 0
+        self.timings = []
         for node in graph.nodes:
             if node.op == GETITEM:
                 self._emit_getitem(node)
@@ -142,11 +161,6 @@ class PlanBuilder:
         }
         used |= {o.name for o in self.plan.outputs if isinstance(o, WeightRef)}
         self.plan.weights = {k: v for k, v in self.plan.weights.items() if k in used}
-        self._choose_regions()
-        if self.untimed:
-            self.warnings.append(_untimed_note(self.untimed))
-            self.messages.append(self.warnings[-1])
-        return self.plan
 
     # --- decisions ----------------------------------------------------------------------
 
@@ -169,6 +183,8 @@ class PlanBuilder:
     def _select(
         self, node: Node, key: str, candidates: list[tuple[_Variant, str]], names: list[str]
     ) -> tuple[int, LayerTiming]:
+        if (forced := self.forced.get(key)) is not None:
+            return names.index(forced.chosen), forced
         entry = self.added.get(key) or (self.cache.query(key) if self.cache is not None else None)
         if entry is not None:
             if entry.tactic not in names:
@@ -289,6 +305,66 @@ class PlanBuilder:
     def _float_as(meta: TensorMeta, dtype: str) -> TensorMeta:
         return TensorMeta(meta.shape, dtype) if meta.dtype in FLOAT_DTYPES else meta
 
+    def _choose_precisions(self, graph: Plan, example_inputs: Sequence[torch.Tensor]) -> None:
+        """In a weak mode, run every layer this build timed in the low precision if the whole run is then faster.
+
+        Each layer's timing includes casting its inputs from what its producer
+        chose, but not what its own choice costs the layers after it: an fp32
+        layer between bf16 ones adds a cast on each side and splits the
+        regions around it (TensorRT weighs such reformats in its choice). So
+        the plan as timed and the plan with each timed layer on its fastest
+        low-precision candidate (from the same timings: nothing is timed
+        again) run whole, in alternating rounds, and the faster stays. As in
+        :meth:`_choose_regions`, an editable cache records the decision, so a
+        rebuild from it is the same engine.
+        """
+        low = self.weak_low
+        timed = {t.key: t for t in self.timings if t.key in self.timed}
+        lowered = {}
+        for key, record in timed.items():
+            options = [c for c in record.candidates if tactics.parse_tactic(c.tactic)[1] == low]
+            if options and tactics.parse_tactic(record.chosen)[1] != low:
+                best = min(options, key=lambda c: c.time_ms)
+                lowered[key] = replace(record, chosen=best.tactic, chosen_hash=best.tactic_hash)
+        if not lowered:
+            return
+        as_timed = (self.plan, self.runtime, self.cast_names, self.values, self.executed, self.timings)
+        self.forced = {**timed, **lowered}
+        try:
+            self._decide_all(graph, example_inputs)
+        finally:
+            self.forced = {}
+        inputs = [self.values[name] for name, _ in self.plan.inputs]
+        mixed_ms, low_ms = run_ms([as_timed[0], self.plan], inputs, self.timing)
+        if low_ms >= mixed_ms:
+            self.plan, self.runtime, self.cast_names, self.values, self.executed, self.timings = as_timed
+            self.messages.append(
+                f"kept the timed precisions: with {len(lowered)} more layer(s) in {low} "
+                f"the run takes {low_ms:.4g} ms, against {mixed_ms:.4g} ms"
+            )
+            return
+        self._record_choices({key: record.chosen for key, record in lowered.items()})
+        self.messages.append(
+            f"ran {len(lowered)} more layer(s) in {low} than their own timings chose: the run takes "
+            f"{low_ms:.4g} ms, against {mixed_ms:.4g} ms with fp32 layers and casts between "
+            f"(e.g. {next(iter(lowered.values())).layer!r})"
+        )
+
+    def _record_choices(self, chosen: Mapping[str, str]) -> None:
+        """Layer key -> the tactic a whole-run decision gave it, in the records and an editable cache."""
+        for key, tactic in chosen.items():
+            if key in self.added:  # the cache records the decision the build made
+                entry = self.added[key]
+                # The new tactic was one of the layer's timed candidates.
+                time_ms = next(c.time_ms for c in entry.candidates if c.tactic == tactic)
+                self.added[key] = replace(
+                    entry, tactic=tactic, tactic_hash=tactics.tactic_hash(tactic), time_ms=time_ms
+                )
+        self.timings = [
+            replace(t, chosen=chosen[t.key], chosen_hash=tactics.tactic_hash(chosen[t.key])) if t.key in chosen else t
+            for t in self.timings
+        ]
+
     def _choose_regions(self) -> None:
         """Move timed layers onto their oneDNN Graph tactic if the whole run is then faster.
 
@@ -332,19 +408,7 @@ class PlanBuilder:
             )
             return
         self.plan.nodes = switched
-        for node in moved:
-            if node.key in self.added:  # the cache records the decision the build made
-                entry = self.added[node.key]
-                # The graph tactic was one of the layer's timed candidates (the same impl_names).
-                time_ms = next(c.time_ms for c in entry.candidates if c.tactic == node.tactic)
-                self.added[node.key] = replace(
-                    entry, tactic=node.tactic, tactic_hash=node.tactic_hash, time_ms=time_ms
-                )
-        chosen = {node.key: node for node in moved}
-        self.timings = [
-            replace(t, chosen=chosen[t.key].tactic, chosen_hash=chosen[t.key].tactic_hash) if t.key in chosen else t
-            for t in self.timings
-        ]
+        self._record_choices({node.key: node.tactic for node in moved})
         self.messages.append(
             f"moved {len(moved)} layer(s) onto oneDNN Graph tactics so that consecutive layers run as "
             f"regions: the run takes {regions:.4g} ms, against {as_timed:.4g} ms with each layer's own "
