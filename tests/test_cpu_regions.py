@@ -179,6 +179,54 @@ def test_a_transformer_chain_is_one_region(dtype):
     torch.testing.assert_close(together.float(), reference, rtol=close, atol=close)
 
 
+class Residual(nn.Module):
+    """A transformer block's residual stream under AMP: linear layers in bf16, their results
+    cast to fp32 and added to the stream, layer norms in fp32. The first add reads the
+    model's input, from before the region."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.norm1 = nn.Linear(16, 16), nn.LayerNorm(16)
+        self.fc2, self.norm2 = nn.Linear(16, 16), nn.LayerNorm(16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm1(x + self.fc1(x))
+        return self.norm2(h + self.fc2(h))
+
+
+def test_plain_layers_reading_values_from_before_the_region_join_it():
+    """AMP typing puts casts and fp32 adds between the linear layers, and the first add reads
+    the stream from before the region (here the model's input): they join the region, which
+    then covers the block, runs its linear layers fused, and computes what the layers compute
+    one by one."""
+    gen = torch.Generator().manual_seed(8)
+    module = Residual().eval()
+    inputs = (torch.randn(1, 6, 16, generator=gen),)
+    compiled = compile(module, inputs, policy="amp", low_precision_type=torch.bfloat16)
+    plan, _ = lower(compiled.graph_module, "test")
+    metas = plan.value_metas()
+    for i, node in enumerate(plan.nodes):
+        if node.is_layer:
+            impl = GRAPH_TACTICS.get(plan_packet(node.op)) or tactics.impl_names(node, metas, plan.weights)[0]
+            precision = node.outputs[0].dtype if node.outputs[0] is not None else "fp32"
+            plan.nodes[i] = replace(node, tactic=f"{impl}[{precision}]")
+    if not _graph_tactics_offered(plan, torch.bfloat16):
+        return
+    merged, alone = CpuEngine(plan), CpuEngine(plan, regions=False)
+    (region,) = [call for call in merged._program.calls if len(call) > 1]
+    packets = [plan_packet(n.op) for n in region]
+    assert packets[0] == "linear" and packets[-1] == "layer_norm"
+    assert packets.count("add") == 2 and packets.count("layer_norm") == 2 and packets.count("linear") == 2
+    first_add = next(n for n in region if plan_packet(n.op) == "add")
+    assert plan.inputs[0][0] in {r.name for r in first_add.refs()}  # read from before the region
+    with torch.inference_mode():
+        together, separate, reference = merged.run(*inputs)[0], alone.run(*inputs)[0], compiled(*inputs)
+        events = _events(merged.run, *inputs)
+    assert not [e for e in events if e in _UNFUSED]
+    torch.testing.assert_close(together, separate, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(together, reference, rtol=0.02, atol=0.02)
+
+
 def test_the_profile_times_a_region_as_one_call_naming_its_layers():
     plan = _graph_plan(torch.float32)
     engine = CpuEngine(plan)
@@ -289,7 +337,8 @@ def test_a_region_the_bridge_cannot_compile_runs_its_layers_one_by_one(caplog):
             raise RuntimeError("could not set attribute to the op")
         return t * 2
 
-    region = onednn_graph.compile_region("first..second", [first, doubled, second], [(0, 0)], [(0,), (1,), (2,)], [3])
+    inputs = [(first.fixers[0], first.inputs[0])]
+    region = onednn_graph.compile_region("first..second", [first, doubled, second], inputs, [(0,), (1,), (2,)], [3])
     with caplog.at_level(logging.WARNING), torch.inference_mode():
         (out,) = region(x)
         region(x)

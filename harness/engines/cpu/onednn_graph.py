@@ -39,6 +39,9 @@ log = logging.getLogger(__name__)
 _WARMUP_CALLS = 3
 _FUSION_GROUP = "prim::oneDNNFusionGroup"
 _COMPILING = threading.Lock()
+# An input's (shape, strides, dtype name), and what gives a tensor of that shape exactly those strides.
+InputMeta = tuple[tuple[int, ...], tuple[int, ...], str]
+Fixer = Callable[[torch.Tensor], torch.Tensor]
 
 
 def available(precision: str) -> bool:
@@ -95,7 +98,7 @@ class GraphLayer:
         self,
         name: str,
         module: _Layer,
-        inputs: Sequence[tuple[tuple[int, ...], tuple[int, ...], str]],
+        inputs: Sequence[InputMeta],
         layout: torch.memory_format,
     ) -> None:
         self.module, self.inputs = module, tuple(inputs)
@@ -119,7 +122,7 @@ def compile_layer(
     bias: torch.Tensor | None,
     attrs: Sequence[Any],
     post: Callable[[torch.Tensor], torch.Tensor] | None,
-    inputs: Sequence[tuple[tuple[int, ...], tuple[int, ...], str]],
+    inputs: Sequence[InputMeta],
     layout: torch.memory_format = torch.contiguous_format,
 ) -> GraphLayer:
     """The layer as a compiled partition, called on tensors of ``inputs``' (shape, strides, dtype).
@@ -175,7 +178,7 @@ def _chain(
 def compile_region(
     name: str,
     layers: Sequence[GraphLayer | Callable[..., torch.Tensor]],
-    inputs: Sequence[tuple[int, int]],
+    inputs: Sequence[tuple[Fixer, InputMeta]],
     wiring: Sequence[tuple[int, ...]],
     outputs: Sequence[int],
 ) -> Callable[..., tuple[torch.Tensor, ...]]:
@@ -192,25 +195,20 @@ def compile_region(
     partition of its own, with fp32 statistics and its output in the layer's
     dtype, as ATen computes it).
 
-    ``inputs[k] = (layer, slot)`` names the graph layer input that gives
-    region input ``k`` its exact layout; ``wiring`` and ``outputs`` index the
-    region's values as :class:`_Region` does.
+    ``inputs[k]`` gives region input ``k`` the exact layout the trace sees
+    (a partition's guard compares strides): the fixer of the graph layer
+    reading it, or contiguous for a plain layer, with its (shape, strides,
+    dtype); ``wiring`` and ``outputs`` index the region's values as
+    :class:`_Region` does.
     """
     modules = [layer.module if isinstance(layer, GraphLayer) else _Op(layer) for layer in layers]
     module = _Region(modules, wiring, outputs).eval()
-    slots: list[tuple[GraphLayer, int]] = []
-    for i, slot in inputs:
-        reader = layers[i]
-        if not isinstance(reader, GraphLayer):
-            raise ValueError(f"region {name!r}: only its oneDNN Graph layers may read values from outside it")
-        slots.append((reader, slot))
-    fixers = [reader.fixers[slot] for reader, slot in slots]
+    fixers = [fix for fix, _ in inputs]
 
     def one_by_one(*args: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return _chain(layers, wiring, outputs, args)
 
-    examples = [_example(*reader.inputs[slot]) for reader, slot in slots]
-    run = _lazy(name, module, examples, fallback=one_by_one)
+    run = _lazy(name, module, [_example(*meta) for _, meta in inputs], fallback=one_by_one)
 
     def region(*args: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return run(*(fix(arg) for fix, arg in zip(fixers, args, strict=True)))  # type: ignore[no-any-return]
@@ -218,9 +216,7 @@ def compile_region(
     return region
 
 
-def exact_layout(
-    shape: tuple[int, ...], strides: tuple[int, ...], layout: torch.memory_format
-) -> Callable[[torch.Tensor], torch.Tensor]:
+def exact_layout(shape: tuple[int, ...], strides: tuple[int, ...], layout: torch.memory_format) -> Fixer:
     """``layout``-contiguous with exactly ``strides``: a size-1 dimension leaves a tensor's
     strides ambiguous, and a partition's guard compares them all."""
     if 1 not in shape:

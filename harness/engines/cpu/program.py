@@ -8,22 +8,22 @@ could drift from the real one. The timed variant only adds a clock reading
 before and after each call.
 
 A call is one layer, or a region: consecutive layers whose tactics are oneDNN
-Graph partitions, with the plain layers among and after them that read only
-their values, traced together as one graph
+Graph partitions, with the plain layers among and after them, traced
+together as one graph
 (:func:`harness.engines.cpu.onednn_graph.compile_region`), so the run pays
 one call for them and the partitions pass each other oneDNN's own layouts.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from harness.engines.cpu import onednn_graph, tactics
-from harness.engines.cpu.plan import GETITEM, Node, Plan, Ref
+from harness.engines.cpu.plan import GETITEM, Node, Plan, Ref, TensorMeta
 from harness.opnames import plan_packet
 
 RunFn = Callable[..., tuple[torch.Tensor, ...]]
@@ -33,7 +33,9 @@ TimedRunFn = Callable[..., tuple[torch.Tensor, ...]]
 # are the op's own ATen call, of these layer types, and the global pooling of squeeze-excite
 # blocks (other poolings can make the bridge fail to compile the region: max_pool2d with its
 # default stride).
-_INNER_TYPES = frozenset({"elementwise", "reduce", "shuffle", "cast", "normalization", "softmax", "attention"})
+_INNER_TYPES = frozenset(
+    {"elementwise", "reduce", "shuffle", "cast", "reformat", "normalization", "softmax", "attention"}
+)
 _INNER_IMPLS = frozenset({"direct", "reshape", "layernorm_fused", "softmax_fused", "sdpa_fused"})
 _INNER_OPS = frozenset({"adaptive_avg_pool2d"})
 
@@ -74,7 +76,7 @@ def compile_plan(plan: Plan, regions: bool = True) -> Program:
         first, last = group[0], group[-1]
         nodes = [plan.nodes[i] for i in group]
         if len(group) > 1:
-            statement = _region_call(f"r{first}", nodes, group, bound, last_use, variables, namespace)
+            statement = _region_call(f"r{first}", nodes, group, bound, metas, last_use, variables, namespace)
         else:
             node = nodes[0]
             var = variables[node.name] = f"v{first}"
@@ -130,22 +132,21 @@ def region_groups(nodes: Sequence[Node]) -> list[list[int]]:
     """Node indices in call order, the runs that form regions together.
 
     A run starts with a oneDNN Graph layer (whose input fixers give the
-    region's inputs their layouts) and takes every following graph layer. A
-    plain layer (its op's own ATen call, one output) joins it when it reads
-    only values the run computed, such as the pooling and the rescale of a
-    squeeze-excite block between its convolutions, or a transformer block's
-    layer norms and attention between its linear layers: its inputs then have
-    the layouts the trace saw.
+    region's inputs their layouts) and takes every following graph layer, and
+    every plain layer (its op's own ATen call, one output, of the types above)
+    between and after them: the pooling and the rescale of a squeeze-excite
+    block between its convolutions, a transformer block's layer norms,
+    attention, residual adds and the casts of weak and AMP typing. What a
+    plain layer reads from before the region is made contiguous, as the trace
+    saw it.
     """
     groups: list[list[int]] = []
     run: list[int] = []
-    produced: set[str] = set()
 
     def close() -> None:
         if run:
             groups.append(list(run))
         run.clear()
-        produced.clear()
 
     for index, node in enumerate(nodes):
         graph = tactics.on_graph_tactic(node)
@@ -155,11 +156,9 @@ def region_groups(nodes: Sequence[Node]) -> list[list[int]]:
             and not node.multi
             and tactics.parse_tactic(node.tactic)[0] in _INNER_IMPLS
             and (tactics.layer_type(node) in _INNER_TYPES or plan_packet(node.op) in _INNER_OPS)
-            and all(ref.name in produced for ref in node.refs())
         )
         if graph or inner:
             run.append(index)
-            produced.add(node.name)
         else:
             close()
             groups.append([index])
@@ -172,6 +171,7 @@ def _region_call(
     nodes: Sequence[Node],
     group: Sequence[int],
     bound: dict[int, Any],
+    metas: Mapping[str, TensorMeta],
     last_use: dict[str, int],
     variables: dict[str, str],
     namespace: dict[str, Any],
@@ -179,20 +179,27 @@ def _region_call(
     """Compile ``nodes`` as one region; its statement assigns the results used after it."""
     inside = {node.name: k for k, node in enumerate(nodes)}
     keys: dict[tuple[str, tuple[int, ...]], int] = {}  # (value, strides) -> region input
-    inputs: list[tuple[int, int]] = []
+    inputs: list[tuple[onednn_graph.Fixer, onednn_graph.InputMeta]] = []
     args: list[str] = []
     wiring: list[tuple[int, ...]] = []
     for k, node in enumerate(nodes):
-        layer = bound[group[k]]  # a GraphLayer wherever a value comes from outside the region
+        layer = bound[group[k]]
         reads = []
         for slot, ref in enumerate(node.refs()):
             if ref.name in inside:
                 reads.append(-1 - inside[ref.name])  # resolved below, once the inputs are counted
                 continue
-            key = (ref.name, layer.inputs[slot][1])
+            if isinstance(layer, onednn_graph.GraphLayer):  # its partition's layout
+                fix, meta = layer.fixers[slot], layer.inputs[slot]
+            else:  # a plain layer's input, contiguous as ATen ops mostly return them
+                shape = tuple(metas[ref.name].shape)
+                strides = torch.empty(shape, device="meta").stride()
+                fix = onednn_graph.exact_layout(shape, strides, torch.contiguous_format)
+                meta = (shape, strides, metas[ref.name].dtype)
+            key = (ref.name, meta[1])
             if key not in keys:
                 keys[key] = len(inputs)
-                inputs.append((k, slot))
+                inputs.append((fix, meta))
                 args.append(variables[ref.name])
             reads.append(keys[key])
         wiring.append(tuple(reads))
