@@ -262,3 +262,39 @@ def test_inputs_are_checked_against_a_dynamic_batch_axis():
     for bad in (torch.ones(3, 5), torch.ones(3, 4, 1), torch.ones(3, 4, dtype=torch.float16)):
         with pytest.raises(HarnessError, match=r"engine input 'x': expected fp32 \(-1, 4\)"):
             check_inputs((bad,), spec, "engine")
+
+
+class Means(nn.Module):
+    """Means over the spatial axes with the shape kept (a pooling to 1x1), and two that are not."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        pooled = nn.functional.adaptive_avg_pool2d(x, 1) + x.mean((-2, -1), keepdim=True)
+        return pooled, x.mean((2, 3)), x.mean(1, keepdim=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_mean_over_the_spatial_axes_is_written_as_global_average_pool(tmp_path, dtype):
+    """ONNX Runtime keeps GlobalAveragePool in its blocked layout and reorders around a
+    ReduceMean; the file must say GlobalAveragePool wherever that is the same function (bf16
+    from opset 22) and compute what the typed graph computes."""
+    import onnxruntime as ort
+
+    from harness.autocast import compile
+
+    x = torch.randn(2, 8, 5, 5, generator=torch.Generator().manual_seed(3))
+    policy = ("fp32", None) if dtype == torch.float32 else ("full", dtype)
+    compiled = compile(Means().eval(), (x,), policy=policy[0], low_precision_type=policy[1])
+    record = export_onnx(compiled, tmp_path / "m.onnx")
+    proto = onnx.load(record.path)
+    ops = collections.Counter(n.op_type for n in proto.graph.node)
+    assert ops["GlobalAveragePool"] == 2 and ops["ReduceMean"] == 2
+    pools = [n.name for n in proto.graph.node if n.op_type == "GlobalAveragePool"]
+    assert pools[0].startswith("adaptive_avg_pool2d") and pools[1].startswith("mean")
+    # No axes constant left behind for the pools.
+    used = {i for n in proto.graph.node for i in n.input}
+    assert all(init.name in used for init in proto.graph.initializer)
+    if dtype == torch.float32:  # ONNX Runtime's CPU provider has no bf16 kernels
+        session = ort.InferenceSession(str(record.path), providers=["CPUExecutionProvider"])
+        got = session.run(None, {record.inputs[0].name: x.numpy()})
+        for out, expected in zip(got, compiled(x), strict=True):
+            torch.testing.assert_close(torch.from_numpy(out), expected, rtol=1e-6, atol=1e-6)
