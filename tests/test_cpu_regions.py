@@ -227,6 +227,45 @@ def test_plain_layers_reading_values_from_before_the_region_join_it():
     torch.testing.assert_close(together, reference, rtol=0.02, atol=0.02)
 
 
+class Excite(nn.Module):
+    """A squeeze-excite block: its global pooling reads a convolution's result in the region."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dw = nn.Conv2d(8, 8, 3, padding=1, groups=8)
+        self.fc1, self.fc2, self.project = nn.Conv2d(8, 4, 1), nn.Conv2d(4, 8, 1), nn.Conv2d(8, 8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.relu(self.dw(x))
+        gate = F.hardsigmoid(self.fc2(F.relu(self.fc1(F.adaptive_avg_pool2d(y, 1)))))
+        return self.project(y * gate)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_global_pooling_in_a_region_runs_in_onednn(dtype):
+    """The bridge maps only fixed-window average pooling: inside a region the squeeze-excite
+    pooling is traced as one, runs in a partition (no ATen pooling call), and computes the
+    means the adaptive pooling computes."""
+    gen = torch.Generator().manual_seed(6)
+    module = Excite().eval()
+    inputs = (torch.randn(1, 8, 7, 7, generator=gen),)
+    plan = _graph_plan(dtype, (module, inputs))
+    if not _graph_tactics_offered(plan, dtype):
+        return
+    merged, alone = CpuEngine(plan), CpuEngine(plan, regions=False)
+    (region,) = [call for call in merged._program.calls if len(call) > 1]
+    assert "adaptive_avg_pool2d" in [plan_packet(n.op) for n in region]
+    with torch.inference_mode():
+        together, separate, reference = merged.run(*inputs)[0], alone.run(*inputs)[0], module(*inputs)
+        events, alone_events = _events(merged.run, *inputs), _events(alone.run, *inputs)
+    assert "aten::adaptive_avg_pool2d" in alone_events
+    assert not [e for e in events if "pool" in e and not e.startswith("LlgaPartition")]
+    tol = 1e-5 if dtype == torch.float32 else 2**-7
+    torch.testing.assert_close(together, separate, rtol=tol, atol=tol)
+    close = 1e-5 if dtype == torch.float32 else 0.05
+    torch.testing.assert_close(together.float(), reference, rtol=close, atol=close)
+
+
 def test_the_profile_times_a_region_as_one_call_naming_its_layers():
     plan = _graph_plan(torch.float32)
     engine = CpuEngine(plan)

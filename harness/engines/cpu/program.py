@@ -16,6 +16,7 @@ one call for them and the partitions pass each other oneDNN's own layouts.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -209,10 +210,28 @@ def _region_call(
         variables[nodes[k].name] = f"v{group[k]}"
     namespace[name] = onednn_graph.compile_region(
         f"{nodes[0].name}..{nodes[-1].name}",
-        [bound[i] for i in group],
+        [_traced_form(node, bound[i], metas) for node, i in zip(nodes, group, strict=True)],
         inputs,
         wiring,
         [len(inputs) + k for k in produced],
     )
     call = f"{name}({', '.join(args)})"
     return f"{''.join(f'v{group[k]}, ' for k in produced)}= {call}" if produced else call
+
+
+def _traced_form(node: Node, layer: Any, metas: Mapping[str, TensorMeta]) -> Any:
+    """What a region traces for ``node``: its bound call, except an adaptive average pooling
+    whose output divides its input, which is an average pooling with a fixed window.
+
+    The two compute the same means. The bridge maps only the fixed-window one
+    to oneDNN, where the pooling then takes the convolution's result in
+    oneDNN's layout instead of a reorder to a plain tensor and back (a
+    squeeze-excite block's global pooling: mobilenet bf16 1.94 -> 1.86 ms).
+    """
+    if plan_packet(node.op) != "adaptive_avg_pool2d" or node.outputs[0] is None:
+        return layer
+    size, out = metas[node.refs()[0].name].shape[-2:], node.outputs[0].shape[-2:]
+    if len(size) != 2 or any(i % o for i, o in zip(size, out, strict=True)):
+        return layer
+    window = tuple(i // o for i, o in zip(size, out, strict=True))
+    return functools.partial(torch.nn.functional.avg_pool2d, kernel_size=window, stride=window)
