@@ -70,11 +70,14 @@ def _inputs() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     return module, (torch.randn(1, 8, 6, 6, generator=gen),)
 
 
-def _graph_plan(dtype: torch.dtype, model: tuple[nn.Module, tuple[torch.Tensor, ...]] | None = None) -> Plan:
-    """The plan with every convolution and linear layer on its oneDNN Graph tactic, every other
-    layer on its plain ATen call."""
+def _graph_plan(
+    dtype: torch.dtype, model: tuple[nn.Module, tuple[torch.Tensor, ...]] | None = None, policy: str | None = None
+) -> Plan:
+    """The plan (typed by ``policy``, default every layer in ``dtype``) with every convolution and
+    linear layer on its oneDNN Graph tactic, every other layer on its plain ATen call."""
     module, inputs = model or _inputs()
-    policy, low = ("fp32", None) if dtype == torch.float32 else ("full", dtype)
+    low = None if dtype == torch.float32 else dtype
+    policy = policy or ("fp32" if low is None else "full")
     plan, _ = lower(compile(module, inputs, policy=policy, low_precision_type=low).graph_module, "test")
     metas = plan.value_metas()
     for i, node in enumerate(plan.nodes):
@@ -202,14 +205,7 @@ def test_plain_layers_reading_values_from_before_the_region_join_it():
     gen = torch.Generator().manual_seed(8)
     module = Residual().eval()
     inputs = (torch.randn(1, 6, 16, generator=gen),)
-    compiled = compile(module, inputs, policy="amp", low_precision_type=torch.bfloat16)
-    plan, _ = lower(compiled.graph_module, "test")
-    metas = plan.value_metas()
-    for i, node in enumerate(plan.nodes):
-        if node.is_layer:
-            impl = GRAPH_TACTICS.get(plan_packet(node.op)) or tactics.impl_names(node, metas, plan.weights)[0]
-            precision = node.outputs[0].dtype if node.outputs[0] is not None else "fp32"
-            plan.nodes[i] = replace(node, tactic=f"{impl}[{precision}]")
+    plan = _graph_plan(torch.bfloat16, (module, inputs), policy="amp")
     if not _graph_tactics_offered(plan, torch.bfloat16):
         return
     merged, alone = CpuEngine(plan), CpuEngine(plan, regions=False)
@@ -220,11 +216,11 @@ def test_plain_layers_reading_values_from_before_the_region_join_it():
     first_add = next(n for n in region if plan_packet(n.op) == "add")
     assert plan.inputs[0][0] in {r.name for r in first_add.refs()}  # read from before the region
     with torch.inference_mode():
-        together, separate, reference = merged.run(*inputs)[0], alone.run(*inputs)[0], compiled(*inputs)
+        together, separate, reference = merged.run(*inputs)[0], alone.run(*inputs)[0], module(*inputs)
         events = _events(merged.run, *inputs)
     assert not [e for e in events if e in _UNFUSED]
     torch.testing.assert_close(together, separate, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(together, reference, rtol=0.02, atol=0.02)
+    torch.testing.assert_close(together, reference, rtol=0.05, atol=0.05)
 
 
 class Excite(nn.Module):
