@@ -215,6 +215,12 @@ def test_determinism_regressions() -> None:
     assert det(engine_fingerprint="sha256:engine-2", timing_cache_digest="sha256:cache-b", from_cache=True) == []
     assert det(output_digest="sha256:" + "f" * 64) == ["same engine fingerprint but the outputs changed"]
     assert det(output_digest="sha256:" + "f" * 64, engine_fingerprint="sha256:e3", timing_cache_digest=None) == []
+    # Between two commits the finding still fails, and names them: the runtime may have changed.
+    other_commit = make_doc([{**copy.deepcopy(base["cases"][0]), "output_digest": "sha256:" + "f" * 64}])
+    other_commit["git"] = {"commit": "b" * 40, "dirty": False}
+    (finding,) = [f for c in gate(base, other_commit).failing for f in c.findings if f.kind == "determinism"]
+    assert finding.message.startswith("same engine fingerprint but the outputs changed (the runs are of commits ")
+    assert f"unknown and {'b' * 40}" in finding.message and "promote a baseline of this commit" in finding.message
 
 
 def test_failed_cases_and_an_incomplete_run_fail_the_gate() -> None:

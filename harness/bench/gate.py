@@ -244,11 +244,17 @@ def _accuracy(base: Mapping[str, Any], cur: Mapping[str, Any], tol: AccuracyTole
         worse(f"task {bt['name']}", bt["value"], ct["value"], tol.task_accuracy_drop, False)
 
 
-def _determinism(base: Mapping[str, Any], cur: Mapping[str, Any], verdict: CaseVerdict) -> None:
+def _determinism(
+    base: Mapping[str, Any], cur: Mapping[str, Any], verdict: CaseVerdict, commits: tuple[Any, Any]
+) -> None:
     """Same timing cache (same digest) must give the same engine; same engine, the same bits.
 
     A cache the user edited on purpose (``harness cache pin``) has another
     digest, so the engine it builds may differ: that is the point of pinning.
+    Between two commits the same plan can also run on another runtime (the
+    CPU engine's regions changed bits that way): still a failure, since a
+    pull request must say so, but the finding names the commits, so the
+    reader knows to ask which it was.
     """
     bf, cf = base.get("engine_fingerprint"), cur.get("engine_fingerprint")
     bc, cc = base.get("timing_cache_digest"), cur.get("timing_cache_digest")
@@ -259,10 +265,18 @@ def _determinism(base: Mapping[str, Any], cur: Mapping[str, Any], verdict: CaseV
         )
     bo, co = base.get("output_digest"), cur.get("output_digest")
     if bf is not None and bf == cf and bo is not None and co is not None and bo != co:
-        verdict.findings.append(Finding("determinism", "fail", "same engine fingerprint but the outputs changed"))
+        message = "same engine fingerprint but the outputs changed"
+        if commits[0] != commits[1]:
+            message += (
+                f" (the runs are of commits {commits[0] or 'unknown'} and {commits[1] or 'unknown'}: a change "
+                "of how a plan runs changes outputs too; if intended, promote a baseline of this commit)"
+            )
+        verdict.findings.append(Finding("determinism", "fail", message))
 
 
-def _check_case(base: Mapping[str, Any], cur: Mapping[str, Any], s: GateSettings) -> CaseVerdict:
+def _check_case(
+    base: Mapping[str, Any], cur: Mapping[str, Any], s: GateSettings, commits: tuple[Any, Any]
+) -> CaseVerdict:
     verdict = CaseVerdict(case_key(cur))
     if cur["status"] == "failed":
         severity: Severity = "fail" if base["status"] != "failed" else "info"
@@ -279,7 +293,7 @@ def _check_case(base: Mapping[str, Any], cur: Mapping[str, Any], s: GateSettings
         )
     _latency(base, cur, s, verdict)
     _accuracy(base, cur, s.tolerances, verdict)
-    _determinism(base, cur, verdict)
+    _determinism(base, cur, verdict, commits)
     for side, case in (("baseline", base), ("current", cur)):  # what the runner stored (a busy machine)
         verdict.findings += [Finding("warning", "info", f"{side} run: {w}") for w in case.get("warnings", [])]
     return verdict
@@ -334,8 +348,9 @@ def gate(
     )
     if changed:
         notes.append("settings differ: " + ", ".join(changed))
+    commits = (baseline_doc["git"]["commit"], current_doc["git"]["commit"])
     verdicts = [
-        _check_case(base_cases[key], cur, s) if key in base_cases
+        _check_case(base_cases[key], cur, s, commits) if key in base_cases
         else CaseVerdict(key, [Finding("new", "info", "not in the baseline (new case)")])
         for key, cur in cur_cases.items()
     ]  # fmt: skip
