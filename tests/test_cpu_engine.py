@@ -20,6 +20,7 @@ from harness.cache.timing_cache import TimingCache
 from harness.dtypes import dtype_name
 from harness.engines.cpu import CpuBackend, CpuEngine, builder, tactics
 from harness.engines.cpu.lowering import lower
+from harness.engines.cpu.plan import WeightRef
 from harness.engines.protocol import BuildConfig
 from harness.errors import HarnessError
 from harness.fileio import canonical_json, digest
@@ -220,17 +221,28 @@ def test_weak_build_runs_its_timed_layers_in_bf16_only_if_the_whole_run_is_faste
     monkeypatch.setattr(builder, "run_ms", whole_runs)
     cache = tmp_path / "cache.json"
     built = build_engine(spec, config, CpuBackend(), cache)
+    # The two plans compared, each with its layers on graph tactics where that forms regions.
     as_timed, in_bf16 = compared[0]
     choosable = {"conv2d", "linear", "linear_1", "layer_norm", "softmax"}
-    assert choosable <= set(as_timed) and all(as_timed[n].endswith("[fp32]") for n in choosable)
-    first_bf16 = {
-        t.layer: next(c.tactic for c in t.candidates if c.tactic.endswith("[bf16]")) for t in built.log.layers if t.layer in choosable
-    }
-    assert {n: in_bf16[n] for n in choosable} == first_bf16
-    kept = in_bf16 if low_faster else as_timed
+    records = {t.layer: t for t in built.log.layers if t.layer in choosable}
+    first = {name: t.candidates[0].tactic for name, t in records.items()}
+    first_bf16 = {name: next(c.tactic for c in t.candidates if c.tactic.endswith("[bf16]")) for name, t in records.items()}
+    for plan, own, precision in ((as_timed, first, "fp32"), (in_bf16, first_bf16, "bf16")):
+        for name in choosable:
+            impl, dtype = tactics.parse_tactic(plan[name])
+            assert dtype == precision and (plan[name] == own[name] or impl in tactics.GRAPH_IMPLS)
+    kept = first_bf16 if low_faster else first
     layers = {layer.name: layer for layer in built.engine.layers()}
     assert {n: layers[n].tactic for n in choosable} == {n: kept[n] for n in choosable}
     assert all(layers[n].output_dtypes == (("bf16",) if low_faster else ("fp32",)) for n in choosable)
+    # A layer norm in bf16 keeps fp32 parameters, as the compiler keeps them (mixed layer norm);
+    # the linear layers' weights are converted.
+    weights = built.engine.plan.weights
+    by_name = {n.name: n for n in built.engine.plan.nodes}
+    norm_params = [a.name for a in by_name["layer_norm"].args if isinstance(a, WeightRef)]
+    linear_weights = [a.name for a in by_name["linear"].args if isinstance(a, WeightRef)]
+    assert len(norm_params) == 2 and {weights[w].dtype for w in norm_params} == {torch.float32}
+    assert {weights[w].dtype for w in linear_weights} == {torch.bfloat16 if low_faster else torch.float32}
     assert {t.layer: t.chosen for t in built.log.layers if t.layer in choosable} == {n: kept[n] for n in choosable}
     note = next(m for m in built.log.messages if "more layer(s) in bf16" in m)
     assert note.startswith("ran 5 more layer(s) in bf16" if low_faster else "kept the timed precisions: with 5 more layer(s)")

@@ -94,7 +94,7 @@ def _promote_type(node: torch.fx.Node, inputs: list[torch.fx.Node], low: torch.d
 # Normalization kernels take a low-precision activation with fp32 parameters
 # and compute their statistics in fp32 (what eager autocast runs): their
 # weights, biases and running statistics stay fp32 when the node is lowered.
-_NORM_PARAMETERS = {
+NORM_PARAMETERS = {
     aten.batch_norm.default: (1, 2, 3, 4),
     aten.layer_norm.default: (2, 3),
     aten.group_norm.default: (2, 3),
@@ -102,7 +102,7 @@ _NORM_PARAMETERS = {
 
 
 def _fp32_parameters(node: torch.fx.Node) -> set[torch.fx.Node]:
-    positions = _NORM_PARAMETERS.get(node.target, ()) if isinstance(node.target, torch._ops.OpOverload) else ()
+    positions = NORM_PARAMETERS.get(node.target, ()) if isinstance(node.target, torch._ops.OpOverload) else ()
     return {
         a
         for i in positions
@@ -226,7 +226,7 @@ def insert_casts(
     """Apply ``decisions``; with ``cast_outputs_back`` the public output dtypes are kept.
 
     ``mixed_norms`` keeps normalization parameters fp32 on lowered nodes (see
-    ``_NORM_PARAMETERS``); the amp policy turns it off because AMP's cast policy decides that.
+    ``NORM_PARAMETERS``); the amp policy turns it off because AMP's cast policy decides that.
     """
     inserter = _Inserter(gm, clip_fp16, mixed_norms)
     output = gm.graph.output_node()

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from harness.autocast.casts import NORM_PARAMETERS
 from harness.cache.timing_cache import CacheEntry, Candidate, TimingCache
 from harness.dtypes import FLOAT_DTYPES, dtype_from_name, dtype_name
 from harness.engines.cpu import tactics
@@ -51,6 +52,7 @@ from harness.engines.modes import is_weak, low_dtype
 from harness.engines.protocol import BuildConfig, LayerTiming
 from harness.errors import HarnessError
 from harness.fileio import canonical_json
+from harness.opnames import plan_name
 
 # Layer types whose precision a weak-mode build chooses by timing.
 CHOOSABLE = frozenset(
@@ -58,6 +60,8 @@ CHOOSABLE = frozenset(
 )
 # Layer types that only move data: they run in whatever dtype their input arrives in.
 PASSTHROUGH = frozenset(("shuffle", "gather"))
+# Plan op -> argument positions of the parameters a normalization keeps in fp32.
+_NORM_POSITIONS = {plan_name(op): positions for op, positions in NORM_PARAMETERS.items()}
 
 
 @dataclass(frozen=True)
@@ -256,12 +260,26 @@ class PlanBuilder:
         )
 
     def _retyped(self, node: Node, precision: str, in_dtypes: list[str]) -> _Variant:
-        """``node`` run in ``precision``: float inputs cast, float weights converted once."""
+        """``node`` run in ``precision``: float inputs cast, float weights converted once.
+
+        A normalization's parameters stay fp32, as the compiler keeps them
+        (:data:`harness.autocast.casts.NORM_PARAMETERS`): its kernels take a
+        low-precision input with fp32 parameters and compute in fp32, and
+        oneDNN runs such a layer norm inside a region, where a bf16-parameter
+        one falls back to ATen (65 us against a partition's 20 on the zoo
+        transformer).
+        """
+        kept = {
+            arg.name
+            for i in _NORM_POSITIONS.get(node.op, ())
+            if i < len(node.args) and isinstance(arg := node.args[i], WeightRef)
+        }
 
         def convert(leaf: Any) -> Any:
             if (
                 isinstance(leaf, WeightRef)
                 and precision != "fp32"
+                and leaf.name not in kept
                 and self.plan.weights[leaf.name].is_floating_point()
             ):
                 return WeightRef(self._converted_weight(leaf.name, precision))
@@ -314,7 +332,9 @@ class PlanBuilder:
         regions around it (TensorRT weighs such reformats in its choice). So
         the plan as timed and the plan with each timed layer on its fastest
         low-precision candidate (from the same timings: nothing is timed
-        again) run whole, in alternating rounds, and the faster stays. As in
+        again) run whole, in alternating rounds, each with its layers on graph
+        tactics where that forms regions (as :meth:`_choose_regions` may then
+        put them), and the faster precisions stay. As in
         :meth:`_choose_regions`, an editable cache records the decision, so a
         rebuild from it is the same engine.
         """
@@ -335,7 +355,12 @@ class PlanBuilder:
         finally:
             self.forced = {}
         inputs = [self.values[name] for name, _ in self.plan.inputs]
-        mixed_ms, low_ms = run_ms([as_timed[0], self.plan], inputs, self.timing)
+        # Each as it would run: regions are decided after, and favour one dtype throughout.
+        mixed, lowered_plan = (
+            replace(plan, nodes=self._graph_switched(plan, metas))
+            for plan, metas in ((as_timed[0], as_timed[1]), (self.plan, self.runtime))
+        )
+        mixed_ms, low_ms = run_ms([mixed, lowered_plan], inputs, self.timing)
         if low_ms >= mixed_ms:
             self.plan, self.runtime, self.cast_names, self.values, self.executed, self.timings = as_timed
             self.messages.append(
@@ -349,6 +374,25 @@ class PlanBuilder:
             f"{low_ms:.4g} ms, against {mixed_ms:.4g} ms with fp32 layers and casts between "
             f"(e.g. {next(iter(lowered.values())).layer!r})"
         )
+
+    def _graph_switched(self, plan: Plan, metas: Mapping[str, TensorMeta]) -> list[Node]:
+        """``plan``'s nodes with the layers this build timed on their graph tactic (same
+        precision), where that puts them in a region with another graph layer."""
+        switched = list(plan.nodes)
+        for i, node in enumerate(plan.nodes):
+            if node.op == GETITEM or node.key not in self.timed:
+                continue
+            impl, precision = tactics.parse_tactic(node.tactic)
+            graph = [g for g in tactics.impl_names(node, metas, plan.weights) if g in tactics.GRAPH_IMPLS]
+            if graph and impl not in graph:
+                tactic = tactics.tactic_name(graph[0], precision)
+                switched[i] = replace(node, tactic=tactic, tactic_hash=tactics.tactic_hash(tactic))
+        for group in region_groups(switched):
+            graph_layers = [i for i in group if tactics.on_graph_tactic(switched[i])]
+            for i in group:
+                if switched[i] is not plan.nodes[i] and len(graph_layers) < 2:
+                    switched[i] = plan.nodes[i]  # alone either way: keep its own fastest tactic
+        return switched
 
     def _record_choices(self, chosen: Mapping[str, str]) -> None:
         """Layer key -> the tactic a whole-run decision gave it, in the records and an editable cache."""
@@ -381,21 +425,7 @@ class PlanBuilder:
         engine; without one (``--disable-cache``, ``--no-editable-cache``)
         each build decides again, by timing.
         """
-        metas = self.runtime
-        switched = list(self.plan.nodes)
-        for i, node in enumerate(self.plan.nodes):
-            if node.op == GETITEM or node.key not in self.timed:
-                continue
-            impl, precision = tactics.parse_tactic(node.tactic)
-            graph = [g for g in tactics.impl_names(node, metas, self.plan.weights) if g in tactics.GRAPH_IMPLS]
-            if graph and impl not in graph:
-                tactic = tactics.tactic_name(graph[0], precision)
-                switched[i] = replace(node, tactic=tactic, tactic_hash=tactics.tactic_hash(tactic))
-        for group in region_groups(switched):
-            graph_layers = [i for i in group if tactics.on_graph_tactic(switched[i])]
-            for i in group:
-                if switched[i] is not self.plan.nodes[i] and len(graph_layers) < 2:
-                    switched[i] = self.plan.nodes[i]  # alone either way: keep its own fastest tactic
+        switched = self._graph_switched(self.plan, self.runtime)
         moved = [new for new, old in zip(switched, self.plan.nodes, strict=True) if new is not old]
         if not moved:
             return
