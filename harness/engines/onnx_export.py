@@ -501,12 +501,8 @@ def _global_average_pools(model: ir.Model) -> None:
         ):
             continue
         pool = ir.Node("", "GlobalAveragePool", [x], name=node.name)
-        model.graph.insert_before(node, pool)
-        pool.outputs[0].dtype, pool.outputs[0].shape = x.dtype, node.outputs[0].shape
-        node.outputs[0].replace_all_uses_with(pool.outputs[0], replace_graph_outputs=True)
-        name = node.outputs[0].name
-        model.graph.remove(node, safe=True)
-        pool.outputs[0].name = name
+        # The pool's output takes the mean's name, type, shape and consumers.
+        ir.convenience.replace_nodes_and_values(model.graph, node, [node], [pool], node.outputs, pool.outputs)
         if not axes.uses() and axes.name is not None and axes.name in model.graph.initializers:
             model.graph.initializers.pop(axes.name)
 

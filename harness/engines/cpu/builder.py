@@ -64,6 +64,9 @@ PASSTHROUGH = frozenset(("shuffle", "gather"))
 # it costs accuracy, so a difference within the timing noise (a few percent on a shared
 # machine) must not decide it.
 LOWERING_MARGIN = 0.03
+# What one decision pass (PlanBuilder._decide_all) builds: a whole-run decision that
+# tries another pass keeps these to restore them.
+_PASS_STATE = ("plan", "runtime", "cast_names", "values", "executed", "timings")
 # Plan op -> argument positions of the parameters a normalization keeps in fp32.
 _NORM_POSITIONS = {plan_name(op): positions for op, positions in NORM_PARAMETERS.items()}
 
@@ -353,7 +356,7 @@ class PlanBuilder:
                 lowered[key] = replace(record, chosen=best.tactic, chosen_hash=best.tactic_hash)
         if not lowered:
             return
-        as_timed = (self.plan, self.runtime, self.cast_names, self.values, self.executed, self.timings)
+        as_timed = {name: getattr(self, name) for name in _PASS_STATE}  # _decide_all rebinds, never mutates
         self.forced = {**timed, **lowered}
         try:
             self._decide_all(graph, example_inputs)
@@ -361,13 +364,12 @@ class PlanBuilder:
             self.forced = {}
         inputs = [self.values[name] for name, _ in self.plan.inputs]
         # Each as it would run: regions are decided after, and favour one dtype throughout.
-        mixed, lowered_plan = (
-            replace(plan, nodes=self._graph_switched(plan, metas))
-            for plan, metas in ((as_timed[0], as_timed[1]), (self.plan, self.runtime))
-        )
-        mixed_ms, low_ms = run_ms([mixed, lowered_plan], inputs, self.timing)
+        mixed = replace(as_timed["plan"], nodes=self._graph_switched(as_timed["plan"], as_timed["runtime"]))
+        in_low = replace(self.plan, nodes=self._graph_switched(self.plan, self.runtime))
+        mixed_ms, low_ms = run_ms([mixed, in_low], inputs, self.timing)
         if low_ms > mixed_ms * (1 - LOWERING_MARGIN):
-            self.plan, self.runtime, self.cast_names, self.values, self.executed, self.timings = as_timed
+            for name, value in as_timed.items():
+                setattr(self, name, value)
             self.messages.append(
                 f"kept the timed precisions: with {len(lowered)} more layer(s) in {low} "
                 f"the run takes {low_ms:.4g} ms, against {mixed_ms:.4g} ms (lowering them costs "

@@ -224,6 +224,12 @@ def exact_layout(shape: tuple[int, ...], strides: tuple[int, ...], layout: torch
     return lambda t: t.contiguous(memory_format=layout).as_strided(shape, strides)
 
 
+def input_meta(shape: Sequence[int], dtype: str, layout: torch.memory_format) -> InputMeta:
+    """The (shape, strides, dtype) of a ``layout``-contiguous input, as a partition's guard sees it."""
+    shape = tuple(shape)
+    return shape, torch.empty(shape, device="meta", memory_format=layout).stride(), dtype
+
+
 def _example(shape: tuple[int, ...], strides: tuple[int, ...], dtype: str) -> torch.Tensor:
     return torch.zeros(shape, dtype=dtype_from_name(dtype)).as_strided(shape, strides)
 

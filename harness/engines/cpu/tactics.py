@@ -388,10 +388,7 @@ def _onednn_graph(
 
     def binder(ctx: _Ctx) -> Bound:
         named = ctx.named
-        layouts = [
-            (m.shape, torch.empty(m.shape, device="meta", memory_format=layout).stride(), m.dtype)
-            for m in ctx.inputs
-        ]
+        layouts = [onednn_graph.input_meta(m.shape, m.dtype, layout) for m in ctx.inputs]
         return onednn_graph.compile_layer(
             ctx.name,
             op,
