@@ -38,6 +38,14 @@ pytestmark = pytest.mark.skipif(
     not onednn_graph.available("fp32"), reason="this PyTorch has no oneDNN Graph bridge"
 )
 GRAPH_TACTICS = {"conv2d": "conv_onednn_graph", "linear": "gemm_onednn_graph"}
+# fp16 layers have no kernels in the bridge: their graph tactics are the fp32 partition widened.
+BRIDGE_PRECISION = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp32"}
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _graph_tactic(packet: str, precision: str) -> str | None:
+    impl = GRAPH_TACTICS.get(packet)
+    return None if impl is None else impl + ("_widened" if precision == "fp16" else "")
 
 
 class Chain(nn.Module):
@@ -82,8 +90,8 @@ def _graph_plan(
     metas = plan.value_metas()
     for i, node in enumerate(plan.nodes):
         if node.is_layer:
-            impl = GRAPH_TACTICS.get(plan_packet(node.op)) or tactics.impl_names(node, metas, plan.weights)[0]
             precision = node.outputs[0].dtype if node.outputs[0] is not None else "fp32"
+            impl = _graph_tactic(plan_packet(node.op), precision) or tactics.impl_names(node, metas, plan.weights)[0]
             plan.nodes[i] = replace(node, tactic=f"{impl}[{precision}]")
     return plan
 
@@ -108,7 +116,7 @@ class Encoder(nn.Module):
 def _graph_tactics_offered(plan: Plan, dtype: torch.dtype) -> bool:
     """Whether this CPU offers the graph tactics in ``dtype``; where it has no bf16 oneDNN
     kernels, an engine of ``plan`` must be refused, naming the tactic (asserted here)."""
-    if onednn_graph.available({torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype]):
+    if onednn_graph.available(BRIDGE_PRECISION[dtype]):
         return True
     with pytest.raises(HarnessError, match="has no implementation '(conv|gemm)_onednn_graph'"):
         CpuEngine(plan)
@@ -125,7 +133,7 @@ def _events(fn, *args) -> list[str]:
 _UNFUSED = ("aten::_convolution", "aten::convolution", "aten::mkldnn_convolution", "aten::linear", "aten::addmm")
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_a_region_computes_what_its_layers_compute_on_the_fused_path(dtype):
     module, inputs = _inputs()
     plan = _graph_plan(dtype)
@@ -161,7 +169,7 @@ def test_a_region_computes_what_its_layers_compute_on_the_fused_path(dtype):
         torch.testing.assert_close(a.float(), ref, rtol=close, atol=close)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_a_transformer_chain_is_one_region(dtype):
     gen = torch.Generator().manual_seed(2)
     module = Encoder().eval()
@@ -172,7 +180,9 @@ def test_a_transformer_chain_is_one_region(dtype):
     merged, alone = CpuEngine(plan), CpuEngine(plan, regions=False)
     (region,) = [call for call in merged._program.calls if len(call) > 1]
     packets = [plan_packet(n.op) for n in region]
-    assert packets[0] == "linear" and "softmax" in packets[-2:]  # then, in bf16, the cast to fp32
+    # In bf16 and fp16 the input's cast leads the region, and the cast of the result to fp32 ends it.
+    assert packets[: packets.index("linear") + 1] == [*([] if dtype == torch.float32 else ["_to_copy"]), "linear"]
+    assert "softmax" in packets[-2:]
     assert {"layer_norm", "scaled_dot_product_attention", "select"} <= set(packets)
     with torch.inference_mode():
         together, separate, reference = merged.run(*inputs)[0], alone.run(*inputs)[0], module(*inputs)
@@ -211,7 +221,7 @@ def test_plain_layers_reading_values_from_before_the_region_join_it():
     merged, alone = CpuEngine(plan), CpuEngine(plan, regions=False)
     (region,) = [call for call in merged._program.calls if len(call) > 1]
     packets = [plan_packet(n.op) for n in region]
-    assert packets[0] == "linear" and packets[-1] == "layer_norm"
+    assert packets[:2] == ["_to_copy", "linear"] and packets[-1] == "layer_norm"  # the input's cast leads
     assert packets.count("add") == 2 and packets.count("layer_norm") == 2 and packets.count("linear") == 2
     first_add = next(n for n in region if plan_packet(n.op) == "add")
     assert plan.inputs[0][0] in {r.name for r in first_add.refs()}  # read from before the region
@@ -221,6 +231,65 @@ def test_plain_layers_reading_values_from_before_the_region_join_it():
     assert not [e for e in events if e in _UNFUSED]
     torch.testing.assert_close(together, separate, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(together, reference, rtol=0.05, atol=0.05)
+
+
+class Leading(nn.Module):
+    """Plain layers before the first graph layer: a positional add and a layer norm before a
+    linear layer (a transformer's first block)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.positions = nn.Parameter(torch.zeros(6, 16))
+        self.norm, self.fc = nn.LayerNorm(16), nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.relu(self.fc(self.norm(x + self.positions)))
+
+
+class Scaled(nn.Module):
+    """A plain layer before a convolution."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(4, 4, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.relu(self.conv(x * 0.5))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_plain_layers_before_a_linear_layer_start_its_region_but_not_a_convolutions(dtype):
+    """The add and the layer norm (and in bf16 the input's cast) run in the linear layer's
+    region: one call. The scaling before a convolution stays a call of its own: in the
+    region the convolution would be traced on the scaling's plain layout instead of the
+    channels-last one its partition is compiled for."""
+    gen = torch.Generator().manual_seed(9)
+    cases = [
+        (Leading().eval(), (torch.randn(1, 6, 16, generator=gen),)),
+        (Scaled().eval(), (torch.randn(1, 4, 5, 5, generator=gen),)),
+    ]
+    with torch.no_grad():
+        cases[0][0].positions.copy_(torch.randn(6, 16, generator=gen))
+    engines = []
+    for module, inputs in cases:
+        plan = _graph_plan(dtype, (module, inputs))
+        if not _graph_tactics_offered(plan, dtype):
+            return
+        merged, alone = CpuEngine(plan), CpuEngine(plan, regions=False)
+        engines.append([[plan_packet(n.op) for n in call] for call in merged._program.calls])
+        with torch.inference_mode():
+            together, separate, reference = merged.run(*inputs)[0], alone.run(*inputs)[0], module(*inputs)
+            events = _events(merged.run, *inputs)
+        assert not [e for e in events if e in _UNFUSED]
+        torch.testing.assert_close(together, separate, rtol=1e-5, atol=1e-5)
+        close = 1e-5 if dtype == torch.float32 else 0.05
+        torch.testing.assert_close(together.float(), reference, rtol=close, atol=close)
+    linear_calls, conv_calls = engines
+    region = next(call for call in linear_calls if "linear" in call)
+    assert region[: region.index("linear") + 1] == [
+        *([] if dtype == torch.float32 else ["_to_copy"]), "add", "layer_norm", "linear"
+    ]
+    assert ["mul"] in conv_calls and next(call for call in conv_calls if "conv2d" in call)[0] == "conv2d"
 
 
 class Excite(nn.Module):

@@ -16,6 +16,7 @@ from torch import nn
 from harness.autocast import compile
 from harness.build import build_engine
 from harness.cache.timing_cache import TimingCache
+from harness.dtypes import dtype_name
 from harness.engines.cpu import CpuBackend, onednn_graph, tactics
 from harness.engines.cpu.lowering import lower
 from harness.engines.protocol import BuildConfig
@@ -73,10 +74,12 @@ def _partitions(fn, *args) -> int:
     return sum(event.name.startswith("LlgaPartition") for event in prof.events())
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_graph_tactics_fuse_and_match_the_plain_call_whatever_the_input_layout(dtype, caplog):
-    # Where the CPU has no bf16 oneDNN kernels, no layer may be offered the tactic.
-    offered = onednn_graph.available({torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype])
+    # Where the CPU has no bf16 oneDNN kernels, no bf16 layer may be offered the native tactic
+    # (it gets the widened one); fp16 layers always get the widened one.
+    native = onednn_graph.available({torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype])
+    offered = native or onednn_graph.available("fp32")
     plan, inputs = _plan(dtype)
     metas = plan.value_metas()
     values = {name: t for (name, _), t in zip(plan.inputs, inputs, strict=True)}
@@ -87,9 +90,10 @@ def test_graph_tactics_fuse_and_match_the_plain_call_whatever_the_input_layout(d
             args = [values[r.name] for r in node.refs()]
             impls = tactics.impl_names(node, metas, plan.weights)
             values[node.name] = reference = tactics.bind(node, impls[0], metas, plan.weights)(*args)
-            graph = [i for i in impls if i.endswith("_onednn_graph")]
+            graph = [i for i in impls if i in tactics.GRAPH_IMPLS]
             if not graph:
                 continue
+            assert graph[0].endswith("_onednn_graph" if native else "_onednn_graph_widened"), graph
             fn = tactics.bind(node, graph[0], metas, plan.weights)
             graph_layers.append((plan_packet(node.op), node.epilogue, node.residual is not None))
             # NCHW-contiguous and channels-last-contiguous copies: the same values in
@@ -108,6 +112,37 @@ def test_graph_tactics_fuse_and_match_the_plain_call_whatever_the_input_layout(d
     assert {("conv2d", "hardswish", False), ("conv2d", "relu", False), ("conv2d", "hardsigmoid", False)} <= kinds
     assert ("conv2d", "", True) in kinds  # the projection with its residual add
     assert ("linear", "gelu", False) in kinds
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_widened_partition_rounds_its_fp32_result_once(dtype):
+    """The widened form computes what a reduced-precision oneDNN kernel computes: products of
+    the stored values exact, fp32 sums, bias, residual and activation in fp32, one rounding.
+    Against the exact (fp64) result of the same stored values, nearly every element is the
+    exact result rounded, none is further than one step of the dtype; a result rounded before
+    the residual add or summed in the low precision misses on many elements."""
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 32, 12, 12, generator=gen).to(dtype).contiguous(memory_format=torch.channels_last)
+    r = torch.randn(2, 32, 12, 12, generator=gen).to(dtype).contiguous(memory_format=torch.channels_last)
+    weight = (torch.randn(32, 32, 3, 3, generator=gen) / 12).to(dtype)
+    bias = torch.randn(32, generator=gen).to(dtype)
+    attrs = [[1, 1], [1, 1], [1, 1], 1]
+    metas = [onednn_graph.input_meta(t.shape, dtype_name(dtype), torch.channels_last) for t in (x, r)]
+    layer = onednn_graph.compile_layer(
+        "wide", torch.conv2d, weight, bias, attrs, F.hardswish, metas, torch.channels_last, widened=True
+    )
+    with torch.inference_mode():
+        out = layer(x, r)
+        exact = F.hardswish(F.conv2d(x.double(), weight.double(), bias.double(), *attrs) + r.double())
+        assert _partitions(layer, x, r) == 1
+    assert out.dtype == dtype and out.shape == exact.shape
+    rounded = exact.to(dtype)
+    step = (rounded.double().abs() * torch.finfo(dtype).eps).clamp_min(torch.finfo(dtype).tiny)
+    assert ((out.double() - rounded.double()).abs() <= step).all()
+    assert (out != rounded).float().mean() < 0.01
+    # The same arithmetic in the low precision, rounded at each step, is visibly further off.
+    rounded_twice = F.hardswish(F.conv2d(x, weight, bias, *attrs) + r)
+    assert (rounded_twice != rounded).float().mean() > 0.05
 
 
 def test_the_tanh_gelu_linear_has_no_graph_tactic_because_the_bridge_computes_the_erf_gelu():

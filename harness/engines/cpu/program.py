@@ -8,7 +8,7 @@ could drift from the real one. The timed variant only adds a clock reading
 before and after each call.
 
 A call is one layer, or a region: consecutive layers whose tactics are oneDNN
-Graph partitions, with the plain layers among and after them, traced
+Graph partitions, with the plain layers before, among and after them, traced
 together as one graph
 (:func:`harness.engines.cpu.onednn_graph.compile_region`), so the run pays
 one call for them and the partitions pass each other oneDNN's own layouts.
@@ -132,38 +132,56 @@ def compile_plan(plan: Plan, regions: bool = True) -> Program:
 def region_groups(nodes: Sequence[Node]) -> list[list[int]]:
     """Node indices in call order, the runs that form regions together.
 
-    A run starts with a oneDNN Graph layer and takes every following graph layer, and
-    every plain layer (its op's own ATen call, one output, of the types above)
-    between and after them: the pooling and the rescale of a squeeze-excite
-    block between its convolutions, a transformer block's layer norms,
-    attention, residual adds and the casts of weak and AMP typing. What a
+    A run is made of oneDNN Graph layers and every plain layer (its op's own
+    ATen call, one output, of the types above) before, between and after them:
+    a transformer's positional add and first layer norm before its first
+    linear layer, the pooling and the rescale of a squeeze-excite block
+    between its convolutions, a transformer block's layer norms, attention,
+    residual adds and the casts of weak and AMP typing. Plain layers with no
+    graph layer after them before the next other layer stay calls of their
+    own (a region of plain layers only would just add the trace's
+    interpreter), and so do plain layers before a graph layer whose partition
+    takes another layout than theirs: a channels-last convolution would be
+    traced on the plain layout the leading layers give it, and compiled for it
+    (mobilenet bf16 with its input cast in the region: 18% slower). What a
     plain layer reads from before the region is made contiguous, as the trace
     saw it.
     """
     groups: list[list[int]] = []
-    run: list[int] = []
+    run: list[int] = []  # the open region's layers; the plain ones only, until a graph layer comes
+    graph_seen = False
 
     def close() -> None:
-        if run:
+        if graph_seen:
             groups.append(list(run))
+        else:
+            groups.extend([i] for i in run)
         run.clear()
 
     for index, node in enumerate(nodes):
-        graph = tactics.on_graph_tactic(node)
-        inner = (
-            bool(run)
-            and node.op != GETITEM
-            and not node.multi
-            and tactics.parse_tactic(node.tactic)[0] in _INNER_IMPLS
-            and (tactics.layer_type(node) in _INNER_TYPES or plan_packet(node.op) in _INNER_OPS)
-        )
-        if graph or inner:
+        if tactics.on_graph_tactic(node):
+            if not graph_seen and tactics.graph_input_layout(node) != torch.contiguous_format:
+                close()
+            run.append(index)
+            graph_seen = True
+        elif _plain_inner(node):
             run.append(index)
         else:
             close()
+            graph_seen = False
             groups.append([index])
     close()
     return groups
+
+
+def _plain_inner(node: Node) -> bool:
+    """Whether ``node`` is a plain layer a region may trace (see :func:`region_groups`)."""
+    return (
+        node.op != GETITEM
+        and not node.multi
+        and tactics.parse_tactic(node.tactic)[0] in _INNER_IMPLS
+        and (tactics.layer_type(node) in _INNER_TYPES or plan_packet(node.op) in _INNER_OPS)
+    )
 
 
 def _region_call(

@@ -8,8 +8,9 @@ prepacked weight, and a 1x1 convolution as one GEMM over the pixels of its
 channels-last input; GEMM directly, on a pre-transposed weight, on oneDNN, or
 split-K (partial products over chunks of the reduction dimension,
 accumulated in the layer's own dtype); fp16/bf16 GEMMs also widened exactly
-to fp32 and rounded once; softmax, layer norm and attention fused or
-decomposed. Every other op has the single tactic ``direct``. A convolution or
+to fp32 and rounded once; convolution and linear layers as oneDNN Graph
+partitions (fp16 ones widened to fp32 partitions and rounded once);
+softmax, layer norm and attention fused or decomposed. Every other op has the single tactic ``direct``. A convolution or
 linear layer may carry an epilogue activation and a residual input (see
 :mod:`harness.engines.cpu.lowering`), which every one of its tactics applies.
 
@@ -49,10 +50,12 @@ from harness.opnames import plan_packet
 
 Bound = Callable[..., Any]
 
-# The tactics that compile a layer into a oneDNN Graph partition (regions are made of them).
-GRAPH_IMPLS = ("conv_onednn_graph", "gemm_onednn_graph")
 _TACTIC_NAME = re.compile(r"^(\w+)\[(\w+)\]$")
 _CL = torch.channels_last
+# The families with a oneDNN Graph tactic, and the layout their partitions take inputs in.
+_GRAPH_LAYOUTS = {"conv": _CL, "gemm": torch.contiguous_format}
+# The tactics that compile a layer into a oneDNN Graph partition (regions are made of them).
+GRAPH_IMPLS = tuple(f"{family}_onednn_graph{suffix}" for family in _GRAPH_LAYOUTS for suffix in ("", "_widened"))
 # Smallest reduction-chunk a split-K tactic may use: below it the extra
 # partial-sum traffic can only lose, so the candidate is not worth timing.
 _MIN_SPLIT_CHUNK = 16
@@ -110,6 +113,11 @@ def on_graph_tactic(node: Node) -> bool:
     return node.op != GETITEM and parse_tactic(node.tactic)[0] in GRAPH_IMPLS
 
 
+def graph_input_layout(node: Node) -> torch.memory_format:
+    """The layout the partition of ``node``'s oneDNN Graph tactic takes its inputs in."""
+    return _GRAPH_LAYOUTS[parse_tactic(node.tactic)[0].split("_", 1)[0]]
+
+
 def tactic_hash(name: str) -> str:
     """Stable 64-bit id of a tactic name, written like TensorRT's tactic hashes."""
     return "0x" + hashlib.sha256(name.encode()).hexdigest()[:16]
@@ -146,8 +154,7 @@ def impl_names(
         if packet == "conv2d" and not isinstance(named["padding"], str):
             if _onednn_ok(precision):
                 impls.append("conv_onednn")
-            if _onednn_graph_ok(node, precision):
-                impls.append("conv_onednn_graph")
+            impls += _graph_variants("conv", node, precision)
         if _pointwise_conv(packet, named, weights):
             impls += ["conv1x1_gemm", *_gemm_variants("conv1x1", precision)]
         return impls
@@ -156,8 +163,7 @@ def impl_names(
         impls = ["gemm_direct"] + [f"gemm_splitk{n}" for n in (2, 4) if k // n >= _MIN_SPLIT_CHUNK]
         if packet == "linear" and _linear_ok(named):
             impls += ["gemm_nn", *_gemm_variants("gemm", node.out().dtype)]
-            if _onednn_graph_ok(node, node.out().dtype):
-                impls.append("gemm_onednn_graph")
+            impls += _graph_variants("gemm", node, node.out().dtype)
         return impls
     if packet in _SOFTMAX_LOG:
         undecomposable = named.get("dtype") is not None or named.get("half_to_float", False)
@@ -381,10 +387,13 @@ def _conv_onednn(ctx: _Ctx) -> Bound:
 
 
 def _onednn_graph(
-    op: Callable[..., torch.Tensor], layout: torch.memory_format, attr_names: tuple[str, ...]
+    op: Callable[..., torch.Tensor],
+    layout: torch.memory_format,
+    attr_names: tuple[str, ...],
+    widened: bool = False,
 ) -> Callable[[_Ctx], Bound]:
     """The layer as a compiled oneDNN Graph partition (:mod:`harness.engines.cpu.onednn_graph`),
-    on ``layout``-contiguous inputs."""
+    on ``layout``-contiguous inputs; ``widened``, computed in fp32 and rounded once."""
 
     def binder(ctx: _Ctx) -> Bound:
         named = ctx.named
@@ -398,6 +407,7 @@ def _onednn_graph(
             _EPILOGUES[ctx.epilogue].traced,
             layouts,
             layout,
+            widened,
         )
 
     return binder
@@ -710,8 +720,16 @@ def _onednn_ok(precision: str) -> bool:
     return precision == "fp32"
 
 
-def _onednn_graph_ok(node: Node, precision: str) -> bool:
-    return onednn_graph.available(precision) and _EPILOGUES[node.epilogue].graph
+def _graph_variants(family: str, node: Node, precision: str) -> list[str]:
+    """``family``'s oneDNN Graph tactic: in ``precision`` where the bridge has its kernels,
+    else widened to fp32 (an fp16 layer; see :mod:`harness.engines.cpu.onednn_graph`)."""
+    if not _EPILOGUES[node.epilogue].graph:
+        return []
+    if onednn_graph.available(precision):
+        return [f"{family}_onednn_graph"]
+    if precision in _WIDENABLE and onednn_graph.available("fp32"):
+        return [f"{family}_onednn_graph_widened"]
+    return []
 
 
 def _linear_ok(named: Mapping[str, Any]) -> bool:
@@ -814,6 +832,7 @@ _EPILOGUES = {
     "hardsigmoid": _Epilogue(torch._C._nn.hardsigmoid_, _F.hardsigmoid, ("hardsigmoid", "")),
 }
 _CONV_EPILOGUES = ("relu", "hardswish", "hardsigmoid")
+_CONV_ATTRS = ("stride", "padding", "dilation", "groups")
 _LINEAR_EPILOGUES = ("relu", "gelu", "gelu_tanh", "hardswish", "hardsigmoid")
 
 _BINDERS: dict[str, Callable[[_Ctx], Bound]] = {
@@ -823,7 +842,8 @@ _BINDERS: dict[str, Callable[[_Ctx], Bound]] = {
     "conv_channels_last": _conv(_CL),
     "conv_no_mkldnn": _conv(torch.contiguous_format, mkldnn=False),
     "conv_onednn": _conv_onednn,
-    "conv_onednn_graph": _onednn_graph(torch.conv2d, _CL, ("stride", "padding", "dilation", "groups")),
+    "conv_onednn_graph": _onednn_graph(torch.conv2d, _GRAPH_LAYOUTS["conv"], _CONV_ATTRS),
+    "conv_onednn_graph_widened": _onednn_graph(torch.conv2d, _GRAPH_LAYOUTS["conv"], _CONV_ATTRS, widened=True),
     "conv1x1_gemm": _conv1x1("mm"),
     "conv1x1_widened": _conv1x1("widen"),
     "conv1x1_onednn": _conv1x1("onednn"),
@@ -831,7 +851,8 @@ _BINDERS: dict[str, Callable[[_Ctx], Bound]] = {
     "gemm_widened": _gemm_rows("widen"),
     "gemm_direct": _gemm_direct,
     "gemm_onednn": _gemm_onednn,
-    "gemm_onednn_graph": _onednn_graph(_F.linear, torch.contiguous_format, ()),
+    "gemm_onednn_graph": _onednn_graph(_F.linear, _GRAPH_LAYOUTS["gemm"], ()),
+    "gemm_onednn_graph_widened": _onednn_graph(_F.linear, _GRAPH_LAYOUTS["gemm"], (), widened=True),
     "gemm_splitk2": _split_k(2),
     "gemm_splitk4": _split_k(4),
     "softmax_fused": _direct,
