@@ -9,10 +9,11 @@ channels-last input; GEMM directly, on a pre-transposed weight, on oneDNN, or
 split-K (partial products over chunks of the reduction dimension,
 accumulated in the layer's own dtype); fp16/bf16 GEMMs also widened exactly
 to fp32 and rounded once; convolution and linear layers as oneDNN Graph
-partitions (fp16 ones widened to fp32 partitions and rounded once);
-softmax, layer norm and attention fused or decomposed. Every other op has the single tactic ``direct``. A convolution or
-linear layer may carry an epilogue activation and a residual input (see
-:mod:`harness.engines.cpu.lowering`), which every one of its tactics applies.
+partitions (fp16 ones widened to fp32 partitions and rounded once); softmax,
+layer norm and attention fused or decomposed. Every other op has the single
+tactic ``direct``. A convolution or linear layer may carry an epilogue
+activation and a residual input (see :mod:`harness.engines.cpu.lowering`),
+which every one of its tactics applies.
 
 A tactic is named ``impl[precision]`` (``gemm_splitk2[bf16]``): the precision
 is part of the name because in weak modes it is one of the builder's choices.
