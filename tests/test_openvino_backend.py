@@ -227,6 +227,19 @@ def test_a_strongly_typed_bf16_build_runs_each_layer_in_the_graphs_type(built):
 
 
 @needs_bf16
+def test_a_batch_norm_with_fp32_parameters_under_a_bf16_input_is_read_and_computed(built):
+    """resnet amp-bf16 keeps its batch norms' parameters fp32 under bf16 activations, as
+    PyTorch's mixed batch norm allows; OpenVINO refuses mixed BatchNormalization types, so
+    the export widens each to its parameters' dtype and rounds back once: the engine builds
+    and computes the typed graph, to bf16 accuracy."""
+    _, compiled, engine, _ = built("resnet", "amp-bf16")
+    reference = compiled(*compiled.example_inputs)
+    output = engine(*compiled.example_inputs)
+    scale = reference.abs().max().item()
+    assert (output - reference).abs().max().item() <= 0.05 * scale
+
+
+@needs_bf16
 def test_an_explicit_file_decides_the_runtime_precision_node_by_node(built, tmp_path):
     explicit = tmp_path / "explicit.json"
     explicit.write_text(json.dumps({"^conv2d_1$": "bf16"}))

@@ -22,8 +22,8 @@ nodes are renamed after those typed-graph nodes (``conv2d``, ``x_fp16``;
 names and build log speak the compiler's names. A ``Cast`` whose origin is
 not a compiler cast was placed by the exporter; the known sources are
 implicit type promotion (``aten.add(fp32, bf16)`` runs in fp32 in PyTorch,
-while ONNX ``Add`` needs equal types), as in AMP graphs, and layer norms with
-fp32 parameters under a low-precision input (:func:`_widen_mixed_layer_norms`).
+while ONNX ``Add`` needs equal types), as in AMP graphs, and layer and batch norms
+with fp32 parameters under a low-precision input (:func:`_widen_mixed_norms`).
 Those are recorded separately, not hidden.
 
 Opset: 18 by default; 22 when the graph holds bf16 tensors, because ONNX
@@ -290,7 +290,7 @@ def export_onnx(
     protected = {n for n, origin in origins.items() if n.op_type == "Cast" and origin in placed}
     _clean(model, protected, set(weights))
     names = _rename(model.graph, origins)
-    _widen_mixed_layer_norms(model.graph)
+    _widen_mixed_norms(model.graph)
     _global_average_pools(model)
     proto = ir.to_proto(model)
     _check(proto, path)
@@ -429,18 +429,25 @@ def _rename(graph: ir.Graph, origins: dict[ir.Node, str | None]) -> dict[str, st
     return names
 
 
-def _widen_mixed_layer_norms(graph: ir.Graph) -> None:
-    """Run each LayerNormalization whose input and scale dtypes differ in the scale's dtype.
+# Normalizations the exporter widens when their input and scale dtypes differ.
+_NORMALIZATIONS = ("LayerNormalization", "BatchNormalization")
+
+
+def _widen_mixed_norms(graph: ir.Graph) -> None:
+    """Run each normalization whose input and scale dtypes differ in the scale's dtype.
 
     The compiler keeps normalization parameters in fp32 under a low-precision
-    input, as PyTorch's mixed layer norm allows: it normalizes in fp32 and
-    rounds the result to the input's dtype once. ONNX types X, Scale and B
-    alike, so the exporter writes exactly that computation with two casts of
-    its own (recorded as exporter casts): X up to the scale's dtype, Y back.
+    input, as PyTorch's mixed layer norm and batch norm allow: they normalize
+    in fp32 and round the result to the input's dtype once. ONNX types X,
+    Scale and B of LayerNormalization alike, and runtimes read
+    BatchNormalization that way too (OpenVINO refuses mixed types: "Input
+    element types do not match"), so the exporter writes exactly that
+    computation with two casts of its own (recorded as exporter casts): X up
+    to the scale's dtype, Y back.
     """
     taken: set[str | None] = {node.name for node in graph}
     for node in list(graph):
-        if node.op_type != "LayerNormalization" or node.domain not in ("", "ai.onnx"):
+        if node.op_type not in _NORMALIZATIONS or node.domain not in ("", "ai.onnx") or len(node.outputs) != 1:
             continue
         x, scale = node.inputs[0], node.inputs[1]
         if x is None or scale is None or x.dtype is None or scale.dtype is None or x.dtype == scale.dtype:
