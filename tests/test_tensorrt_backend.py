@@ -425,6 +425,23 @@ def test_an_op_is_joined_to_one_base_layer_or_reported_by_name():
     ]
 
 
+def test_of_several_layers_listing_exactly_the_ops_nodes_the_key_goes_to_the_one_it_names():
+    # Real 10.1 ResNet-18 layers: TensorRT lists "/fc/Gemm" on the Gemm's own layer and on the
+    # "reshape_after_/fc/Gemm" shuffle it adds. The op's key (its tactic) is the Gemm's only;
+    # an op whose name picks neither is reported, not given to both.
+    resnet = parse_engine_information((DATA / "inspector_10.1_resnet18.json").read_text()).layers
+    fc = ("/fc/Gemm",)
+    gemm = "/fc/Gemm + (Unnamed Layer* 58) [ElementWise]"
+    assert [layer.name for layer in resnet if layer.onnx_layers == fc] == [gemm, "reshape_after_/fc/Gemm"]
+    joined, problems = join_ops([AutotunedOp(fc[0], KEY_MATMUL1, fc), AutotunedOp("gemm_7", KEY_MATMUL2, fc)], resnet)
+    assert (joined[0].layers, joined[0].how) == ((gemm,), "onnx-layers")
+    assert layer_keys(joined) == ({gemm: KEY_MATMUL1}, [])
+    assert joined[1].layers == () and problems == [
+        "autotuned op 'gemm_7' cannot be joined to one engine layer: its ONNX nodes are part of several "
+        f"layers ({gemm!r}, 'reshape_after_/fc/Gemm')"
+    ]
+
+
 def test_on_an_11x_engine_every_op_of_the_real_log_joins_its_myl_layers():
     """The real 10.16 log against the same build as a TensorRT 11 engine would print it
     (tests.test_trt_bridge.as_11x: every layer ``<op>_myl<k>_<n>``, no TacticValue)."""

@@ -9,7 +9,10 @@ on Myelin op lines (``Autotuning op node_linear: [ONNX Layer: node_linear][ONNX
 Layer: node_relu_2]``) and the inspector in each layer's ``Metadata``. So an
 op is joined, by the first rule that finds layers:
 
-1. ``onnx-layers``: the layers whose ONNX nodes are exactly the op's;
+1. ``onnx-layers``: the layers whose ONNX nodes are exactly the op's, when they are
+   copies of one base layer, else those of them its name continues (TensorRT 10
+   lists ``/fc/Gemm`` on the ``reshape_after_/fc/Gemm`` it adds as well as on
+   the Gemm's own layer);
 2. ``name``: the layer of exactly its name (Cask layers: ``node_conv2d +
    node_relu`` is timed and named alike), else the layers whose name without
    the Myelin and profile suffixes is the op's name;
@@ -95,7 +98,11 @@ def _join(op: JoinableOp, layers: Sequence[InspectedLayer]) -> tuple[list[str], 
     nodes = set(op.onnx_layers)
     if nodes:
         same = [layer.name for layer in layers if layer.onnx_layers == op.onnx_layers]
-        if same:
+        if not _one_base(same):
+            # Layers TensorRT adds around a node list it too (10.x's ``reshape_after_/fc/Gemm``
+            # beside ``/fc/Gemm + ...``): the op's name picks its own, else none is guessed.
+            same = [name for name in same if continues_name(name, op.layer)]
+        if _one_base(same):
             return same, "onnx-layers", ""
     named = [layer.name for layer in layers if layer.name == op.layer] or [
         layer.name for layer in layers if base_name(layer.name) == op.layer
