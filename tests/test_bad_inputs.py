@@ -515,6 +515,8 @@ def _cases() -> list[Case]:
     calibration = [
         ["compile", "--model", "lenet", "--calibration-data", "{bad}"],
         ["build", "--model", "lenet", "--mode", "autocast-fp16", "--calibration-data", "{bad}", "-o", "{out}"],
+        ["bench", "--quick", "--no-progress", "--no-plots", "--models", "lenet", "--modes", "fp32,autocast-fp16",
+         "--calibration-data", "{bad}", "-o", "{out}"],  # fmt: skip
     ]
     cases += [Case("calibration", "calibration", d, tuple(a)) for d in _calibration_damages() for a in calibration]
     cases += [

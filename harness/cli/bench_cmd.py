@@ -152,9 +152,11 @@ def _plans(refs: list[str], project: Any, args: argparse.Namespace) -> dict[str,
 
     plans: dict[str, Any] = {}
     names: dict[str, str] = {}
+    examples: dict[str, Any] = {}
     cli = options.given(args)
     for ref in refs:
-        name = models.load(ref).name
+        spec = models.load(ref)
+        name, examples[ref] = spec.name, spec.example_inputs
         if name in names:
             raise HarnessError(
                 f"models {names[name]!r} and {ref!r} are both named {name!r}; results name a model by "
@@ -166,7 +168,9 @@ def _plans(refs: list[str], project: Any, args: argparse.Namespace) -> dict[str,
         explicit = args.explicit or project.explicit_for(ref, name)
         if explicit is not None:
             load_explicit(explicit)
-        plans[ref] = ModelPlan(project.autocast_settings(ref, cli, name), explicit)
+        # a calibration file that does not fit a model fails here, naming the file, before any case runs
+        settings = project.autocast_settings(ref, cli, name, example_inputs=examples[ref])
+        plans[ref] = ModelPlan(settings, explicit)
     return plans
 
 
