@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import json
 import sys
+from typing import Any
 
 import pytest
 import torch
@@ -215,6 +216,28 @@ def test_inductor_peer_compiles_once_and_reports_compile_time_apart(tmp_path):
     fp32, bf16 = entries
     assert fp32["accuracy"]["max_abs_error"] <= 1e-5 * output_scale()
     assert bf16["accuracy"]["max_abs_error"] > 0 and "autocast" in bf16["peer"]["details"]
+
+
+def test_an_inductor_case_leaves_the_callers_compiled_code_as_it_was(tmp_path):
+    """The caller compiled a model of the class the peer compiles too (nn.Sequential, whose
+    forward is one code object for every instance): after the case it runs without compiling
+    again. ``torch._dynamo.reset()`` would have emptied its cache."""
+    compiles = []
+
+    def counting(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        compiles.append(gm)
+        return gm.forward
+
+    spec = tiny_spec("mine")
+    mine = torch.compile(spec.module, backend=counting, dynamic=False)
+    with torch.no_grad():
+        expected = mine(*spec.example_inputs)
+    assert len(compiles) == 1
+    extra, _ = peer_cases(["tiny"], [InductorPeer()], ["fp32"])
+    assert [case.run(runner(tmp_path))["status"] for case in extra] == ["ok"]
+    with torch.no_grad():
+        assert torch.equal(mine(*spec.example_inputs), expected)
+    assert len(compiles) == 1
 
 
 def test_precisions_of_modes_decide_the_peer_precisions():

@@ -36,6 +36,7 @@ from __future__ import annotations
 import os
 import tempfile
 import time
+import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -127,6 +128,25 @@ def _describe_eager(precision: str) -> str:
     return "fp32" if precision == "fp32" else f"under torch.autocast('cpu', {_AUTOCAST_DTYPES[precision]})"
 
 
+def _own_frame(module: torch.nn.Module) -> Callable[..., Any]:
+    """A function calling ``module`` whose code object is its own.
+
+    Dynamo caches compiled code per code object, falls back to eager, silently,
+    after 8 entries, and checks every entry's guards on each call. Compiling
+    the module itself would add each case's entry to its class's ``forward``
+    (shared by every model of that class, the caller's own compiled ones too;
+    the autocast wrapper's is one for every model). A code object per case
+    keeps the case's one entry apart, freed with it, and leaves the caller's
+    caches as they were, where ``torch._dynamo.reset()`` would empty them.
+    """
+
+    def call(*inputs: Any) -> Any:
+        return module(*inputs)
+
+    code = call.__code__.replace(co_name=f"peer_case_{id(module):x}")
+    return types.FunctionType(code, call.__globals__, code.co_name, None, call.__closure__)
+
+
 def _infer(fn: Callable[[], Any]) -> Callable[[], Any]:
     def run() -> Any:
         with torch.inference_mode():
@@ -176,12 +196,7 @@ class InductorPeer:
         return None
 
     def prepare(self, model: PeerModel, precision: str, threads: int) -> PeerRun:
-        # Dynamo caches compiled code per Python code object (the autocast wrapper's
-        # forward is one for every model) and falls back to eager, silently, after 8
-        # entries; every call also checks the guards of each entry. A fresh cache per
-        # case keeps one entry: the case's own.
-        torch._dynamo.reset()
-        compiled = torch.compile(_eager_module(model.spec.module, precision), dynamic=False)
+        compiled = torch.compile(_own_frame(_eager_module(model.spec.module, precision)), dynamic=False)
         inputs = model.inputs
         try:
             first = _infer(lambda: compiled(*inputs))
