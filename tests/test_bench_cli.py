@@ -59,6 +59,20 @@ def test_bench_prints_table_overhead_and_markdown(capsys, tmp_path):
     assert text.startswith("machine test-machine") and "| model " in text and "| digits " in text
 
 
+def test_a_run_without_caches_times_every_layer_and_writes_no_cache(capsys, tmp_path):
+    for name in ("a.json", "b.json"):  # the second run finds nothing from the first: it times again
+        out_file = tmp_path / name
+        code, _, err = run(capsys, "bench", "--quick", "--no-progress", "--no-plots", "--models", "digits",
+                           "--modes", "fp32", "--disable-cache", "-o", out_file)  # fmt: skip
+        assert code == 0, err
+        doc = load_results(out_file)
+        (case,) = doc["cases"]
+        assert case["status"] == "ok" and doc["settings"]["cache_dir"] is None
+        build = case["build"]
+        assert build["cache_file"] is None and build["cache_hits"] == 0 and build["cache_misses"] > 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.json", "b.json"]  # no caches/ beside them
+
+
 def test_shards_merge_to_the_unsharded_case_set(capsys, tmp_path):
     modes = ("--models", "digits,lenet", "--modes", "fp32,bf16")
     assert bench(capsys, tmp_path, tmp_path / "all.json", *modes)[0] == 0
@@ -395,6 +409,8 @@ def test_spread_threshold_decides_the_unstable_flag(capsys, tmp_path):
         (("--cache-dir", "{a_file}"), "exists and is not a directory"),
         (("--cache-dir", "{corrupt_caches}"), "digits-fp32-cpu-t1.json"),
         (("--summary-md", "{a_dir}"), "--summary-md"),
+        (("--disable-cache", "--cache-dir", "{a_dir}"), "--disable-cache and --cache-dir contradict"),
+        (("--disable-cache", "--ignore-mismatch"), "--disable-cache and --ignore-mismatch contradict"),
     ],
 )
 def test_what_would_fail_is_refused_before_anything_is_written(capsys, tmp_path, extra, message):

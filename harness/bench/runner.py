@@ -266,7 +266,7 @@ class BenchRunner:
         self,
         backend: Backend,
         *,
-        cache_dir: str | os.PathLike[str],
+        cache_dir: str | os.PathLike[str] | None,
         settings: MeasureSettings = MeasureSettings(),
         plans: Mapping[str, ModelPlan] | None = None,
         load_model: ModelLoader = _load_model,
@@ -274,7 +274,8 @@ class BenchRunner:
         batch_sizes: Sequence[int] = (),
     ) -> None:
         self.backend = backend
-        self.cache_dir = Path(cache_dir)
+        # None: no timing cache; every case's build times every layer (``--disable-cache``)
+        self.cache_dir = None if cache_dir is None else Path(cache_dir)
         self.settings = settings
         self.plans = dict(plans or {})
         self.load_model = load_model
@@ -367,6 +368,7 @@ class BenchRunner:
             threads=self.settings.threads,
             autocast=plan.autocast,
             ignore_cache_mismatch=self.ignore_cache_mismatch,
+            disable_cache=self.cache_dir is None,
             batch_profile=profile,
         )
 
@@ -395,8 +397,11 @@ class BenchRunner:
             self._profiles[model] = None if dim is None else BatchProfile.for_sweep(dim, sizes)
         return self._profiles[model]
 
-    def cache_path(self, model: str, config: BuildConfig, batch: int | None) -> Path:
-        """The timing cache of a case: per batch size, or one per sweep for an engine serving it all."""
+    def cache_path(self, model: str, config: BuildConfig, batch: int | None) -> Path | None:
+        """The timing cache of a case: per batch size, or one per sweep for an engine serving it all
+        (None when the run keeps no caches)."""
+        if self.cache_dir is None:
+            return None
         name = self.name_of(model)
         profile = config.batch_profile
         if profile is not None:
@@ -493,7 +498,8 @@ class BenchRunner:
 
     def _timed_build(self, model: str, spec: Any, config: BuildConfig, batch: int | None) -> tuple[BuildResult, float]:
         cache_path = self.cache_path(model, config, batch)
-        self.cache_dir.mkdir(parents=True, exist_ok=True)
+        if cache_path is not None:
+            cache_path.parent.mkdir(parents=True, exist_ok=True)
         start = time.perf_counter()
         built = build_engine(spec, config, self.backend, cache_path)
         return built, time.perf_counter() - start

@@ -57,6 +57,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    f"precisions of the modes: {', '.join(PEER_NAMES)} (default: the project file's, else none)")
     p.add_argument("--ignore-mismatch", action="store_true",
                    help="use timing caches recorded for another configuration (read-only)")
+    p.add_argument("--disable-cache", action="store_true",
+                   help="every case times every layer; read and write no timing cache")
     p.add_argument("--config", metavar="FILE",
                    help="project file (default: ./harness.toml, else [tool.harness] in ./pyproject.toml)")
     p.add_argument("--spread-threshold", type=argtypes.threshold, default=None, metavar="PCT",
@@ -139,7 +141,7 @@ def _check_caches(cache_dir: Path, matrix: list[Any], runner: Any) -> None:
     for model, mode, batch in matrix:
         config = runner.config(model, mode)
         path = runner.cache_path(model, config, batch)
-        if path.exists():
+        if path is not None and path.exists():
             load_cache(path, runner.backend, config)
 
 
@@ -218,6 +220,9 @@ def run_bench(args: argparse.Namespace) -> int:
     from harness.project import load_project, portable_path
 
     # Everything that can be refused is refused here, before a file is written.
+    for flag, given in (("--cache-dir", args.cache_dir is not None), ("--ignore-mismatch", args.ignore_mismatch)):
+        if args.disable_cache and given:
+            raise HarnessError(f"--disable-cache and {flag} contradict each other; give one")
     project = load_project(args.config)
     shard = args.shard  # (i, n), checked by argtypes.shard
     notes: list[str] = []
@@ -270,13 +275,14 @@ def run_bench(args: argparse.Namespace) -> int:
         peer_notes.append("no peer runs: the modes have no single precision to compare with (explicit only)")
     runner = BenchRunner(
         backend,
-        cache_dir=cache_dir,
+        cache_dir=None if args.disable_cache else cache_dir,
         settings=measure,
         plans=plans,
         ignore_cache_mismatch=args.ignore_mismatch,
         batch_sizes=batch_sizes or (),
     )
-    _check_caches(cache_dir, matrix, runner)
+    if not args.disable_cache:
+        _check_caches(cache_dir, matrix, runner)
     if not args.no_plots and plots_missing() is None:  # missing: said after the run, with the table
         from harness.bench.plots import check_plot_paths
 
@@ -294,7 +300,7 @@ def run_bench(args: argparse.Namespace) -> int:
         "threads": measure.threads,
         "batch_sizes": batch_sizes,
         "measure": measure.to_dict(),
-        "cache_dir": portable_path(cache_dir),
+        "cache_dir": None if args.disable_cache else portable_path(cache_dir),
         "project": None if project.path is None else project.to_json(),
         "model_settings": {runner.name_of(ref): _model_settings(ref, plan, modes, runner) for ref, plan in plans.items()},
         "ignore_cache_mismatch": args.ignore_mismatch,
