@@ -4,7 +4,9 @@ Rewrites are the ones an inference engine makes before autotuning, and each
 keeps the numbers within rounding of the graph's own:
 - assertion nodes and dead code are dropped;
 - constant subgraphs (nodes fed only by weights, e.g. a slice of a position
-  table or a transposed weight) are evaluated once into new weights;
+  table or a transposed weight, and what is built from a tensor's shape
+  alone, e.g. a Swin attention mask filled into ``x.new_zeros(...)``) are
+  evaluated once into new weights;
 - an inference ``batch_norm`` right after a convolution is folded into the
   convolution's weight and bias (computed in float64, rounded once to the
   convolution's dtype), as TensorRT and oneDNN do;
@@ -29,6 +31,7 @@ from typing import Any
 import torch
 import torch.fx
 
+from harness.dtypes import dtype_from_name
 from harness.engines.cpu import tactics
 from harness.engines.cpu.plan import (
     GETITEM,
@@ -56,6 +59,9 @@ _DROPPED = (
     "sym_constrain_range_for_size",
 )
 _CONVS = ("conv2d", "convolution")
+# Ops whose result depends on their tensor inputs' shape and dtype, never on their values:
+# with the engine's static shapes, constants.
+_VALUE_FREE = frozenset({"new_zeros", "new_ones", "new_full", "zeros_like", "ones_like", "full_like"})
 
 
 def lower(gm: torch.fx.GraphModule, mode: str) -> tuple[Plan, list[str]]:
@@ -65,7 +71,7 @@ def lower(gm: torch.fx.GraphModule, mode: str) -> tuple[Plan, list[str]]:
     _drop_dead(plan)
     folded = _fold_constants(plan)
     if folded:
-        messages.append(f"constant-folded {folded} node(s) fed only by weights")
+        messages.append(f"constant-folded {folded} node(s) fed only by weights or shapes")
     for conv, bn in _fold_batch_norms(plan):
         messages.append(f"folded batch_norm {bn} into convolution {conv}")
     for layer, fused, residual in _fuse_epilogues(plan):
@@ -185,17 +191,23 @@ def _drop_dead(plan: Plan) -> None:
 
 
 def _fold_constants(plan: Plan) -> int:
-    """Evaluate nodes with no dynamic input once; their users then see a weight."""
+    """Evaluate nodes with no dynamic input once; their users then see a weight.
+
+    A value-free op (``x.new_zeros(...)``) reads only its inputs' shape and
+    dtype, so it is evaluated on stand-ins of them.
+    """
     folded = 0
     replacements: dict[str, WeightRef] = {}
+    metas = plan.value_metas()
     kept = []
     for node in plan.nodes:
         _substitute(node, replacements)
-        if node.refs() or node.multi or node.op == GETITEM:
+        dynamic = bool(node.refs()) and plan_packet(node.op) not in _VALUE_FREE
+        if dynamic or node.multi or node.op == GETITEM:
             kept.append(node)
             continue
         fn = runnable_op(node.op, f"layer {node.name!r}")
-        args, kwargs = map_leaves((node.args, node.kwargs), lambda leaf: _weight_value(plan, leaf))
+        args, kwargs = map_leaves((node.args, node.kwargs), lambda leaf: _constant_value(plan, metas, leaf))
         with torch.inference_mode(), tactics.layer_failures(node):
             value = fn(*args, **kwargs)
         name = fresh_name(node.name, plan.weights.__contains__)
@@ -412,6 +424,12 @@ def _substitute(node: Node, replacements: dict[str, Any]) -> None:
         node.map_refs(lambda ref: replacements.get(ref.name, ref))
 
 
-def _weight_value(plan: Plan, leaf: Any) -> Any:
-    return plan.weights[leaf.name] if isinstance(leaf, WeightRef) else leaf
+def _constant_value(plan: Plan, metas: dict[str, TensorMeta], leaf: Any) -> Any:
+    """A weight's tensor; for a node's value, an uninitialized stand-in of its shape and dtype."""
+    if isinstance(leaf, WeightRef):
+        return plan.weights[leaf.name]
+    if isinstance(leaf, Ref):
+        meta = metas[leaf.name]
+        return torch.empty(meta.shape, dtype=dtype_from_name(meta.dtype))
+    return leaf
 
