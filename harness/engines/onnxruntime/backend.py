@@ -46,6 +46,7 @@ the plan's fields and the executed layers), then runs bit-identically.
 from __future__ import annotations
 
 import hashlib
+import heapq
 import os
 import re
 import tempfile
@@ -470,35 +471,66 @@ def _op_name(node: onnx.NodeProto) -> str:
 _TOKEN = re.compile(r"_token_\d+$")
 
 
-def _layer_names(executed: onnx.ModelProto, model: onnx.ModelProto) -> list[str]:
-    """Names of the executed graph's nodes that are the same in every session.
+def _executed_nodes(executed: onnx.ModelProto, model: onnx.ModelProto) -> list[tuple[str, onnx.NodeProto]]:
+    """The executed graph's nodes, named and ordered the same way in every session.
 
     ORT numbers the nodes its transformers add under one base name
     (``ReorderOutput``, ``ReorderOutput_token_15``, ...) in an order that
-    changes from session to session (NCHWc layout at level ``all``), while the
-    nodes themselves and their order do not. Such nodes are named
-    ``<base>#<k>``, numbered in graph order; the model's own names stay.
+    changes from session to session (NCHWc layout at level ``all``), and it
+    also places independent nodes in another order from one session to the
+    next (mobilenet's squeeze-excite pooling before or after the reorder of the
+    branch it rescales). So an added node is named by its base and, where the
+    base repeats, by the model's value it writes (``ReorderOutput->relu``) or
+    else reads (``ReorderInput<-mul``); names still equal are numbered
+    (``<base>#<k>``). The nodes come in a topological order that takes, of the
+    nodes ready to run, the first by name. The model's own names stay.
     """
     own = {n.name for n in model.graph.node}
+    own_values = {v.name for v in (*model.graph.input, *model.graph.output)}
+    own_values.update(v for n in model.graph.node for v in n.output)
+    nodes = list(executed.graph.node)
     bases = [
-        (node.name if node.name in own else _TOKEN.sub("", node.name)) or f"(unnamed {node.op_type} {index})"
-        for index, node in enumerate(executed.graph.node)
+        (node.name if node.name in own else _TOKEN.sub("", node.name)) or f"(unnamed {node.op_type})"
+        for node in nodes
     ]
     counts = Counter(bases)
+    for k, node in enumerate(nodes):
+        if counts[bases[k]] > 1 and node.name not in own:
+            wrote = next((v for v in node.output if v in own_values), None)
+            read = next((v for v in node.input if v in own_values), None)
+            bases[k] = f"{bases[k]}->{wrote}" if wrote else f"{bases[k]}<-{read}" if read else bases[k]
+    producer = {value: k for k, node in enumerate(nodes) for value in node.output if value}
+    waits = [{producer[v] for v in node.input if v in producer} for node in nodes]
+    readers: list[list[int]] = [[] for _ in nodes]
+    for k, before in enumerate(waits):
+        for j in before:
+            readers[j].append(k)
+    ready = [(bases[k], k) for k, before in enumerate(waits) if not before]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        _, k = heapq.heappop(ready)
+        order.append(k)
+        for reader in readers[k]:
+            waits[reader].discard(k)
+            if not waits[reader]:
+                heapq.heappush(ready, (bases[reader], reader))
+    counts = Counter(bases)
     seen: Counter[str] = Counter()
-    names = []
-    for base, node in zip(bases, executed.graph.node, strict=True):
-        if counts[base] > 1 and node.name not in own:
-            seen[base] += 1
-            base = f"{base}#{seen[base]}"
-        names.append(base)
-    return names
+    named = []
+    for k in order:
+        name = bases[k]
+        if counts[name] > 1 and nodes[k].name not in own:
+            seen[name] += 1
+            name = f"{name}#{seen[name]}"
+        named.append((name, nodes[k]))
+    return named
 
 
 def _layers(executed: onnx.ModelProto, model: onnx.ModelProto) -> list[LayerInfo]:
     dtypes = _value_dtypes(executed)
     layers = []
-    for name, node in zip(_layer_names(executed, model), executed.graph.node, strict=True):
+    for name, node in _executed_nodes(executed, model):
         inputs = tuple(dtypes.get(v, "?") for v in node.input if v)
         outputs = tuple(dtypes.get(v, "?") for v in node.output if v)
         key_material = {"layer": name, "op": _op_name(node), "inputs": inputs, "outputs": outputs}
