@@ -45,8 +45,8 @@ the plan's fields and the executed layers), then runs bit-identically.
 
 from __future__ import annotations
 
+import graphlib
 import hashlib
-import heapq
 import os
 import re
 import tempfile
@@ -482,8 +482,8 @@ def _executed_nodes(executed: onnx.ModelProto, model: onnx.ModelProto) -> list[t
     branch it rescales). So an added node is named by its base and, where the
     base repeats, by the model's value it writes (``ReorderOutput->relu``) or
     else reads (``ReorderInput<-mul``); names still equal are numbered
-    (``<base>#<k>``). The nodes come in a topological order that takes, of the
-    nodes ready to run, the first by name. The model's own names stay.
+    (``<base>#<k>``). The nodes come in a topological order, step by step the
+    nodes whose inputs are ready, by name. The model's own names stay.
     """
     own = {n.name for n in model.graph.node}
     own_values = {v.name for v in (*model.graph.input, *model.graph.output)}
@@ -500,21 +500,14 @@ def _executed_nodes(executed: onnx.ModelProto, model: onnx.ModelProto) -> list[t
             read = next((v for v in node.input if v in own_values), None)
             bases[k] = f"{bases[k]}->{wrote}" if wrote else f"{bases[k]}<-{read}" if read else bases[k]
     producer = {value: k for k, node in enumerate(nodes) for value in node.output if value}
-    waits = [{producer[v] for v in node.input if v in producer} for node in nodes]
-    readers: list[list[int]] = [[] for _ in nodes]
-    for k, before in enumerate(waits):
-        for j in before:
-            readers[j].append(k)
-    ready = [(bases[k], k) for k, before in enumerate(waits) if not before]
-    heapq.heapify(ready)
-    order = []
-    while ready:
-        _, k = heapq.heappop(ready)
-        order.append(k)
-        for reader in readers[k]:
-            waits[reader].discard(k)
-            if not waits[reader]:
-                heapq.heappush(ready, (bases[reader], reader))
+    inputs_from = {k: {producer[v] for v in node.input if v in producer} for k, node in enumerate(nodes)}
+    sorter = graphlib.TopologicalSorter(inputs_from)
+    sorter.prepare()
+    order: list[int] = []
+    while sorter.is_active():
+        ready = sorted(sorter.get_ready(), key=lambda k: (bases[k], k))
+        order += ready
+        sorter.done(*ready)
     counts = Counter(bases)
     seen: Counter[str] = Counter()
     named = []
