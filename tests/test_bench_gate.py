@@ -296,3 +296,23 @@ def test_compare_runs_across_machines() -> None:
     assert "DIFFERENT" in text and "2 differ" in text and "winograd" in text and "(absent)" in text
     assert "only in a: mlp/fp32/cpu" in text and "only in b: mlp/bf16/cpu" in text
     assert result.to_dict()["cases"][0]["key"] == "mlp/fp16/cpu"
+
+
+def test_a_slowdown_within_the_runs_own_spread_is_reported_not_judged() -> None:
+    """Two runs of one commit on a shared VM: the current run spread 10% and its median moved 8%
+    (the gate failed it with p=1e-248). Such a shift is not judged; one beyond the spread is, and stable runs keep the threshold alone."""
+    base = make_doc([case(lognormal(2000, 1.0, seed=20))])  # IQR/median about 4%: stable
+    drifted = make_doc([case(lognormal(2000, 1.08, seed=21, sigma=0.075))])  # about 10%: unstable
+    report = gate(base, drifted)
+    (verdict,) = report.cases
+    assert verdict.latency is not None and 1.06 < verdict.latency.ratio < 1.1 and verdict.latency.p_slower < 1e-10
+    assert verdict.verdict == "unstable" and not verdict.fails and report.exit_code == 0
+    (unjudged,) = [f for f in verdict.findings if "not judged" in f.message]
+    assert "within the spread of an unstable run" in unjudged.message and "slower: median x1.0" in unjudged.message
+    assert gate(base, drifted, GateSettings(fail_on_unstable=True)).exit_code == 1
+    slower = make_doc([case(lognormal(2000, 1.3, seed=22, sigma=0.075))])
+    (real,) = gate(base, slower).cases
+    assert real.verdict == "regression" and real.fails
+    # stable runs: the threshold alone decides, as before
+    (stable,) = gate(base, make_doc([case(lognormal(2000, 1.08, seed=23))])).cases
+    assert stable.verdict == "regression"
