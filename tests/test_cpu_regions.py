@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from harness import models
 from harness.autocast import compile
 from harness.build import build_engine
 from harness.cache.timing_cache import TimingCache
@@ -186,6 +187,38 @@ def test_a_transformer_chain_is_one_region(dtype):
     assert {"layer_norm", "scaled_dot_product_attention", "select"} <= set(packets)
     with torch.inference_mode():
         together, separate, reference = merged.run(*inputs)[0], alone.run(*inputs)[0], module(*inputs)
+    tol = 1e-5 if dtype == torch.float32 else 2**-7
+    torch.testing.assert_close(together, separate, rtol=tol, atol=tol)
+    close = 1e-5 if dtype == torch.float32 else 0.03
+    torch.testing.assert_close(together.float(), reference, rtol=close, atol=close)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_explicit_attention_joins_the_region_and_runs_its_matmuls_in_onednn(dtype):
+    """Where the builder picks ``sdpa_math`` (ATen's fused attention is the slower one on a CPU
+    without AMX), attention no longer splits the zoo transformer into calls around it: one
+    region traces both attentions' matmuls, scaling and softmax, the bridge runs the matmuls in
+    partitions (fp32 and bf16; fp16 has no bridge kernels and stays ATen inside the region),
+    and the region computes what the layers compute one by one."""
+    spec = models.load("transformer")
+    module, inputs = spec.module, spec.example_inputs
+    plan = _graph_plan(dtype, (module, inputs))
+    if not _graph_tactics_offered(plan, dtype):
+        return
+    for i, node in enumerate(plan.nodes):
+        if plan_packet(node.op) == "scaled_dot_product_attention":
+            plan.nodes[i] = replace(node, tactic=node.tactic.replace("sdpa_fused", "sdpa_math"))
+            assert plan.nodes[i].tactic.startswith("sdpa_math[")
+    merged, alone = CpuEngine(plan), CpuEngine(plan, regions=False)
+    (region,) = [call for call in merged._program.calls if len(call) > 1]
+    assert [plan_packet(n.op) for n in region].count("scaled_dot_product_attention") == 2
+    with torch.inference_mode():
+        together, separate, reference = merged.run(*inputs)[0], alone.run(*inputs)[0], module(*inputs)
+        events, alone_events = _events(merged.run, *inputs), _events(alone.run, *inputs)
+    matmuls = ("aten::matmul", "aten::bmm")
+    assert any(e in matmuls for e in alone_events)
+    if dtype != torch.float16:
+        assert not [e for e in events if e in matmuls]
     tol = 1e-5 if dtype == torch.float32 else 2**-7
     torch.testing.assert_close(together, separate, rtol=tol, atol=tol)
     close = 1e-5 if dtype == torch.float32 else 0.03
@@ -424,6 +457,34 @@ def test_the_builder_moves_timed_layers_onto_graph_tactics_only_if_the_whole_run
     with torch.inference_mode():
         for got, ref in zip(built.engine.run(*inputs), module(*inputs), strict=True):
             torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_the_builder_offers_attention_s_explicit_form_to_the_whole_run_choice(monkeypatch, tmp_path):
+    """Inside a region ATen's fused attention stays one ATen call, while its explicit form's
+    matmuls become partitions. A layer's own timing sees none of that (on an AMD EPYC it
+    picked the fused call by 0.51 against 0.56 ms for one of the transformer's two attentions,
+    splitting the region there), so the whole-run comparison offers the explicit form beside
+    the graph tactics, and keeps it when that run is faster (double: it says so)."""
+    spec = models.load("transformer")
+    config = BuildConfig(mode="fp32", options={"timing_runs": 1, "warmup_runs": 0})
+    timed: list[list[dict[str, str]]] = []
+
+    def decided(plans, run_inputs, timing):
+        timed.append([{n.name: n.tactic for n in p.nodes if n.is_layer} for p in plans])
+        return [2.0, 1.0]
+
+    # Every layer's first candidate is its fastest: attention's is ATen's fused call.
+    monkeypatch.setattr(builder, "median_ms", lambda fns, run_inputs, timing: [float(i + 1) for i in range(len(fns))])
+    monkeypatch.setattr(builder, "run_ms", decided)
+    built = build_engine(spec, config, CpuBackend(), tmp_path / "cache.json")
+    ((as_timed, alternative),) = timed
+    attention = [name for name in as_timed if name.startswith("scaled_dot_product_attention")]
+    assert len(attention) == 2
+    assert all(as_timed[n] == "sdpa_fused[fp32]" and alternative[n] == "sdpa_math[fp32]" for n in attention)
+    tactics_of = {layer.name: layer.tactic for layer in built.engine.layers()}
+    assert all(tactics_of[n] == "sdpa_math[fp32]" for n in attention)
+    (region,) = [call for call in built.engine._program.calls if len(call) > 1]
+    assert {n.name for n in region} >= set(attention)
 
 
 def test_a_region_the_bridge_cannot_compile_runs_its_layers_one_by_one(caplog):

@@ -385,16 +385,23 @@ class PlanBuilder:
 
     def _graph_switched(self, plan: Plan, metas: Mapping[str, TensorMeta]) -> list[Node]:
         """``plan``'s nodes with the layers this build timed on their graph tactic (same
-        precision), where that puts them in a region with another graph layer."""
+        precision), or on the form a region traces into partitions (attention), where that puts
+        them in a region with another graph layer."""
         switched = list(plan.nodes)
         for i, node in enumerate(plan.nodes):
             if node.op == GETITEM or node.key not in self.timed:
                 continue
             impl, precision = tactics.parse_tactic(node.tactic)
-            graph = [g for g in tactics.impl_names(node, metas, plan.weights) if g in tactics.GRAPH_IMPLS]
+            impls = tactics.impl_names(node, metas, plan.weights)
+            graph = [g for g in impls if g in tactics.GRAPH_IMPLS]
             if graph and impl not in graph:
-                tactic = tactics.tactic_name(graph[0], precision)
-                switched[i] = replace(node, tactic=tactic, tactic_hash=tactics.tactic_hash(tactic))
+                form = graph[0]
+            elif tactics.REGION_FORMS.get(impl) in impls:
+                form = tactics.REGION_FORMS[impl]
+            else:
+                continue
+            tactic = tactics.tactic_name(form, precision)
+            switched[i] = replace(node, tactic=tactic, tactic_hash=tactics.tactic_hash(tactic))
         for group in region_groups(switched):
             graph_layers = [i for i in group if tactics.on_graph_tactic(switched[i])]
             for i in group:

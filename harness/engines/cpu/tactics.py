@@ -57,6 +57,9 @@ _CL = torch.channels_last
 _GRAPH_LAYOUTS = {"conv": _CL, "gemm": torch.contiguous_format}
 # The tactics that compile a layer into a oneDNN Graph partition (regions are made of them).
 GRAPH_IMPLS = tuple(f"{family}_onednn_graph{suffix}" for family in _GRAPH_LAYOUTS for suffix in ("", "_widened"))
+# A plain layer's form that a region traces into oneDNN partitions, where its own tactic stays
+# one ATen call there: attention's explicit matmuls, scaling and softmax, not ATen's fused call.
+REGION_FORMS = {"sdpa_fused": "sdpa_math"}
 # Smallest reduction-chunk a split-K tactic may use: below it the extra
 # partial-sum traffic can only lose, so the candidate is not worth timing.
 _MIN_SPLIT_CHUNK = 16
@@ -678,9 +681,10 @@ def _sdpa_math(ctx: _Ctx) -> Bound:
     """Explicit attention: scores in the input dtype, softmax in fp32, then @ v."""
     get_mask = _getter(ctx.named["attn_mask"])
     causal, scale = bool(ctx.named["is_causal"]), ctx.named["scale"]
+    # From the static shape, so that a region traces a constant (engine shapes are static).
+    factor = scale if scale is not None else 1.0 / math.sqrt(ctx.input_shape[-1])
 
     def math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *d: Any) -> torch.Tensor:
-        factor = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
         scores = (q @ k.transpose(-2, -1)).float() * factor
         mask = get_mask((q, k, v, *d))
         if causal:
