@@ -24,6 +24,7 @@ embedding, which no longer write through views or disable grad):
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -46,7 +47,9 @@ def _transformers() -> Any:
         raise HarnessError(
             "the hf-* models need the transformers package: pip install 'mixed-precision-harness[hf]'"
         ) from None
-    transformers.logging.set_verbosity_error()  # config warnings about unused token ids
+    # Config warnings about unused token ids. transformers' own set_verbosity_error() sets this
+    # logger's level too, but is untyped.
+    logging.getLogger("transformers").setLevel(logging.ERROR)
     return transformers
 
 

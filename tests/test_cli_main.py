@@ -47,11 +47,19 @@ def test_ctrl_c_during_start_up_is_a_message_not_a_traceback(capsys, monkeypatch
 
 
 def test_piping_into_a_reader_that_stops_early_is_quiet():
+    """``harness compile ... | head -0``: the reader is gone before the first write.
+
+    Its read end is closed before the command starts, so the first print meets
+    a broken pipe every time. (A reader that takes one line and then closes
+    raced the command: under load the whole listing could fit in the pipe's
+    buffer before the close, and the run exited 0 with nothing broken.)
+    """
     code = (
-        "import subprocess, sys\n"
+        "import os, subprocess, sys\n"
+        "r, w = os.pipe(); os.close(r)\n"
         "p = subprocess.Popen([sys.executable, '-m', 'harness', 'compile', '--model', 'transformer'],"
-        " stdout=subprocess.PIPE, stderr=subprocess.PIPE)\n"
-        "p.stdout.readline(); p.stdout.close()\n"
+        " stdout=w, stderr=subprocess.PIPE)\n"
+        "os.close(w)\n"
         "err = p.stderr.read().decode(); print(p.wait()); print(repr(err))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
