@@ -108,7 +108,7 @@ def tests(session: nox.Session) -> None:
 
 # The suite's pytest-benchmark cases (run serially: see ``tests``).
 BENCHMARK_TESTS = "tests/benchmarks"
-# Each worker holds torch, ONNX Runtime and OpenVINO (about 1 GB); past a few workers the
+# Each worker holds torch, ONNX Runtime and OpenVINO (1.1-1.8 GB seen); past a few workers the
 # suite is bound by its longest tests, not by cores.
 MAX_TEST_WORKERS = 4
 
