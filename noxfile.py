@@ -87,8 +87,9 @@ def tests(session: nox.Session) -> None:
     are downloaded here, with the other installs, into the session's virtualenv, so
     that a missing network fails at set-up with pip's message and later runs reuse them.
 
-    Without posargs the suite runs in one worker process per available core (at
-    most ``MAX_TEST_WORKERS``; every test already passes beside a CPU-heavy
+    Without posargs the suite runs in one worker process per core (xdist's
+    ``-n auto``, which ``PYTEST_XDIST_AUTO_NUM_WORKERS`` overrides; at most
+    ``MAX_TEST_WORKERS``; every test already passes beside a CPU-heavy
     process, which is all a second worker is to it), then the pytest-benchmark
     cases on their own: pytest-benchmark turns itself off under xdist, so they
     would time nothing. With posargs (``nox -s tests -- tests/test_x.py -k y``)
@@ -102,7 +103,8 @@ def tests(session: nox.Session) -> None:
     if session.posargs:
         session.run(*pytest, *session.posargs, env=env)
         return
-    session.run(*pytest, "-n", str(_test_workers()), "--ignore", BENCHMARK_TESTS, env=env)
+    workers = ("-n", "auto", "--maxprocesses", str(MAX_TEST_WORKERS))
+    session.run(*pytest, *workers, "--ignore", BENCHMARK_TESTS, env=env)
     session.run(*pytest, BENCHMARK_TESTS, env=env)
 
 
@@ -111,12 +113,6 @@ BENCHMARK_TESTS = "tests/benchmarks"
 # Each worker holds torch, ONNX Runtime and OpenVINO (1.1-1.8 GB seen); past a few workers the
 # suite is bound by its longest tests, not by cores.
 MAX_TEST_WORKERS = 4
-
-
-def _test_workers() -> int:
-    """The cores this process may run on (its affinity, not the machine's count), capped."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, min(MAX_TEST_WORKERS, cores))
 
 
 # Repairs for tensorrt-stubs 10.13, whose generated .pyi files do not parse:

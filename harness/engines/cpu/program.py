@@ -33,9 +33,9 @@ TimedRunFn = Callable[..., tuple[torch.Tensor, ...]]
 # Plain layers that may join a region after one of its oneDNN Graph layers: tactics that
 # are the op's own ATen call, of these layer types, or explicit attention (traced as its
 # matmuls, scaling and softmax, which the bridge runs as partitions: transformer bf16 on an
-# AMD EPYC 3.89 -> 3.33 ms, 2 calls instead of 4), and the
-# global pooling of squeeze-excite blocks (other poolings can make the bridge fail to compile
-# the region: max_pool2d with its default stride).
+# AMD EPYC 3.89 -> 3.33 ms, 2 calls instead of 4), and the global pooling of squeeze-excite
+# blocks (other poolings can make the bridge fail to compile the region: max_pool2d with its
+# default stride).
 _INNER_TYPES = frozenset(
     {"elementwise", "reduce", "shuffle", "cast", "reformat", "normalization", "softmax", "attention"}
 )
