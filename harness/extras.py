@@ -8,6 +8,8 @@ path needs (compile, build, bench, cache, gate). The rest comes with extras:
   ``onnxruntime`` peer);
 * ``openvino``: OpenVINO and the ONNX exporter it reads from (the
   ``openvino`` backend and peer);
+* ``onednn``: oneDNN's library built on GNU OpenMP (the CPU engine's
+  ``gemm_dnnl`` tactic; Linux x86-64; without it the tactic is not offered);
 * ``plots``: matplotlib (the PNGs of ``bench``, ``report`` and ``debug``);
 * ``digits``: scikit-learn (the zoo's ``digits`` model and its data);
 * ``hf``: transformers (the zoo's ``hf-*`` models);

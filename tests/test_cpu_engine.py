@@ -84,7 +84,7 @@ def test_tactics_of_a_layer_differ_in_bits_but_each_is_close_to_the_exact_result
     impls = tactics.impl_names(layer, metas, plan.weights)
     assert impls[:3] == ["gemm_direct", "gemm_splitk2", "gemm_splitk4"]
     assert impls[3:5] == ["gemm_nn", "gemm_widened"]
-    assert set(impls[5:]) <= {"gemm_onednn", "gemm_onednn_graph"}  # where oneDNN has bf16 kernels
+    assert set(impls[5:]) <= {"gemm_onednn", "gemm_onednn_graph", "gemm_dnnl"}  # where oneDNN has bf16 kernels
     xb = x.to(torch.bfloat16)
     results = {impl: tactics.bind(layer, impl, metas, plan.weights)(xb) for impl in impls}
     exact = nn.functional.linear(
@@ -181,16 +181,18 @@ def test_weak_mode_chooses_precision_per_layer_by_timing(net):
     assert {t.layer for t in choices} >= {"conv2d", "linear", "linear_1", "softmax", "layer_norm"}
     moved = any(m.startswith("moved") and "onto oneDNN Graph tactics" in m for m in log.messages)
     lowered = any(m.startswith("ran ") and "more layer(s) in bf16" in m for m in log.messages)
+    primitive = any(m.startswith("moved") and f"onto {tactics.PRIMITIVE_GEMM}" in m for m in log.messages)
     for record in choices:
         # The fastest (of bf16's candidates, when the whole run was faster with every timed layer
-        # in bf16), or (when the whole run was faster with regions) that precision's graph tactic.
+        # in bf16), or (when the whole run was faster with regions) that precision's graph tactic,
+        # or (when it was faster with the linear layers on oneDNN's primitive) that.
         fastest = min(
             (c for c in record.candidates if not lowered or c.tactic.endswith("[bf16]")), key=lambda c: c.time_ms
         ).tactic
         impl, precision = tactics.parse_tactic(record.chosen)
         assert record.chosen == fastest or (
             moved and impl in tactics.GRAPH_IMPLS and precision == tactics.parse_tactic(fastest)[1]
-        )
+        ) or (primitive and impl == tactics.PRIMITIVE_GEMM and precision == tactics.parse_tactic(fastest)[1])
         layer = layers[record.layer]
         assert layer.output_dtypes == (precision,)
         # Casts (reformat layers) make the activation inputs arrive in that precision.

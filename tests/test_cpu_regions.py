@@ -23,7 +23,14 @@ from harness.autocast import compile
 from harness.build import build_engine
 from harness.cache.timing_cache import TimingCache
 from harness.cli.main import main
-from harness.engines.cpu import CpuBackend, CpuEngine, builder, onednn_graph, tactics
+from harness.engines.cpu import (
+    CpuBackend,
+    CpuEngine,
+    builder,
+    onednn_graph,
+    onednn_primitive,
+    tactics,
+)
 from harness.engines.cpu.lowering import lower
 from harness.engines.cpu.plan import Plan
 from harness.engines.cpu.profile import PROFILE_SCHEMA, REGION_OP
@@ -38,6 +45,15 @@ from tests.helpers import exit_code
 pytestmark = pytest.mark.skipif(
     not onednn_graph.available("fp32"), reason="this PyTorch has no oneDNN Graph bridge"
 )
+
+
+@pytest.fixture(autouse=True)
+def _no_primitive_gemm(monkeypatch):
+    """Regions are the subject here: ``gemm_dnnl`` and the builder's whole-run decision about
+    it (tests/test_cpu_onednn_primitive.py) stay out of these builds."""
+    monkeypatch.setattr(onednn_primitive, "available", lambda precision: False)
+
+
 GRAPH_TACTICS = {"conv2d": "conv_onednn_graph", "linear": "gemm_onednn_graph"}
 # fp16 layers have no kernels in the bridge: their graph tactics are the fp32 partition widened.
 BRIDGE_PRECISION = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp32"}

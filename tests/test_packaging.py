@@ -69,7 +69,7 @@ def _requirement_names(requirements: list[str]) -> set[str]:
     return {re.split(r"[<>=!~;\s\[]", r, maxsplit=1)[0].lower() for r in requirements}
 
 
-RUNTIME_EXTRAS = ("onnx", "openvino", "plots", "digits", "hf")
+RUNTIME_EXTRAS = ("onednn", "onnx", "openvino", "plots", "digits", "hf")
 
 
 def test_the_optional_packages_are_extras_not_dependencies():
@@ -81,6 +81,7 @@ def test_the_optional_packages_are_extras_not_dependencies():
     assert any(r.startswith("torch>=2.13,<2.14") for r in project["dependencies"])  # the tested range
     assert _requirement_names(extras["onnx"]) == {"onnx", "onnxscript", "onnx-ir", "onnxruntime"}
     assert _requirement_names(extras["plots"]) == {"matplotlib"}
+    assert _requirement_names(extras["onednn"]) == {"onednn-cpu-gomp"}
     assert _requirement_names(extras["digits"]) == {"scikit-learn"}
     # `all` is exactly the union of the runtime extras (same bounds), and the tests need all of it
     union = {r for name in RUNTIME_EXTRAS for r in extras[name]}

@@ -35,8 +35,9 @@ from typing import Any
 
 import torch
 
-from harness.dtypes import LOW_DTYPES
-from harness.engines.cpu import onednn_graph
+from harness.dtypes import LOW_DTYPES, dtype_from_name, dtype_name
+from harness.engines.cpu import onednn_graph, onednn_primitive
+from harness.engines.cpu.onednn_primitive import Eltwise
 from harness.engines.cpu.plan import (
     GETITEM,
     Node,
@@ -56,6 +57,8 @@ _CL = torch.channels_last
 # The families with a oneDNN Graph tactic, and the layout their partitions take inputs in.
 _GRAPH_LAYOUTS = {"conv": _CL, "gemm": torch.contiguous_format}
 # The tactics that compile a layer into a oneDNN Graph partition (regions are made of them).
+# Linear layers on oneDNN's matmul primitive through its C API (:mod:`harness.engines.cpu.onednn_primitive`).
+PRIMITIVE_GEMM = "gemm_dnnl"
 GRAPH_IMPLS = tuple(f"{family}_onednn_graph{suffix}" for family in _GRAPH_LAYOUTS for suffix in ("", "_widened"))
 # A plain layer's form that a region traces into oneDNN partitions, where its own tactic stays
 # one ATen call there: attention's explicit matmuls, scaling and softmax, not ATen's fused call.
@@ -168,6 +171,8 @@ def impl_names(
         if packet == "linear" and _linear_ok(named):
             impls += ["gemm_nn", *_gemm_variants("gemm", node.out().dtype)]
             impls += _graph_variants("gemm", node, node.out().dtype)
+            if _dnnl_ok(node, named, metas, weights):
+                impls.append(PRIMITIVE_GEMM)
         return impls
     if packet in _SOFTMAX_LOG:
         undecomposable = named.get("dtype") is not None or named.get("half_to_float", False)
@@ -555,6 +560,19 @@ def _gemm_onednn(ctx: _Ctx) -> Bound:
     return lambda x: linear(x, packed, bias, attr, [], algorithm)
 
 
+def _gemm_dnnl(ctx: _Ctx) -> Bound:
+    """oneDNN's matmul primitive through its C API (:mod:`harness.engines.cpu.onednn_primitive`):
+    weight prepacked, bias, residual and activation fused, one rounding."""
+    residual = ctx.inputs[-1].dtype if ctx.residual else None
+    return onednn_primitive.Matmul(
+        ctx.named["weight"],
+        ctx.named["bias"],
+        ctx.input_shape,
+        _EPILOGUES[ctx.epilogue].primitive,
+        None if residual is None else dtype_from_name(residual),
+    )
+
+
 def _with_epilogue(fn: Bound, epilogue: str, residual: bool = False) -> Bound:
     """``fn``'s result plus the residual (the layer's last input), then the activation.
 
@@ -737,6 +755,18 @@ def _graph_variants(family: str, node: Node, precision: str) -> list[str]:
     return []
 
 
+def _dnnl_ok(
+    node: Node, named: Mapping[str, Any], metas: Mapping[str, TensorMeta], weights: Mapping[str, torch.Tensor]
+) -> bool:
+    """A linear layer whose input, weight and result share a precision oneDNN has fast kernels for."""
+    precision = node.out().dtype
+    if metas[named["input"].name].dtype != precision or dtype_name(weights[named["weight"].name].dtype) != precision:
+        return False
+    if node.epilogue and _EPILOGUES[node.epilogue].primitive is None:
+        return False
+    return onednn_primitive.available(precision)
+
+
 def _linear_ok(named: Mapping[str, Any]) -> bool:
     """A linear layer with a constant 2-D weight and bias, fed by a computed input."""
     return (
@@ -816,6 +846,7 @@ class _Epilogue:
     in_place: Callable[[torch.Tensor], torch.Tensor] | None  # on the layer's fresh result
     traced: Callable[[torch.Tensor], torch.Tensor] | None  # out of place, in a traced oneDNN graph
     onednn: tuple[str, str]  # oneDNN post-op (attr, algorithm)
+    primitive: Eltwise | None  # oneDNN's own eltwise post-op, through its C API
     graph: bool = True  # whether PyTorch's oneDNN Graph bridge computes ``traced`` as written
 
 
@@ -827,14 +858,17 @@ def _gelu_tanh(t: torch.Tensor) -> torch.Tensor:
 
 
 _EPILOGUES = {
-    "": _Epilogue(None, None, ("none", "")),
+    "": _Epilogue(None, None, ("none", ""), None),
     # The layer's result is a fresh tensor: in place is safe.
-    "relu": _Epilogue(torch.relu_, _F.relu, ("relu", "")),
-    "gelu": _Epilogue(_F.gelu, _F.gelu, ("gelu", "none")),
+    "relu": _Epilogue(torch.relu_, _F.relu, ("relu", ""), Eltwise("relu")),
+    "gelu": _Epilogue(_F.gelu, _F.gelu, ("gelu", "none"), Eltwise("gelu_erf")),
     # PyTorch's oneDNN Graph bridge maps gelu(approximate="tanh") to the erf gelu (0.0005 off).
-    "gelu_tanh": _Epilogue(_gelu_tanh, _gelu_tanh, ("gelu", "tanh"), graph=False),
-    "hardswish": _Epilogue(torch._C._nn.hardswish_, _F.hardswish, ("hardswish", "")),
-    "hardsigmoid": _Epilogue(torch._C._nn.hardsigmoid_, _F.hardsigmoid, ("hardsigmoid", "")),
+    "gelu_tanh": _Epilogue(_gelu_tanh, _gelu_tanh, ("gelu", "tanh"), Eltwise("gelu_tanh"), graph=False),
+    # x * clamp(x/6 + 1/2, 0, 1) and clamp(x/6 + 1/2, 0, 1): oneDNN's alpha and beta.
+    "hardswish": _Epilogue(torch._C._nn.hardswish_, _F.hardswish, ("hardswish", ""), Eltwise("hardswish", 1 / 6, 0.5)),
+    "hardsigmoid": _Epilogue(
+        torch._C._nn.hardsigmoid_, _F.hardsigmoid, ("hardsigmoid", ""), Eltwise("hardsigmoid", 1 / 6, 0.5)
+    ),
 }
 _CONV_EPILOGUES = ("relu", "hardswish", "hardsigmoid")
 _CONV_ATTRS = ("stride", "padding", "dilation", "groups")
@@ -856,6 +890,7 @@ _BINDERS: dict[str, Callable[[_Ctx], Bound]] = {
     "gemm_widened": _gemm_rows("widen"),
     "gemm_direct": _gemm_direct,
     "gemm_onednn": _gemm_onednn,
+    PRIMITIVE_GEMM: _gemm_dnnl,
     "gemm_onednn_graph": _onednn_graph(_F.linear, _GRAPH_LAYOUTS["gemm"], ()),
     "gemm_onednn_graph_widened": _onednn_graph(_F.linear, _GRAPH_LAYOUTS["gemm"], (), widened=True),
     "gemm_splitk2": _split_k(2),
