@@ -444,7 +444,7 @@ class PlanBuilder:
         self._keep_if_faster(
             self._graph_switched(self.plan, self.runtime),
             "oneDNN Graph tactics",
-            "so that consecutive layers run as regions",
+            " so that consecutive layers run as regions",
         )
 
     def _choose_primitives(self) -> None:
@@ -467,10 +467,13 @@ class PlanBuilder:
             if impl != tactics.PRIMITIVE_GEMM and tactics.PRIMITIVE_GEMM in offered:
                 tactic = tactics.tactic_name(tactics.PRIMITIVE_GEMM, precision)
                 switched[i] = replace(node, tactic=tactic, tactic_hash=tactics.tactic_hash(tactic))
-        self._keep_if_faster(switched, tactics.PRIMITIVE_GEMM, "which their own timing did not pick")
+        self._keep_if_faster(switched, tactics.PRIMITIVE_GEMM, ", which their own timing did not pick")
 
     def _keep_if_faster(self, switched: list[Node], onto: str, why: str) -> None:
-        """Run the plan as it is and with ``switched`` nodes, whole, in alternating rounds; keep the faster."""
+        """Run the plan as it is and with ``switched`` nodes, whole, in alternating rounds; keep the faster.
+
+        ``why`` follows the tactics' name in the message (", which ..." or " so that ...").
+        """
         moved = [new for new, old in zip(switched, self.plan.nodes, strict=True) if new is not old]
         if not moved:
             return
@@ -485,7 +488,7 @@ class PlanBuilder:
         self.plan.nodes = switched
         self._record_choices({node.key: node.tactic for node in moved})
         self.messages.append(
-            f"moved {len(moved)} layer(s) onto {onto} {why}: the run takes {candidate:.4g} ms, "
+            f"moved {len(moved)} layer(s) onto {onto}{why}: the run takes {candidate:.4g} ms, "
             f"against {as_timed:.4g} ms with each layer's own fastest tactic (e.g. {moved[0].name!r})"
         )
 
