@@ -56,9 +56,9 @@ _TACTIC_NAME = re.compile(r"^(\w+)\[(\w+)\]$")
 _CL = torch.channels_last
 # The families with a oneDNN Graph tactic, and the layout their partitions take inputs in.
 _GRAPH_LAYOUTS = {"conv": _CL, "gemm": torch.contiguous_format}
-# The tactics that compile a layer into a oneDNN Graph partition (regions are made of them).
 # Linear layers on oneDNN's matmul primitive through its C API (:mod:`harness.engines.cpu.onednn_primitive`).
 PRIMITIVE_GEMM = "gemm_dnnl"
+# The tactics that compile a layer into a oneDNN Graph partition (regions are made of them).
 GRAPH_IMPLS = tuple(f"{family}_onednn_graph{suffix}" for family in _GRAPH_LAYOUTS for suffix in ("", "_widened"))
 # A plain layer's form that a region traces into oneDNN partitions, where its own tactic stays
 # one ATen call there: attention's explicit matmuls, scaling and softmax, not ATen's fused call.
