@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from harness.autocast import compile
 from harness.build import build_engine
@@ -25,6 +26,7 @@ from harness.engines.protocol import BuildConfig
 from harness.errors import HarnessError
 from harness.fileio import canonical_json, digest
 from harness.models import ModelSpec
+from tests.helpers import bits_equal
 
 FAST = {"timing_runs": 3, "warmup_runs": 1}
 
@@ -114,6 +116,46 @@ def test_conv_tactics_with_folded_batch_norm_and_relu_agree_with_eager(net):
         for impl in impls:
             out = tactics.bind(conv, impl, metas, plan.weights)(inputs[0])
             torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5, msg=impl)
+
+
+class _SeesOneDnn(TorchDispatchMode):
+    """Records, for every ATen op dispatched, its name and whether oneDNN was on for the process."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[str, bool]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.seen.append((func.__name__, bool(torch.backends.mkldnn.enabled)))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize(
+    ("groups", "stride", "dilation", "bias"),
+    [(1, 1, 1, True), (1, 2, 1, False), (4, 1, 1, True), (8, 1, 1, True), (2, 1, 2, True)],
+)
+def test_conv_without_onednn_computes_atens_own_bits_and_leaves_onednn_on_for_the_process(
+    groups, stride, dilation, bias
+):
+    """conv_no_mkldnn is ATen's convolution with oneDNN off, bit for bit, grouped and dilated
+    too, without turning oneDNN off process-wide: that switch would move every other
+    thread's matmuls to other kernels (other bits) mid-call."""
+    gen = torch.Generator().manual_seed(8)
+    module = nn.Conv2d(8, 8, 3, stride, dilation, dilation, groups, bias).eval()
+    x = torch.randn(1, 8, 12, 12, generator=gen)
+    plan, _ = lower(compile(module, (x,), policy="fp32").graph_module, "fp32")
+    (conv,) = [n for n in plan.nodes if tactics.layer_type(n) == "convolution"]
+    metas = plan.value_metas()
+    assert "conv_no_mkldnn" in tactics.impl_names(conv, metas, plan.weights)
+    run = tactics.bind(conv, "conv_no_mkldnn", metas, plan.weights)
+    with torch.inference_mode():
+        with _SeesOneDnn() as mode:
+            out = run(x)
+        with torch.backends.mkldnn.flags(enabled=False):
+            expected = module(x)
+    assert all(on for _, on in mode.seen)
+    assert {name for name, _ in mode.seen} & {"thnn_conv2d.default", "slow_conv_dilated2d.default"}
+    assert bits_equal(out, expected)
 
 
 def test_builder_keeps_the_fastest_measured_candidate(fp32_build):

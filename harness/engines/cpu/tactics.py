@@ -156,7 +156,7 @@ def impl_names(
         impls = ["conv_nchw", "conv_channels_last"]
         # Without oneDNN, reduced-precision convolution falls back to a naive
         # loop 50-100x slower: never a sensible candidate, so never timed.
-        if precision == "fp32":
+        if precision == "fp32" and not isinstance(named["padding"], str):
             impls.append("conv_no_mkldnn")
         if packet == "conv2d" and not isinstance(named["padding"], str):
             if _onednn_ok(precision):
@@ -342,25 +342,48 @@ def _reshape(ctx: _Ctx) -> Bound:
     return make_call(torch.ops.aten.reshape.default, [ctx.named["self"], ctx.named["size"]], {})
 
 
-def _conv(layout: torch.memory_format, mkldnn: bool = True) -> Callable[[_Ctx], Bound]:
+def _conv(layout: torch.memory_format) -> Callable[[_Ctx], Bound]:
     def binder(ctx: _Ctx) -> Bound:
         base = ctx.call(weight=ctx.named["weight"].contiguous(memory_format=layout))
-        if mkldnn:
-            return _with_epilogue(
-                lambda x: base(x.contiguous(memory_format=layout)), ctx.epilogue, ctx.residual
-            )
-
-        def without_onednn(x: torch.Tensor) -> Any:
-            previous = bool(torch.backends.mkldnn.enabled)
-            torch.backends.mkldnn.enabled = False  # type: ignore[assignment]
-            try:
-                return base(x.contiguous())
-            finally:
-                torch.backends.mkldnn.enabled = previous  # type: ignore[assignment]
-
-        return _with_epilogue(without_onednn, ctx.epilogue, ctx.residual)
+        return _with_epilogue(
+            lambda x: base(x.contiguous(memory_format=layout)), ctx.epilogue, ctx.residual
+        )
 
     return binder
+
+
+def _conv_native(ctx: _Ctx) -> Bound:
+    """ATen's own im2col convolution (``thnn_conv2d``, or ``slow_conv_dilated2d``
+    when dilated), one call per group as ATen splits it, never oneDNN.
+
+    The kernels are called by name rather than through ``conv2d`` with
+    ``torch.backends.mkldnn.enabled`` turned off: that switch is process-wide,
+    so a run flipping it would move every other thread's matmuls and
+    convolutions off oneDNN (other kernels, other bits) for the length of the
+    call. NNPACK, which ATen may pick instead for batches of 16 and more, is
+    not this tactic.
+    """
+    named = ctx.named
+    padding, stride, dilation = (_pair(named[k]) for k in ("padding", "stride", "dilation"))
+    groups, bias = int(named["groups"]), named["bias"]
+    weight = named["weight"].contiguous()
+    kernel = list(weight.shape[2:])
+    native: Callable[..., torch.Tensor] = torch.ops.aten.thnn_conv2d.default
+    extra: list[list[int]] = []
+    if dilation != [1, 1]:
+        native, extra = torch.ops.aten.slow_conv_dilated2d.default, [dilation]
+    weights = weight.chunk(groups)
+    biases = [None] * groups if bias is None else list(bias.chunk(groups))
+
+    def conv(x: torch.Tensor) -> torch.Tensor:
+        parts = x.contiguous().chunk(groups, dim=1)
+        outs = [
+            native(part, w, kernel, b, stride, padding, *extra)
+            for part, w, b in zip(parts, weights, biases, strict=True)
+        ]
+        return outs[0] if groups == 1 else torch.cat(outs, dim=1)
+
+    return _with_epilogue(conv, ctx.epilogue, ctx.residual)
 
 
 def _conv_onednn(ctx: _Ctx) -> Bound:
@@ -879,7 +902,7 @@ _BINDERS: dict[str, Callable[[_Ctx], Bound]] = {
     "reshape": _reshape,
     "conv_nchw": _conv(torch.contiguous_format),
     "conv_channels_last": _conv(_CL),
-    "conv_no_mkldnn": _conv(torch.contiguous_format, mkldnn=False),
+    "conv_no_mkldnn": _conv_native,
     "conv_onednn": _conv_onednn,
     "conv_onednn_graph": _onednn_graph(torch.conv2d, _GRAPH_LAYOUTS["conv"], _CONV_ATTRS),
     "conv_onednn_graph_widened": _onednn_graph(torch.conv2d, _GRAPH_LAYOUTS["conv"], _CONV_ATTRS, widened=True),
