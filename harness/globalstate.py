@@ -7,11 +7,19 @@ not leave that state changed, or the next call in the same process behaves
 differently from the first. Every public entry point runs inside
 :func:`preserved_global_state`, which snapshots the state and restores it on
 success and on failure alike.
+
+Grad mode, autocast and the thread count are each thread's own; the CPU RNG
+and the fusion switch belong to the process. Two threads inside entry points
+at once would each give the process-wide part back as it was when they
+entered, the later one what the earlier had set meanwhile (the fusion switch
+left on, the RNG rewound into a user's draws), so that part is given back by
+the last thread to leave, as it was when the first entered.
 """
 
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -52,6 +60,15 @@ class GlobalState:
         )
 
     def restore(self) -> None:
+        self.restore_thread()
+        self.restore_process()
+
+    def restore_thread(self) -> None:
+        """The calling thread's own settings: grad mode, autocast and its thread count.
+
+        (torch's thread count is each thread's OpenMP setting; a set also
+        becomes the default of threads that have not run torch yet.)
+        """
         torch.set_grad_enabled(self.grad_enabled)
         for device, enabled, dtype in self.autocast:
             torch.set_autocast_enabled(device, enabled)
@@ -59,6 +76,9 @@ class GlobalState:
         torch.set_autocast_cache_enabled(self.autocast_cache)
         if torch.get_num_threads() != self.num_threads:
             torch.set_num_threads(self.num_threads)
+
+    def restore_process(self) -> None:
+        """The settings every thread shares: the CPU RNG and oneDNN fusion."""
         torch.random.set_rng_state(torch.frombuffer(bytearray(self.cpu_rng), dtype=torch.uint8))
         if onednn_fusion_enabled() != self.onednn_fusion:
             torch.jit.enable_onednn_fusion(self.onednn_fusion)
@@ -73,18 +93,61 @@ def onednn_fusion_enabled() -> bool:
     return bool(torch._C._jit_llga_enabled()) if hasattr(torch._C, "_jit_llga_enabled") else False
 
 
+class _Occupancy:
+    """Which threads are inside :func:`preserved_global_state`, and how to give back the
+    process-wide state the first of them found."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.depths: dict[int, int] = {}  # thread -> how deeply it is nested
+        self.first: Callable[[], None] | None = None
+
+    def enter(self, restore: Callable[[], None]) -> None:
+        with self.lock:
+            if not self.depths:
+                self.first = restore
+            me = threading.get_ident()
+            self.depths[me] = self.depths.get(me, 0) + 1
+
+    def leave(self, restore: Callable[[], None]) -> None:
+        """Run ``restore`` (this call's), or the first entrant's: see the module docstring."""
+        with self.lock:
+            me = threading.get_ident()
+            self.depths[me] -= 1
+            nested = self.depths[me] > 0
+            if not nested:
+                del self.depths[me]
+            # A call inside another on this thread gives back what the outer call had set;
+            # the last thread out, what the process had before any entered (under the lock,
+            # so that a thread entering next finds it given back).
+            if nested:
+                restore()
+            elif not self.depths and self.first is not None:
+                first, self.first = self.first, None
+                first()
+
+
+_OCCUPANCY = _Occupancy()
+
+
 @contextmanager
 def preserved_global_state() -> Iterator[None]:
-    """Restore grad mode, autocast state, CPU RNG, thread count and oneDNN fusion on exit, whatever happened."""
+    """Restore grad mode, autocast state, RNGs, thread count and oneDNN fusion on exit, whatever happened."""
     state = GlobalState.capture()
     initialized = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
     cuda_rng = torch.cuda.get_rng_state_all() if initialized else None
+
+    def restore_process() -> None:
+        state.restore_process()
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+
+    _OCCUPANCY.enter(restore_process)
     try:
         yield
     finally:
-        state.restore()
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)
+        state.restore_thread()
+        _OCCUPANCY.leave(restore_process)
 
 
 @contextmanager

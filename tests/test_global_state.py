@@ -8,6 +8,7 @@ requires every setting back as it was, the CPU RNG included.
 from __future__ import annotations
 
 import textwrap
+import threading
 from collections.abc import Callable
 
 import pytest
@@ -22,7 +23,7 @@ from harness.engines.cpu import CpuBackend
 from harness.engines.protocol import BuildConfig
 from harness.errors import HarnessError
 from harness.frontend.export import export_program, load_graph
-from harness.globalstate import GlobalState
+from harness.globalstate import GlobalState, preserved_global_state
 
 
 @pytest.fixture()
@@ -201,3 +202,39 @@ def test_export_still_traces_the_inference_graph_of_a_training_module(unchanged)
     assert module.training and module.drop.training
     with torch.inference_mode():
         torch.testing.assert_close(gm(x)[0], x * 2, rtol=0, atol=0)
+
+
+def test_two_threads_inside_entry_points_at_once_give_back_the_rng_and_each_its_thread_count(unchanged):
+    """Forced interleaving: A enters and draws, B enters, A leaves, B draws and leaves. Each
+    call restoring what it saw would leave the RNG where A had moved it (B saw it there);
+    the process's RNG comes back as it was before A, and A's thread count as A had it while
+    B is still inside."""
+    before = torch.random.get_rng_state()
+    a_inside, b_inside, a_left = threading.Event(), threading.Event(), threading.Event()
+    seen: dict[str, object] = {}
+
+    def a() -> None:
+        threads = torch.get_num_threads()
+        with preserved_global_state():
+            torch.set_num_threads(1)
+            torch.rand(1)
+            a_inside.set()
+            assert b_inside.wait(30)
+        seen["a threads"] = (torch.get_num_threads(), threads)
+        a_left.set()
+
+    def b() -> None:
+        assert a_inside.wait(30)
+        with preserved_global_state():
+            b_inside.set()
+            assert a_left.wait(30)
+            torch.rand(1)
+
+    workers = [threading.Thread(target=fn) for fn in (a, b)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(60)
+    assert not any(worker.is_alive() for worker in workers)
+    assert seen["a threads"][0] == seen["a threads"][1]
+    assert torch.equal(torch.random.get_rng_state(), before)
