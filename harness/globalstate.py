@@ -8,12 +8,16 @@ differently from the first. Every public entry point runs inside
 :func:`preserved_global_state`, which snapshots the state and restores it on
 success and on failure alike.
 
-Grad mode, autocast and the thread count are each thread's own; the CPU RNG
-and the fusion switch belong to the process. Two threads inside entry points
-at once would each give the process-wide part back as it was when they
-entered, the later one what the earlier had set meanwhile (the fusion switch
-left on, the RNG rewound into a user's draws), so that part is given back by
-the last thread to leave, as it was when the first entered.
+Grad mode, autocast and the thread count are each thread's own, and every
+call gives them back. The CPU and CUDA RNGs and the fusion switch belong to
+the process. Two threads inside entry points at once would each give those
+back as they were when they entered, the later one what the earlier had set
+meanwhile (the RNG rewound into the other's draws, or left where the earlier
+had moved it), so the process's part is given back by the last thread to
+leave, as it was when the first entered; a call nested in another on the same
+thread gives it back as the outer call had it only while no other thread is
+inside. (A thread count set also becomes the default of threads that have not
+run torch yet; torch offers no way to read that default back.)
 """
 
 from __future__ import annotations
@@ -102,26 +106,39 @@ class _Occupancy:
         self.depths: dict[int, int] = {}  # thread -> how deeply it is nested
         self.first: Callable[[], None] | None = None
 
-    def enter(self, restore: Callable[[], None]) -> None:
+    def enter(self) -> tuple[int, GlobalState, Callable[[], None]]:
+        """This thread's id, its settings, and how to give back the process's as they are now.
+
+        Read under the lock, so never while a thread leaving is giving the
+        process's back: a snapshot taken just before would be of the state
+        that thread had left, and would later be given back for good.
+        """
         with self.lock:
+            state = GlobalState.capture()
+            initialized = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]  # unannotated in torch
+            cuda_rng = torch.cuda.get_rng_state_all() if initialized else None
+
+            def restore_process() -> None:
+                state.restore_process()
+                if cuda_rng is not None:
+                    torch.cuda.set_rng_state_all(cuda_rng)
+
             if not self.depths:
-                self.first = restore
+                self.first = restore_process
             me = threading.get_ident()
             self.depths[me] = self.depths.get(me, 0) + 1
+            return me, state, restore_process
 
-    def leave(self, restore: Callable[[], None]) -> None:
-        """Run ``restore`` (this call's), or the first entrant's: see the module docstring."""
+    def leave(self, me: int, restore_process: Callable[[], None]) -> None:
+        """Give back the process's state as the module docstring says, under the lock."""
         with self.lock:
-            me = threading.get_ident()
             self.depths[me] -= 1
             nested = self.depths[me] > 0
             if not nested:
                 del self.depths[me]
-            # A call inside another on this thread gives back what the outer call had set;
-            # the last thread out, what the process had before any entered (under the lock,
-            # so that a thread entering next finds it given back).
             if nested:
-                restore()
+                if list(self.depths) == [me]:
+                    restore_process()  # what the outer call on this thread had set
             elif not self.depths and self.first is not None:
                 first, self.first = self.first, None
                 first()
@@ -133,21 +150,14 @@ _OCCUPANCY = _Occupancy()
 @contextmanager
 def preserved_global_state() -> Iterator[None]:
     """Restore grad mode, autocast state, RNGs, thread count and oneDNN fusion on exit, whatever happened."""
-    state = GlobalState.capture()
-    initialized = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
-    cuda_rng = torch.cuda.get_rng_state_all() if initialized else None
-
-    def restore_process() -> None:
-        state.restore_process()
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)
-
-    _OCCUPANCY.enter(restore_process)
+    me, state, restore_process = _OCCUPANCY.enter()
     try:
         yield
     finally:
-        state.restore_thread()
-        _OCCUPANCY.leave(restore_process)
+        try:
+            state.restore_thread()
+        finally:
+            _OCCUPANCY.leave(me, restore_process)
 
 
 @contextmanager

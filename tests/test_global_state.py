@@ -238,3 +238,38 @@ def test_two_threads_inside_entry_points_at_once_give_back_the_rng_and_each_its_
     assert not any(worker.is_alive() for worker in workers)
     assert seen["a threads"][0] == seen["a threads"][1]
     assert torch.equal(torch.random.get_rng_state(), before)
+
+
+def test_a_nested_call_leaving_while_another_thread_is_inside_does_not_rewind_that_threads_draws(
+    unchanged,
+):
+    """A is inside two nested calls, B draws, A's inner call leaves, B draws again: B's second
+    draw must be a new number (an inner call giving back what it found would rewind the RNG
+    under B), and the process's RNG comes back as it was before A."""
+    before = torch.random.get_rng_state()
+    b_drew, a_inner_left, b_done = threading.Event(), threading.Event(), threading.Event()
+    draws: list[float] = []
+
+    def a() -> None:
+        with preserved_global_state():
+            with preserved_global_state():
+                assert b_drew.wait(30)
+            a_inner_left.set()
+            assert b_done.wait(30)
+
+    def b() -> None:
+        with preserved_global_state():
+            draws.append(float(torch.rand(1)))
+            b_drew.set()
+            assert a_inner_left.wait(30)
+            draws.append(float(torch.rand(1)))
+        b_done.set()
+
+    workers = [threading.Thread(target=fn) for fn in (a, b)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(60)
+    assert not any(worker.is_alive() for worker in workers)
+    assert len(draws) == 2 and draws[0] != draws[1]
+    assert torch.equal(torch.random.get_rng_state(), before)
