@@ -138,8 +138,9 @@ def test_conv_without_onednn_computes_atens_own_bits_and_leaves_onednn_on_for_th
     groups, stride, dilation, bias
 ):
     """conv_no_mkldnn is ATen's convolution with oneDNN off, bit for bit, grouped and dilated
-    too, without turning oneDNN off process-wide: that switch would move every other
-    thread's matmuls to other kernels (other bits) mid-call."""
+    too (at batch 1: from 16 ATen may take NNPACK, which this tactic is not), without
+    turning oneDNN off process-wide: that switch would move every other thread's matmuls
+    to other kernels (other bits) mid-call."""
     gen = torch.Generator().manual_seed(8)
     module = nn.Conv2d(8, 8, 3, stride, dilation, dilation, groups, bias).eval()
     x = torch.randn(1, 8, 12, 12, generator=gen)

@@ -6,8 +6,10 @@ the engine's other tactics, and the engine's own saved files.
 
 from __future__ import annotations
 
+import gc
 import importlib.metadata
 import threading
+import weakref
 from dataclasses import replace
 from pathlib import Path
 
@@ -109,25 +111,55 @@ def test_reduced_precision_is_offered_only_with_optimized_kernels():
         assert onednn_primitive.available(precision) == (impl != "none" and not impl.startswith("ref")), impl
 
 
-def test_every_thread_running_a_layer_gets_its_own_memory_objects():
+def test_threads_share_the_primitive_with_memory_objects_of_their_own_freed_when_they_end():
     gen = torch.Generator().manual_seed(1)
     w, b = torch.randn(32, 64, generator=gen), torch.randn(32, generator=gen)
     matmul = Matmul(w, b, (8, 64), Eltwise("relu"), None)
     inputs = [torch.randn(8, 64, generator=gen) for _ in range(4)]
     wants = [F.relu(F.linear(x, w, b)) for x in inputs]
     wrong: list[int] = []
+    runs: list[weakref.ref] = []
+    counts = {torch.get_num_threads()}
 
     def work(i: int) -> None:
+        torch.set_num_threads(next(iter(counts)))  # a new thread may start at another count
         for _ in range(200):
             if not torch.allclose(matmul(inputs[i]), wants[i], rtol=1e-5, atol=1e-5):
                 wrong.append(i)
+        runs.append(weakref.ref(matmul._local.runs))
 
     threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    gc.collect()
     assert not wrong
+    assert set(matmul._shared) == counts  # one primitive, whatever the number of threads
+    assert len(runs) == 4 and all(ref() is None for ref in runs)
+
+
+@pytest.mark.parametrize(
+    ("x", "residual", "match"),
+    [
+        (torch.randn(4, 32, dtype=torch.bfloat16), None, r"expected fp32 \(4, 32\), got torch.bfloat16 \(4, 32\)"),
+        (torch.randn(3, 32), None, r"expected fp32 \(4, 32\), got torch.float32 \(3, 32\)"),
+        (torch.randn(4, 32), torch.randn(4, 16), r"got torch.float32 \(4, 32\) and a torch.float32 \(4, 16\) residual"),
+    ],
+)
+def test_operands_the_primitive_was_not_made_for_are_refused_before_it_reads_them(x, residual, match):
+    matmul = Matmul(torch.randn(16, 32), None, (4, 32), None, None)
+    with pytest.raises(HarnessError, match=match):
+        matmul(x, residual)
+
+
+def test_a_residual_layer_refuses_a_missing_or_mis_sized_residual():
+    matmul = Matmul(torch.randn(16, 32), None, (4, 32), None, torch.float32)
+    x = torch.randn(4, 32)
+    for residual in (None, torch.randn(4, 15), torch.randn(4, 16, dtype=torch.bfloat16)):
+        with pytest.raises(HarnessError, match=r"and a fp32 \(4, 16\) residual, got"):
+            matmul(x, residual)
+    torch.testing.assert_close(matmul(x, torch.ones(4, 16)), F.linear(x, matmul._weight) + 1, rtol=1e-5, atol=1e-5)
 
 
 def test_a_primitive_per_thread_count_with_torch_s_count_restored():
@@ -140,7 +172,7 @@ def test_a_primitive_per_thread_count_with_torch_s_count_restored():
             torch.testing.assert_close(matmul(x), F.linear(x, matmul._weight), rtol=1e-5, atol=1e-5)
     finally:
         torch.set_num_threads(before)
-    assert {threads for threads, _ in matmul._runs} == {1, 2}
+    assert set(matmul._shared) == {before, 1, 2}
 
 
 def test_shapes_that_do_not_fit_the_weight_are_refused():

@@ -204,6 +204,16 @@ def test_export_still_traces_the_inference_graph_of_a_training_module(unchanged)
         torch.testing.assert_close(gm(x)[0], x * 2, rtol=0, atol=0)
 
 
+def _together(*fns: Callable[[], None]) -> None:
+    """Run ``fns`` on threads of their own, started at once, and wait for all of them."""
+    workers = [threading.Thread(target=fn) for fn in fns]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(60)
+    assert not any(worker.is_alive() for worker in workers)
+
+
 def test_two_threads_inside_entry_points_at_once_give_back_the_rng_and_each_its_thread_count(unchanged):
     """Forced interleaving: A enters and draws, B enters, A leaves, B draws and leaves. Each
     call restoring what it saw would leave the RNG where A had moved it (B saw it there);
@@ -230,12 +240,7 @@ def test_two_threads_inside_entry_points_at_once_give_back_the_rng_and_each_its_
             assert a_left.wait(30)
             torch.rand(1)
 
-    workers = [threading.Thread(target=fn) for fn in (a, b)]
-    for worker in workers:
-        worker.start()
-    for worker in workers:
-        worker.join(60)
-    assert not any(worker.is_alive() for worker in workers)
+    _together(a, b)
     assert seen["a threads"][0] == seen["a threads"][1]
     assert torch.equal(torch.random.get_rng_state(), before)
 
@@ -265,11 +270,6 @@ def test_a_nested_call_leaving_while_another_thread_is_inside_does_not_rewind_th
             draws.append(float(torch.rand(1)))
         b_done.set()
 
-    workers = [threading.Thread(target=fn) for fn in (a, b)]
-    for worker in workers:
-        worker.start()
-    for worker in workers:
-        worker.join(60)
-    assert not any(worker.is_alive() for worker in workers)
+    _together(a, b)
     assert len(draws) == 2 and draws[0] != draws[1]
     assert torch.equal(torch.random.get_rng_state(), before)

@@ -16,9 +16,9 @@ The library is the ``onednn-cpu-gomp`` wheel (the ``onednn`` extra): its
 CPU runtime is GNU OpenMP, and loaded after torch it shares torch's
 ``libgomp.so.1`` (the soname is already loaded), so ``torch.set_num_threads``
 governs it as it governs ATen. A primitive fixes its blocking for the thread
-count it was created at, so one is created per thread count, on first use.
-Memory objects carry data pointers, so each thread running the layer has its
-own (the primitive itself is safe to share).
+count it was created at, so one is created per thread count, on first use,
+and shared by every thread. Memory objects carry data pointers, so each
+thread running the layer has its own, freed when that thread ends.
 
 Enum values are looked up by name through the library's own ``*2str``
 functions, not copied from headers, so another oneDNN 3 build cannot
@@ -251,18 +251,17 @@ class Matmul:
         if input_shape[-1] != k:
             raise HarnessError(f"gemm_dnnl: input {tuple(input_shape)} does not end in the weight's K={k}")
         self.rows = math.prod(input_shape[:-1])
-        self.out_shape = (*input_shape[:-1], n)
+        self.in_shape, self.out_shape = tuple(input_shape), (*input_shape[:-1], n)
         self.dtype = weight.dtype
         self._weight = weight.detach().contiguous()  # [N, K] row-major: oneDNN's {K, N} in "ba"
         self._bias = None if bias is None else bias.detach().reshape(1, n).contiguous()
         self._eltwise, self._residual = eltwise, residual
-        # (thread count, thread) -> that thread's call of that thread count's primitive
-        self._runs: dict[tuple[int, int], Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]] = {}
-        self._packed: dict[int, tuple[torch.Tensor, _VOID]] = {}  # thread count -> weight buffer and memory
+        # thread count -> its primitive descriptor, primitive and packed weight (buffer, memory)
+        self._shared: dict[int, tuple[_VOID, _VOID, torch.Tensor, _VOID]] = {}
+        self._local = threading.local()  # .runs: this thread's _ThreadRuns
         self._lock = threading.Lock()
-        # The primitives and memory objects of every state, freed with this object.
+        # The shared primitives, descriptors and weight memories, freed with this object.
         self._owned: list[tuple[str, _VOID]] = []
-        self._arrays: list[ctypes.Array[_Arg]] = []
         weakref.finalize(self, _free, lib, self._owned)
         # Created now, not on the first call: that call would pay the kernel's JIT generation
         # (milliseconds), which the builder's whole-run timing must not see, and an engine
@@ -278,7 +277,11 @@ class Matmul:
             self._lib.destroy("primitive_desc", pd)
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        run = self._runs.get((torch.get_num_threads(), threading.get_ident())) or self._state()
+        run: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
+        try:
+            run = self._local.runs.calls[torch.get_num_threads()]
+        except (AttributeError, KeyError):  # this thread's first call at this thread count
+            run = self._state()
         return run(x, residual)
 
     def _desc(self) -> _VOID:
@@ -288,13 +291,14 @@ class Matmul:
         if self._eltwise is not None and self._eltwise.algorithm not in lib.algorithms:
             raise HarnessError(f"oneDNN {lib.version} has no eltwise {self._eltwise.algorithm!r}")
         attr, post_ops, pd = _VOID(), _VOID(), _VOID()
-        descs = [
-            lib.desc((self.rows, k), self.dtype, "ab"),
-            lib.desc((k, n), self.dtype, "any"),
-            None if self._bias is None else lib.desc(self._bias.shape, self._bias.dtype, "ab"),
-            lib.desc((self.rows, n), self.dtype, "ab"),
-        ]
+        descs: list[_VOID | None] = []
         try:
+            descs += [
+                lib.desc((self.rows, k), self.dtype, "ab"),
+                lib.desc((k, n), self.dtype, "any"),
+                None if self._bias is None else lib.desc(self._bias.shape, self._bias.dtype, "ab"),
+                lib.desc((self.rows, n), self.dtype, "ab"),
+            ]
             lib.check(raw.dnnl_primitive_attr_create(ctypes.byref(attr)), "creating attributes")
             lib.check(raw.dnnl_post_ops_create(ctypes.byref(post_ops)), "creating post-ops")
             if self._residual is not None:
@@ -317,32 +321,35 @@ class Matmul:
         return pd
 
     def _state(self) -> Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]:
-        """This thread's call of the current thread count's primitive, its memory objects created once."""
+        """This thread's call of the current thread count's primitive, each created once."""
         threads, lib = torch.get_num_threads(), self._lib
         with self._lock:
-            pd = self._desc()
-            try:
-                if threads not in self._packed:
-                    self._packed[threads] = self._pack(pd)
-                weights = self._packed[threads][1]
-                src = self._own_memory(lib.lib.dnnl_primitive_desc_query_md(pd, _QUERY_EXEC_ARG_MD, _ARG_SRC))
-                dst = self._own_memory(lib.lib.dnnl_primitive_desc_query_md(pd, _QUERY_EXEC_ARG_MD, _ARG_DST))
-                args = [_Arg(_ARG_SRC, src), _Arg(_ARG_WEIGHTS, weights), _Arg(_ARG_DST, dst)]
-                if self._bias is not None:
-                    bias_md = lib.lib.dnnl_primitive_desc_query_md(pd, _QUERY_EXEC_ARG_MD, _ARG_BIAS)
-                    args.append(_Arg(_ARG_BIAS, self._own_memory(bias_md, self._bias.data_ptr())))
-                residual = None
-                if self._residual is not None:
-                    arg = _ARG_POST_OP_0 | _ARG_SRC_1
-                    residual = self._own_memory(lib.lib.dnnl_primitive_desc_query_md(pd, _QUERY_EXEC_ARG_MD, arg))
-                    args.append(_Arg(arg, residual))
+            if threads not in self._shared:
+                pd = self._desc()
+                self._owned.append(("primitive_desc", pd))
                 primitive = lib.primitive(pd)
                 self._owned.append(("primitive", primitive))
-            finally:
-                lib.destroy("primitive_desc", pd)
-            run = self._runner(primitive, src, dst, residual, (_Arg * len(args))(*args))
-            self._runs[(threads, threading.get_ident())] = run
-            return run
+                self._shared[threads] = (pd, primitive, *self._pack(pd))
+            pd, primitive, _, weights = self._shared[threads]
+        runs = getattr(self._local, "runs", None)
+        if runs is None:
+            runs = self._local.runs = _ThreadRuns(lib)
+
+        def memory(arg: int, data: int = 0) -> _VOID:
+            return runs.memory(lib.lib.dnnl_primitive_desc_query_md(pd, _QUERY_EXEC_ARG_MD, arg), data)
+
+        src, dst = memory(_ARG_SRC), memory(_ARG_DST)
+        args = [_Arg(_ARG_SRC, src), _Arg(_ARG_WEIGHTS, weights), _Arg(_ARG_DST, dst)]
+        if self._bias is not None:
+            args.append(_Arg(_ARG_BIAS, memory(_ARG_BIAS, self._bias.data_ptr())))
+        residual = None
+        if self._residual is not None:
+            residual = memory(_ARG_POST_OP_0 | _ARG_SRC_1)
+            args.append(_Arg(_ARG_POST_OP_0 | _ARG_SRC_1, residual))
+        array = (_Arg * len(args))(*args)
+        runs.arrays.append(array)  # ctypes.cast keeps no reference to it
+        run = runs.calls[threads] = self._runner(primitive, src, dst, residual, array)
+        return run
 
     def _runner(
         self, primitive: _VOID, src: _VOID, dst: _VOID, residual: _VOID | None, args: ctypes.Array[_Arg]
@@ -351,19 +358,30 @@ class Matmul:
         takes 6 µs, and attribute lookups and argument conversions had added 4 more.
 
         No ``dnnl_stream_wait``: on oneDNN's OpenMP runtime a CPU primitive has
-        finished when ``dnnl_primitive_execute`` returns.
+        finished when ``dnnl_primitive_execute`` returns. The operands are
+        checked first (dtype, element count, the residual's presence), as oneDNN
+        would read whatever memory their pointers lead to.
         """
         lib, empty, shape, dtype = self._lib, torch.empty, self.out_shape, self.dtype
         set_handle, execute = lib.lib.dnnl_memory_set_data_handle, lib.lib.dnnl_primitive_execute
         stream, count, pointer = lib.stream, len(args), ctypes.cast(args, _VOID)
-        self._arrays.append(args)  # ctypes.cast keeps no reference to it
         memories = (src, dst) if residual is None else (src, dst, residual)
+        sizes = (math.prod(self.in_shape), math.prod(shape))
+        wants_residual, residual_dtype = residual is not None, self._residual
+        wanted = f"{dtype_name(dtype)} {self.in_shape}"
+        if residual_dtype is not None:
+            wanted += f" and a {dtype_name(residual_dtype)} {shape} residual"
         # The data pointers last set: the allocator often hands a run the same addresses.
         last = [0, 0, 0]
 
         def run(x: torch.Tensor, r: torch.Tensor | None) -> torch.Tensor:
+            if x.dtype is not dtype or x.numel() != sizes[0] or (r is not None) is not wants_residual:
+                _refuse(wanted, x, r)
             x = x.contiguous()
-            r = None if r is None else r.contiguous()  # held until the primitive has run
+            if r is not None:
+                if r.dtype is not residual_dtype or r.numel() != sizes[1]:
+                    _refuse(wanted, x, r)
+                r = r.contiguous()  # held until the primitive has run
             y = empty(*shape, dtype=dtype)  # unpacked: torch parses a shape tuple 0.5 µs slower
             pointers = (x.data_ptr(), y.data_ptr(), 0 if r is None else r.data_ptr())
             for i, memory in enumerate(memories):
@@ -377,18 +395,13 @@ class Matmul:
 
         return run
 
-    def _own_memory(self, md: int, data: int = 0) -> _VOID:
-        memory = self._lib.memory(md, data)
-        self._owned.append(("memory", memory))
-        return memory
-
     def _pack(self, pd: _VOID) -> tuple[torch.Tensor, _VOID]:
         """The weight reordered once into the primitive's layout, in a buffer this object owns."""
         lib = self._lib
         n, k = self._weight.shape
         packed_md = lib.lib.dnnl_primitive_desc_query_md(pd, _QUERY_EXEC_ARG_MD, _ARG_WEIGHTS)
         buffer = torch.empty(lib.lib.dnnl_memory_desc_get_size(packed_md), dtype=torch.uint8)
-        packed = self._own_memory(packed_md, buffer.data_ptr())
+        packed = _owned_memory(lib, self._owned, packed_md, buffer.data_ptr())
         plain_md = lib.desc((k, n), self.dtype, "ba")
         reorder_pd, plain, reorder = _VOID(), None, None
         try:
@@ -407,6 +420,33 @@ class Matmul:
             lib.destroy("primitive_desc", reorder_pd if reorder_pd.value else None)
             lib.destroy("memory_desc", plain_md)
         return buffer, packed
+
+
+def _refuse(wanted: str, x: torch.Tensor, r: torch.Tensor | None) -> None:
+    got = f"{x.dtype} {tuple(x.shape)}" + ("" if r is None else f" and a {r.dtype} {tuple(r.shape)} residual")
+    raise HarnessError(f"gemm_dnnl: expected {wanted}, got {got}")
+
+
+class _ThreadRuns:
+    """One thread's calls of a :class:`Matmul` (per thread count) and the memory objects and
+    argument arrays they use, freed when the thread ends or the Matmul goes."""
+
+    def __init__(self, lib: _Library) -> None:
+        self._lib = lib
+        self.calls: dict[int, Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]] = {}
+        self.arrays: list[ctypes.Array[_Arg]] = []
+        self.owned: list[tuple[str, _VOID]] = []
+        weakref.finalize(self, _free, lib, self.owned)
+
+    def memory(self, md: int, data: int = 0) -> _VOID:
+        return _owned_memory(self._lib, self.owned, md, data)
+
+
+def _owned_memory(lib: _Library, owned: list[tuple[str, _VOID]], md: int, data: int) -> _VOID:
+    """A memory object on ``md`` (and ``data``), listed in ``owned`` to be freed with its owner."""
+    memory = lib.memory(md, data)
+    owned.append(("memory", memory))
+    return memory
 
 
 def _free(lib: _Library, owned: list[tuple[str, _VOID]]) -> None:
