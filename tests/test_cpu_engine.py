@@ -130,6 +130,8 @@ class _SeesOneDnn(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+# torch.backends.mkldnn.flags() sets oneDNN's TF32 switch on the way out, which warns on CPU builds.
+@pytest.mark.filterwarnings("ignore:TF32 acceleration on top of oneDNN:UserWarning")
 @pytest.mark.parametrize(
     ("groups", "stride", "dilation", "bias"),
     [(1, 1, 1, True), (1, 2, 1, False), (4, 1, 1, True), (8, 1, 1, True), (2, 1, 2, True)],
