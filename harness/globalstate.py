@@ -136,9 +136,8 @@ class _Occupancy:
             nested = self.depths[me] > 0
             if not nested:
                 del self.depths[me]
-            if nested:
-                if list(self.depths) == [me]:
-                    restore_process()  # what the outer call on this thread had set
+            if nested and list(self.depths) == [me]:
+                restore_process()  # what the outer call on this thread had set
             elif not self.depths and self.first is not None:
                 first, self.first = self.first, None
                 first()

@@ -336,7 +336,8 @@ class Matmul:
             runs = self._local.runs = _ThreadRuns(lib)
 
         def memory(arg: int, data: int = 0) -> _VOID:
-            return runs.memory(lib.lib.dnnl_primitive_desc_query_md(pd, _QUERY_EXEC_ARG_MD, arg), data)
+            md = lib.lib.dnnl_primitive_desc_query_md(pd, _QUERY_EXEC_ARG_MD, arg)
+            return _owned_memory(lib, runs.owned, md, data)
 
         src, dst = memory(_ARG_SRC), memory(_ARG_DST)
         args = [_Arg(_ARG_SRC, src), _Arg(_ARG_WEIGHTS, weights), _Arg(_ARG_DST, dst)]
@@ -432,14 +433,10 @@ class _ThreadRuns:
     argument arrays they use, freed when the thread ends or the Matmul goes."""
 
     def __init__(self, lib: _Library) -> None:
-        self._lib = lib
         self.calls: dict[int, Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]] = {}
         self.arrays: list[ctypes.Array[_Arg]] = []
         self.owned: list[tuple[str, _VOID]] = []
         weakref.finalize(self, _free, lib, self.owned)
-
-    def memory(self, md: int, data: int = 0) -> _VOID:
-        return _owned_memory(self._lib, self.owned, md, data)
 
 
 def _owned_memory(lib: _Library, owned: list[tuple[str, _VOID]], md: int, data: int) -> _VOID:

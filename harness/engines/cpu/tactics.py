@@ -586,13 +586,12 @@ def _gemm_onednn(ctx: _Ctx) -> Bound:
 def _gemm_dnnl(ctx: _Ctx) -> Bound:
     """oneDNN's matmul primitive through its C API (:mod:`harness.engines.cpu.onednn_primitive`):
     weight prepacked, bias, residual and activation fused, one rounding."""
-    residual = ctx.inputs[-1].dtype if ctx.residual else None
     return onednn_primitive.Matmul(
         ctx.named["weight"],
         ctx.named["bias"],
         ctx.input_shape,
         _EPILOGUES[ctx.epilogue].primitive,
-        None if residual is None else dtype_from_name(residual),
+        dtype_from_name(ctx.inputs[-1].dtype) if ctx.residual else None,
     )
 
 
@@ -785,8 +784,6 @@ def _dnnl_ok(
     precision = node.out().dtype
     if metas[named["input"].name].dtype != precision or dtype_name(weights[named["weight"].name].dtype) != precision:
         return False
-    if node.epilogue and _EPILOGUES[node.epilogue].primitive is None:
-        return False
     return onednn_primitive.available(precision)
 
 
@@ -893,6 +890,7 @@ _EPILOGUES = {
         torch._C._nn.hardsigmoid_, _F.hardsigmoid, ("hardsigmoid", ""), Eltwise("hardsigmoid", 1 / 6, 0.5)
     ),
 }
+assert all(e.primitive for name, e in _EPILOGUES.items() if name), "gemm_dnnl fuses every epilogue as a post-op"
 _CONV_EPILOGUES = ("relu", "hardswish", "hardsigmoid")
 _CONV_ATTRS = ("stride", "padding", "dilation", "groups")
 _LINEAR_EPILOGUES = ("relu", "gelu", "gelu_tanh", "hardswish", "hardsigmoid")
