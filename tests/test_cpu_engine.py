@@ -110,7 +110,7 @@ def test_conv_tactics_with_folded_batch_norm_and_relu_agree_with_eager(net):
     metas = plan.value_metas()
     impls = tactics.impl_names(conv, metas, plan.weights)
     assert impls[:3] == ["conv_nchw", "conv_channels_last", "conv_no_mkldnn"]
-    assert set(impls[3:]) <= {"conv_onednn", "conv_onednn_graph"}
+    assert set(impls[3:]) <= {"conv_onednn", "conv_onednn_graph", "conv_dnnl"}
     with torch.inference_mode():
         expected = torch.relu(module.bn(module.conv(inputs[0])))
         for impl in impls:
@@ -167,16 +167,16 @@ def test_builder_keeps_the_fastest_measured_candidate(fp32_build):
     assert {t.layer for t in timed} >= {"conv2d", "linear", "linear_1", "layer_norm", "softmax"}
     by_name = {layer.name: layer for layer in engine.layers()}
     moved = any(m.startswith("moved") and "onto oneDNN Graph tactics" in m for m in log.messages)
-    primitive = any(m.startswith("moved") and f"onto {tactics.PRIMITIVE_GEMM}" in m for m in log.messages)
+    primitive = any(m.startswith("moved") and f"onto {builder.PRIMITIVES}" in m for m in log.messages)
     for record in timed:
         fastest = min(record.candidates, key=lambda c: c.time_ms)
         chosen = next(c for c in record.candidates if c.tactic == record.chosen)
         assert record.chosen_hash == chosen.tactic_hash
-        # The fastest, unless the whole run was faster with the layer on its graph tactic (or,
-        # outside regions, on oneDNN's matmul primitive).
+        # The fastest, unless the whole run was faster with the layer on its graph tactic or on
+        # its oneDNN primitive.
         impl = tactics.parse_tactic(record.chosen)[0]
         assert record.chosen == fastest.tactic or (
-            (moved and impl in tactics.GRAPH_IMPLS) or (primitive and impl == tactics.PRIMITIVE_GEMM)
+            (moved and impl in tactics.GRAPH_IMPLS) or (primitive and impl in tactics.PRIMITIVE_IMPLS)
         )
         assert by_name[record.layer].tactic == record.chosen
         assert all(c.time_ms > 0 for c in record.candidates)
@@ -229,18 +229,18 @@ def test_weak_mode_chooses_precision_per_layer_by_timing(net):
     assert {t.layer for t in choices} >= {"conv2d", "linear", "linear_1", "softmax", "layer_norm"}
     moved = any(m.startswith("moved") and "onto oneDNN Graph tactics" in m for m in log.messages)
     lowered = any(m.startswith("ran ") and "more layer(s) in bf16" in m for m in log.messages)
-    primitive = any(m.startswith("moved") and f"onto {tactics.PRIMITIVE_GEMM}" in m for m in log.messages)
+    primitive = any(m.startswith("moved") and f"onto {builder.PRIMITIVES}" in m for m in log.messages)
     for record in choices:
         # The fastest (of bf16's candidates, when the whole run was faster with every timed layer
         # in bf16), or (when the whole run was faster with regions) that precision's graph tactic,
-        # or (when it was faster with the linear layers on oneDNN's primitive) that.
+        # or (when it was faster with the convolutions and linear layers on oneDNN's primitives) that.
         fastest = min(
             (c for c in record.candidates if not lowered or c.tactic.endswith("[bf16]")), key=lambda c: c.time_ms
         ).tactic
         impl, precision = tactics.parse_tactic(record.chosen)
         assert record.chosen == fastest or (
             moved and impl in tactics.GRAPH_IMPLS and precision == tactics.parse_tactic(fastest)[1]
-        ) or (primitive and impl == tactics.PRIMITIVE_GEMM and precision == tactics.parse_tactic(fastest)[1])
+        ) or (primitive and impl in tactics.PRIMITIVE_IMPLS and precision == tactics.parse_tactic(fastest)[1])
         layer = layers[record.layer]
         assert layer.output_dtypes == (precision,)
         # Casts (reformat layers) make the activation inputs arrive in that precision.

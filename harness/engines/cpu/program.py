@@ -16,13 +16,14 @@ one call for them and the partitions pass each other oneDNN's own layouts.
 
 from __future__ import annotations
 
-import functools
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from harness.dtypes import dtype_from_name
 from harness.engines.cpu import onednn_graph, tactics
 from harness.engines.cpu.plan import GETITEM, Node, Plan, Ref, TensorMeta
 from harness.opnames import plan_packet
@@ -39,8 +40,24 @@ TimedRunFn = Callable[..., tuple[torch.Tensor, ...]]
 _INNER_TYPES = frozenset(
     {"elementwise", "reduce", "shuffle", "cast", "reformat", "normalization", "softmax", "attention"}
 )
-_INNER_IMPLS = frozenset({"direct", "reshape", "layernorm_fused", "softmax_fused", "sdpa_fused", "sdpa_math"})
+_INNER_IMPLS = frozenset(
+    {"direct", "reshape", "pool_window", "layernorm_fused", "softmax_fused", "sdpa_fused", "sdpa_math"}
+)
 _INNER_OPS = frozenset({"adaptive_avg_pool2d"})
+# The largest result a primitive writes into a tensor of its own (see private_results).
+# Beyond the caches, a tensor the allocator just freed (still cached) is the better place
+# for a result than one of many buffers of its own: mobilenet fp32 (an AMD EPYC, one
+# thread, A/B in one process) 2-3% faster with results up to 64 KB kept, 2-4% slower
+# with all of them; digits (a 64x64 result) 10-16% faster.
+PRIVATE_RESULT_BYTES = 1 << 16
+# ATen calls that always return a new tensor (never their input, never a view), as the
+# tactics that run them as that call: a primitive's result read only by these and by other
+# primitives may be written into one tensor per thread (see private_results).
+_FRESH_IMPLS = frozenset({"direct", "pool_window"})
+_FRESH_OPS = frozenset(
+    {"add", "sub", "mul", "div", "relu", "hardswish", "hardsigmoid", "sigmoid", "silu", "gelu", "tanh"}
+    | {"adaptive_avg_pool2d", "avg_pool2d", "max_pool2d", "mean", "_to_copy", "cat"}
+)
 
 
 @dataclass(frozen=True)
@@ -59,11 +76,13 @@ def compile_plan(plan: Plan, regions: bool = True) -> Program:
     oneDNN Graph layer separately).
     """
     metas = plan.value_metas()
+    groups = region_groups(plan.nodes) if regions else [[i] for i in range(len(plan.nodes))]
+    private = private_results(plan, groups)
     bound: dict[int, Any] = {}
     for index, node in enumerate(plan.nodes):
         if node.op != GETITEM:
             impl, _ = tactics.parse_tactic(node.tactic)
-            bound[index] = tactics.bind(node, impl, metas, plan.weights)
+            bound[index] = tactics.bind(node, impl, metas, plan.weights, private=index in private)
     last_use: dict[str, int] = {}
     for index, node in enumerate(plan.nodes):
         for ref in node.refs():
@@ -75,7 +94,7 @@ def compile_plan(plan: Plan, regions: bool = True) -> Program:
     namespace: dict[str, Any] = {}
     body: list[tuple[str, bool]] = []  # (statement, is a timed call)
     calls: list[tuple[Node, ...]] = []
-    for group in region_groups(plan.nodes) if regions else [[i] for i in range(len(plan.nodes))]:
+    for group in groups:
         first, last = group[0], group[-1]
         nodes = [plan.nodes[i] for i in group]
         if len(group) > 1:
@@ -129,6 +148,54 @@ def compile_plan(plan: Plan, regions: bool = True) -> Program:
     source = "\n".join(run_lines) + "\n\n" + "\n".join(timed_lines)
     exec(compile(source, "<cpu-engine>", "exec"), namespace)
     return Program(tuple(calls), namespace["run"], namespace["timed"])
+
+
+def private_results(plan: Plan, groups: Sequence[Sequence[int]]) -> set[int]:
+    """Indices of the layers on oneDNN primitives whose result nothing keeps past the run:
+    not an output of the plan, and read only by layers that return new tensors (another
+    primitive, or one of the ATen calls of ``_FRESH_OPS``), none in a region.
+
+    Such a result is dead before the run returns, and each layer runs once a
+    run, so the primitive may write it into one tensor per thread instead of
+    allocating one per call (about 1 µs a layer), where the result is small
+    (``PRIVATE_RESULT_BYTES``).
+    A view of the result, or a region (whose trace may return its input),
+    could hand that tensor to the caller, to be overwritten by the next run.
+    """
+    in_region = {i for group in groups if len(group) > 1 for i in group}
+    fresh = {
+        i
+        for i, node in enumerate(plan.nodes)
+        if i not in in_region and node.op != GETITEM and _returns_new(node)
+    }
+    readers: dict[str, list[int]] = {}
+    for index, node in enumerate(plan.nodes):
+        for ref in node.refs():
+            readers.setdefault(ref.name, []).append(index)
+    outputs = {out.name for out in plan.outputs if isinstance(out, Ref)}
+    return {
+        index
+        for index in fresh
+        if _on_primitive(plan.nodes[index])
+        and _bytes(plan.nodes[index]) <= PRIVATE_RESULT_BYTES
+        and plan.nodes[index].name not in outputs
+        and set(readers.get(plan.nodes[index].name, [])) <= fresh
+    }
+
+
+def _bytes(node: Node) -> int:
+    meta = node.out()
+    return math.prod(meta.shape) * dtype_from_name(meta.dtype).itemsize
+
+
+def _on_primitive(node: Node) -> bool:
+    return tactics.parse_tactic(node.tactic)[0] in tactics.PRIMITIVE_IMPLS
+
+
+def _returns_new(node: Node) -> bool:
+    """Whether ``node``'s tactic returns a new tensor, never its input or a view of it."""
+    impl = tactics.parse_tactic(node.tactic)[0]
+    return _on_primitive(node) or (impl in _FRESH_IMPLS and plan_packet(node.op) in _FRESH_OPS)
 
 
 def region_groups(nodes: Sequence[Node]) -> list[list[int]]:
@@ -238,17 +305,10 @@ def _region_call(
 
 def _traced_form(node: Node, layer: Any, metas: Mapping[str, TensorMeta]) -> Any:
     """What a region traces for ``node``: its bound call, except an adaptive average pooling
-    whose output divides its input, which is an average pooling with a fixed window.
-
-    The two compute the same means. The bridge maps only the fixed-window one
-    to oneDNN, where the pooling then takes the convolution's result in
-    oneDNN's layout instead of a reorder to a plain tensor and back (a
-    squeeze-excite block's global pooling: mobilenet bf16 1.91 -> 1.87 ms).
+    that equals a fixed-window one, which is traced as that: the bridge maps only the
+    fixed-window one to oneDNN, where the pooling then takes the convolution's result in
+    oneDNN's layout instead of a reorder to a plain tensor and back (a squeeze-excite block's
+    global pooling: mobilenet bf16 1.91 -> 1.87 ms).
     """
-    if plan_packet(node.op) != "adaptive_avg_pool2d" or node.outputs[0] is None:
-        return layer
-    size, out = metas[node.refs()[0].name].shape[-2:], node.outputs[0].shape[-2:]
-    if any(i % o for i, o in zip(size, out, strict=True)):
-        return layer
-    window = tuple(i // o for i, o in zip(size, out, strict=True))
-    return functools.partial(torch.nn.functional.avg_pool2d, kernel_size=window, stride=window)
+    window = tactics.avg_pool_window(node, metas)
+    return layer if window is None else tactics.window_pool(window)
