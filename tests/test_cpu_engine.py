@@ -459,8 +459,14 @@ def test_engine_rejects_inputs_of_the_wrong_shape_or_dtype(fp32_build):
     _, engine, _ = fp32_build
     with pytest.raises(HarnessError, match="expected torch.float32 \\(4, 3, 8, 8\\)"):
         engine(torch.zeros(4, 3, 8, 8, dtype=torch.float64))
+    with pytest.raises(HarnessError, match="expected torch.float32 \\(4, 3, 8, 8\\), got torch.float32 \\(4, 3, 8, 7\\)"):
+        engine(torch.zeros(4, 3, 8, 7))
+    with pytest.raises(HarnessError, match="expected torch.float32 \\(4, 3, 8, 8\\), got list"):
+        engine([[0.0]])
     with pytest.raises(HarnessError, match="takes 1 input"):
         engine()
+    with pytest.raises(HarnessError, match="takes 1 input"):
+        engine(torch.zeros(4, 3, 8, 8), torch.zeros(4, 3, 8, 8))
 
 
 class Attention(nn.Module):

