@@ -373,8 +373,40 @@ def test_the_builder_moves_convolutions_onto_it_out_of_regions_when_the_whole_ru
     assert {chosen[c] for c in convs} == {"conv_dnnl[fp32]"}
     assert {t for name, t in chosen.items() if name.startswith("linear")} == {"gemm_dnnl[fp32]"}
     assert any(m.startswith(f"moved 6 layer(s) onto {builder.PRIMITIVES}") for m in built.log.messages)
+    # Its convolutions write their results into tensors of their own (all but the head's
+    # result are private): a second run on other inputs leaves the first run's result alone.
+    plan = built.engine.plan
+    assert len(program.private_results(plan, program.region_groups(plan.nodes))) == 5
+    other = (torch.randn(inputs[0].shape, generator=torch.Generator().manual_seed(6)),)
     with torch.inference_mode():
-        torch.testing.assert_close(built.engine.run(*inputs)[0], module(*inputs), rtol=1e-5, atol=1e-5)
+        first = built.engine.run(*inputs)[0]
+        kept = first.clone()
+        torch.testing.assert_close(built.engine.run(*other)[0], module(*other), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(first, module(*inputs), rtol=1e-5, atol=1e-5)
+    assert torch.equal(first, kept)
+
+
+def test_a_result_read_by_a_region_is_not_private():
+    """A region's trace may return what it reads."""
+    module, inputs = _se()
+    plan = _dnnl_plan(module, inputs)
+    metas = plan.value_metas()
+    convs = [i for i, n in enumerate(plan.nodes) if plan_packet(n.op) == "conv2d"]
+    # Every convolution on its primitive: the stem's result is read by the depthwise
+    # convolution (a primitive) and the residual add, so it is private.
+    for i in convs:
+        plan.nodes[i] = replace(plan.nodes[i], tactic="conv_dnnl[fp32]")
+    assert convs[0] in program.private_results(plan, program.region_groups(plan.nodes))
+    # With the layers after the stem on oneDNN Graph tactics, they form a region reading it.
+    for i in convs[1:]:
+        if "conv_onednn_graph" in tactics.impl_names(plan.nodes[i], metas, plan.weights):
+            plan.nodes[i] = replace(plan.nodes[i], tactic="conv_onednn_graph[fp32]")
+    groups = program.region_groups(plan.nodes)
+    assert any(len(g) > 1 for g in groups)
+    assert convs[0] not in program.private_results(plan, groups)
+    engine = CpuEngine(plan)  # binds and compiles as decided
+    with torch.inference_mode():
+        torch.testing.assert_close(engine.run(*inputs)[0], module(*inputs), rtol=1e-5, atol=1e-5)
 
 
 def test_a_global_pooling_is_also_offered_as_the_fixed_window_pooling_it_equals():
@@ -394,14 +426,24 @@ def test_a_global_pooling_is_also_offered_as_the_fixed_window_pooling_it_equals(
     assert tactics.impl_names(uneven, metas, plan.weights) == ["direct"]
 
 
-def test_an_image_input_is_reordered_by_onednn_and_any_layout_gives_the_same_bits():
+def test_an_image_input_is_reordered_by_onednn_and_any_layout_gives_the_same_bits(monkeypatch):
     """A first layer's input (at most 4 channels) arrives plain: oneDNN's reorder gives it the
     primitive's layout (ATen's copy is 3.5x slower there); other layers take ATen's copy."""
     gen = torch.Generator().manual_seed(4)
+    made: list[int] = []
+    original = onednn_primitive._Library.reorder
+
+    def counted(lib, source, target):
+        made.append(1)
+        return original(lib, source, target)
+
+    monkeypatch.setattr(onednn_primitive._Library, "reorder", counted)
     for channels, reorders in ((3, True), (16, False)):
         x = torch.randn(2, channels, 12, 12, generator=gen)
+        made.clear()
         conv = Convolution(torch.randn(8, channels, 3, 3, generator=gen), None, x.shape, [2, 2], [1, 1], [1, 1], 1, None, None)
         assert conv._takes_plain_input() == reorders
+        assert len(made) == 1 + reorders  # the weight's reorder, and this thread's input reorder
         want = conv(x.contiguous(memory_format=torch.channels_last))
         wide = torch.randn(2, channels, 12, 24, generator=gen)
         wide[..., ::2] = x
@@ -462,4 +504,5 @@ def test_a_private_primitive_writes_each_threads_results_into_one_tensor_of_that
     thread.join()
     assert elsewhere[0].data_ptr() != results[0].data_ptr()
     torch.testing.assert_close(elsewhere[0], F.linear(xs[2], w), rtol=1e-5, atol=1e-5)
-    assert Matmul(w, None, (4, 16), None, None)(xs[0]) is not Matmul(w, None, (4, 16), None, None)(xs[0])
+    fresh = Matmul(w, None, (4, 16), None, None)
+    assert fresh(xs[0]) is not fresh(xs[0])

@@ -267,7 +267,9 @@ class _Primitive:
     as post-ops; one primitive per thread count shared by every thread, memory objects per thread.
 
     Subclasses say which primitive (:meth:`_create`), the weight's plain layout
-    (:meth:`_plain_weight`) and the layouts of the input and result (``input_layout``, ``layout``). The result has the weight's dtype: oneDNN accumulates in fp32
+    (:meth:`_plain_weight`), how oneDNN sees an activation (:meth:`_dims`), the
+    layouts of the input and result (``input_layout``, ``layout``) and whether
+    a plain input is reordered by oneDNN (:meth:`_takes_plain_input`). The result has the weight's dtype: oneDNN accumulates in fp32
     and rounds once, after the bias, residual and activation.
 
     ``private``: nothing keeps the result beyond the caller's next call from
@@ -401,7 +403,7 @@ class _Primitive:
             runs.buffers.append(buffer := torch.empty(size, dtype=torch.uint8))
             args.append(_Arg(_ARG_SCRATCHPAD, _owned_memory(lib, runs.owned, scratchpad, buffer.data_ptr())))
         array = (_Arg * len(args))(*args)
-        runs.arrays.append(array)  # ctypes.cast keeps no reference to it
+        runs.arrays.append(array)  # held as long as the memory objects it names
         staging = None
         if self._takes_plain_input():
             md = lib.lib.dnnl_primitive_desc_query_md(pd, _QUERY_EXEC_ARG_MD, _ARG_SRC)
@@ -456,7 +458,8 @@ class _Primitive:
         wanted = f"{dtype_name(dtype)} {self.in_shape}"
         if residual_dtype is not None:
             wanted += f" and a {dtype_name(residual_dtype)} {shape} residual"
-        as_input, as_result = (_to_layout(layout) for layout in (self.input_layout, self.layout))
+        input_layout = self.input_layout
+        as_input, as_result = _to_layout(input_layout), _to_layout(self.layout)
         result = _allocator(shape, dtype, self.layout)
         if self._private:  # this thread's one result tensor, written again by every call
             result = itertools.repeat(result()).__next__
@@ -464,8 +467,7 @@ class _Primitive:
         last = [0, 0, 0]
         if staging is not None:
             reorder, plain, staged = staging[0], staging[1], ctypes.cast(staging[2], _VOID)
-            layout = self.input_layout
-            staged_input = _allocator(self.in_shape, dtype, layout)
+            staged_input = _allocator(self.in_shape, dtype, input_layout)
 
             def stage(x: torch.Tensor) -> torch.Tensor:
                 """A plain ``x`` in the input layout, by oneDNN's reorder (set as the input)."""
@@ -479,7 +481,7 @@ class _Primitive:
         def run(x: torch.Tensor, r: torch.Tensor | None) -> torch.Tensor:
             if x.dtype is not dtype or x.numel() != sizes[0] or (r is not None) is not wants_residual:
                 _refuse(tactic, wanted, x, r)
-            if staging is not None and not x.is_contiguous(memory_format=layout) and x.is_contiguous():
+            if staging is not None and not x.is_contiguous(memory_format=input_layout) and x.is_contiguous():
                 x = stage(x)
             else:
                 x = as_input(x)

@@ -193,7 +193,8 @@ def _on_primitive(node: Node) -> bool:
 
 
 def _returns_new(node: Node) -> bool:
-    """Whether ``node``'s tactic returns a new tensor, never its input or a view of it."""
+    """Whether ``node``'s tactic returns a new tensor, never its input or a view of it (a plan
+    holds no op that writes its arguments, such as an ``out=`` overload: loading refuses them)."""
     impl = tactics.parse_tactic(node.tactic)[0]
     return _on_primitive(node) or (impl in _FRESH_IMPLS and plan_packet(node.op) in _FRESH_OPS)
 

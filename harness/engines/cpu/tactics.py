@@ -262,7 +262,7 @@ def bind(
     # Slots are numbered in argument order, the order node.refs() lists them.
     named = {name: map_leaves(value, template) for name, value in _named(node).items()}
     inputs = tuple(metas[r.name] for r in node.refs())
-    first = node.outputs[0]
+    first = node.outputs[0] if node.outputs else None
     output = () if first is None else first.shape
     ctx = _Ctx(
         node.name, fn, named, plan_packet(node.op), node.epilogue, node.residual is not None, inputs, output, private
