@@ -152,7 +152,7 @@ class _Library:
         return md
 
     def memory(self, md: _VOID | int, data: int = 0) -> _VOID:
-        mem, md = _VOID(), md if isinstance(md, _VOID) else _VOID(md)
+        mem, md = _VOID(), _handle(md)
         self.check(self.lib.dnnl_memory_create(ctypes.byref(mem), md, self.engine, _VOID(data)), "creating memory")
         return mem
 
@@ -182,11 +182,10 @@ class _Library:
         pd = _VOID()
         self.check(
             self.lib.dnnl_reorder_primitive_desc_create(
-                ctypes.byref(pd), _VOID(source) if isinstance(source, int) else source, self.engine,
-                _VOID(target) if isinstance(target, int) else target, self.engine, None,
+                ctypes.byref(pd), _handle(source), self.engine, _handle(target), self.engine, None
             ),
             "describing a reorder",
-        )  # fmt: skip
+        )
         try:
             return pd, self.primitive(pd)
         except HarnessError:
@@ -269,8 +268,9 @@ class _Primitive:
     Subclasses say which primitive (:meth:`_create`), the weight's plain layout
     (:meth:`_plain_weight`), how oneDNN sees an activation (:meth:`_dims`), the
     layouts of the input and result (``input_layout``, ``layout``) and whether
-    a plain input is reordered by oneDNN (:meth:`_takes_plain_input`). The result has the weight's dtype: oneDNN accumulates in fp32
-    and rounds once, after the bias, residual and activation.
+    a plain input is reordered by oneDNN (:meth:`_takes_plain_input`). The
+    result has the weight's dtype: oneDNN accumulates in fp32 and rounds once,
+    after the bias, residual and activation.
 
     ``private``: nothing keeps the result beyond the caller's next call from
     the same thread (the engine's program decides that: see
@@ -661,6 +661,11 @@ class Convolution(_Primitive):
             f"stride {stride}, padding {padding}, dilation {dilation}, groups {self._geometry[3]})",
         )
         return pd
+
+
+def _handle(value: _VOID | int) -> _VOID:
+    """A oneDNN handle as ctypes passes it (queries return plain ints)."""
+    return value if isinstance(value, _VOID) else _VOID(value)
 
 
 def _tag(layout: torch.memory_format, ndim: int) -> str:
