@@ -7,6 +7,7 @@ same values, the engine's other tactics, and the engine's own saved files.
 
 from __future__ import annotations
 
+import functools
 import gc
 import importlib.metadata
 import threading
@@ -352,7 +353,8 @@ def _se() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
 def test_the_builder_moves_convolutions_onto_it_out_of_regions_when_the_whole_run_is_faster(monkeypatch):
     """Doubled timing: each layer's own timing prefers its first candidate, the whole runs
     prefer the regions over the plan as timed, then the primitives over the regions. Every
-    convolution and linear layer ends on its primitive, and the engine computes the module."""
+    convolution, linear layer and global pooling ends on its primitive, and the engine
+    computes the module."""
     module, inputs = _se()
     spec = ModelSpec("se", "a squeeze-excite block", module, inputs, [])
     config = BuildConfig(mode="fp32", options={"timing_runs": 2, "warmup_runs": 0})
@@ -372,11 +374,16 @@ def test_the_builder_moves_convolutions_onto_it_out_of_regions_when_the_whole_ru
     assert chosen == primitives
     assert {chosen[c] for c in convs} == {"conv_dnnl[fp32]"}
     assert {t for name, t in chosen.items() if name.startswith("linear")} == {"gemm_dnnl[fp32]"}
-    assert any(m.startswith(f"moved 6 layer(s) onto {builder.PRIMITIVES}") for m in built.log.messages)
-    # Its convolutions write their results into tensors of their own (all but the head's
-    # result are private): a second run on other inputs leaves the first run's result alone.
+    assert {t for name, t in chosen.items() if name.startswith("adaptive")} == {"pool_dnnl[fp32]"}
+    assert any(m.startswith(f"moved 8 layer(s) onto {builder.PRIMITIVES}") for m in built.log.messages)
+    # Its convolutions and the first pooling write their results into the arena (the second
+    # pooling's result reaches the head through a view, the head's is the output). Those reading
+    # only the arena run as bare calls: not the first pooling and the projection, which read the
+    # new tensors of ATen's residual add (after the relu) and rescale. A second run on other
+    # inputs leaves the first run's result alone.
     plan = built.engine.plan
-    assert len(program.private_results(plan, program.region_groups(plan.nodes))) == 5
+    assert len(program.private_results(plan, program.region_groups(plan.nodes))) == 6
+    assert built.engine._program.pinned == {"conv2d_1", "conv2d_2", "conv2d_3"}
     other = (torch.randn(inputs[0].shape, generator=torch.Generator().manual_seed(6)),)
     with torch.inference_mode():
         first = built.engine.run(*inputs)[0]
@@ -416,14 +423,38 @@ def test_a_global_pooling_is_also_offered_as_the_fixed_window_pooling_it_equals(
     pools = [n for n in plan.nodes if plan_packet(n.op) == "adaptive_avg_pool2d"]
     assert len(pools) == 2
     for node in pools:
-        assert tactics.impl_names(node, metas, plan.weights) == ["direct", "pool_window"]
+        impls = tactics.impl_names(node, metas, plan.weights)
+        assert impls == ["direct", "pool_window", "pool_dnnl"]
         x = torch.randn(metas[node.refs()[0].name].shape).contiguous(memory_format=torch.channels_last)
-        direct, window = (tactics.bind(node, impl, metas, plan.weights)(x) for impl in ("direct", "pool_window"))
-        torch.testing.assert_close(window, direct, rtol=1e-6, atol=1e-7)
+        direct, *others = (tactics.bind(node, impl, metas, plan.weights)(x) for impl in impls)
+        for other in others:
+            torch.testing.assert_close(other, direct, rtol=1e-6, atol=1e-7)
     # An output size that does not divide the input has no fixed window.
     uneven = replace(pools[0], outputs=(replace(pools[0].outputs[0], shape=(*pools[0].outputs[0].shape[:2], 3, 3)),))
     assert tactics.avg_pool_window(uneven, metas) is None
     assert tactics.impl_names(uneven, metas, plan.weights) == ["direct"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("shape", "window"), [((1, 16, 56, 56), (56, 56)), ((2, 24, 8, 6), (4, 3)), ((1, 5, 7, 7), (1, 1))])
+def test_pool_dnnl_averages_windows_as_avg_pool2d_does(dtype, shape, window):
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(13)).to(dtype)
+    pool = onednn_primitive.Pooling(dtype, shape, window)
+    assert not pool.impl().startswith("ref"), pool.impl()
+    want = F.avg_pool2d(x.float(), window, window)
+    got = pool(x)  # a plain input is given the channels-last layout first
+    assert got.dtype == dtype and got.is_contiguous(memory_format=torch.channels_last)
+    tolerance = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-2}
+    torch.testing.assert_close(got.float(), want, **tolerance)
+    assert torch.equal(pool(x.contiguous(memory_format=torch.channels_last)), got)
+
+
+def test_pool_dnnl_refuses_a_window_that_does_not_tile_its_input():
+    with pytest.raises(HarnessError, match=r"window \(3, 3\) does not tile input \(1, 4, 8, 8\)"):
+        onednn_primitive.Pooling(torch.float32, (1, 4, 8, 8), (3, 3))
+    pool = onednn_primitive.Pooling(torch.float32, (1, 4, 8, 8), (2, 2))
+    with pytest.raises(HarnessError, match=r"pool_dnnl: expected fp32 \(1, 4, 8, 8\), got torch.bfloat16"):
+        pool(torch.zeros(1, 4, 8, 8, dtype=torch.bfloat16))
 
 
 def test_an_image_input_is_reordered_by_onednn_and_any_layout_gives_the_same_bits(monkeypatch):
@@ -458,12 +489,12 @@ def test_an_image_input_is_reordered_by_onednn_and_any_layout_gives_the_same_bit
 
 class Escapes(nn.Module):
     """Linear layers whose results are read by another primitive and an elementwise op (private),
-    by a view that the caller gets (not), returned (not), or too large to keep (not)."""
+    by a view that the caller gets (not), returned (not), or large and read by a mean (private)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.fc1, self.fc2, self.fc3, self.fc4 = nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(16, 8)
-        self.big = nn.Linear(16, 5000)  # a 4x5000 fp32 result: 80 KB
+        self.big = nn.Linear(16, 5000)  # a 4x5000 fp32 result: 80 KB, which the arena takes too
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         a = F.relu(self.fc1(x))
@@ -477,7 +508,7 @@ def test_only_results_nothing_keeps_past_the_run_are_written_into_a_tensor_of_th
     module, x = Escapes().eval(), torch.randn(4, 16)
     plan = _dnnl_plan(module, (x,))
     private = program.private_results(plan, program.region_groups(plan.nodes))
-    assert sorted(plan.nodes[i].name for i in private) == ["linear", "linear_1"]
+    assert sorted(plan.nodes[i].name for i in private) == ["linear", "linear_1", "linear_4"]
     engine = CpuEngine(plan)
     other = torch.randn(4, 16)
     with torch.inference_mode():
@@ -490,10 +521,102 @@ def test_only_results_nothing_keeps_past_the_run_are_written_into_a_tensor_of_th
     assert all(torch.equal(a, b) for a, b in zip(first, kept, strict=True))  # the second run left them alone
 
 
+class Chain(nn.Module):
+    """Linear layers one after the other, and a skip: the arena reuses what the chain frees."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.fc3, self.fc4, self.fc5 = (nn.Linear(16, 16) for _ in range(5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = F.relu(self.fc1(x))
+        b = self.fc3(F.relu(self.fc2(a)))
+        return self.fc5(self.fc4(b) + a)  # a stays alive until the add
+
+
+def test_results_alive_at_the_same_time_never_share_arena_memory_and_dead_ones_are_reused():
+    torch.manual_seed(10)
+    module, x = Chain().eval(), torch.randn(8, 16)
+    plan = _dnnl_plan(module, (x,))
+    last_use = {ref.name: i for i, node in enumerate(plan.nodes) for ref in node.refs()}
+    private = program.private_results(plan, program.region_groups(plan.nodes))
+    offsets, size = program.arena_offsets(plan, private, last_use)
+    names = {plan.nodes[i].name: i for i in offsets}
+    assert sorted(names) == ["linear", "linear_1", "linear_2", "linear_3"]  # fc5's result is the output
+    block = 8 * 16 * 4  # a 8x16 fp32 result, a multiple of the alignment
+    spans = {i: (offsets[i], offsets[i] + block, i, last_use[plan.nodes[i].name]) for i in offsets}
+    for i, (start, end, born, dies) in spans.items():
+        for j, (start2, end2, born2, dies2) in spans.items():
+            if i < j and born2 <= dies and born <= dies2:  # alive at the same time
+                assert end <= start2 or end2 <= start, (plan.nodes[i].name, plan.nodes[j].name)
+    # fc1's result lives to the add; fc2's dies at fc3, whose result takes its place after fc3 ran.
+    assert offsets[names["linear"]] == 0 and offsets[names["linear_1"]] == block
+    assert offsets[names["linear_2"]] == 2 * block and offsets[names["linear_3"]] == block
+    assert size == 3 * block < 4 * block
+    engine = CpuEngine(plan)
+    with torch.inference_mode():
+        for seed in (1, 2):  # a second run through the same memory
+            y = torch.randn(8, 16, generator=torch.Generator().manual_seed(seed))
+            torch.testing.assert_close(engine.run(y)[0], module(y), rtol=1e-5, atol=1e-5)
+
+
+def test_layers_reading_only_the_arena_run_as_bare_calls_in_every_thread_and_thread_count():
+    torch.manual_seed(11)
+    module, x = Chain().eval(), torch.randn(8, 16)
+    plan = _dnnl_plan(module, (x,))
+    engine = CpuEngine(plan)
+    offsets, _ = program.arena_offsets(
+        plan,
+        program.private_results(plan, program.region_groups(plan.nodes)),
+        {ref.name: i for i, node in enumerate(plan.nodes) for ref in node.refs()},
+    )
+    bound = {i: tactics.bind(plan.nodes[i], "gemm_dnnl", plan.value_metas(), plan.weights) for i in offsets}
+    # fc2..fc4 read only results in the arena (fc4 also its residual); fc1 reads the caller's
+    # input, and fc5's result goes to the caller. Without a result slot nothing is pinned.
+    assert engine._program.pinned == {"linear_1", "linear_2", "linear_3"}
+    assert program._pinned_layers(plan, bound, offsets) == set()
+    gen = torch.Generator().manual_seed(12)
+    batches = [torch.randn(8, 16, generator=gen) for _ in range(8)]
+    with torch.inference_mode():
+        want = [module(b) for b in batches]
+    failures: list[str] = []
+
+    def runs(offset: int) -> None:
+        with torch.inference_mode():
+            for k in range(300):
+                i = (k + offset) % len(batches)
+                if not torch.allclose(engine.run(batches[i])[0], want[i], rtol=1e-5, atol=1e-5):
+                    failures.append(f"thread {offset} run {k}")
+
+    threads = [threading.Thread(target=runs, args=(t,)) for t in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert failures == []
+    before = torch.get_num_threads()
+    try:
+        for count in (2, 1):  # a thread count's own primitives, instantiated again
+            torch.set_num_threads(count)
+            with torch.inference_mode():
+                torch.testing.assert_close(engine.run(batches[0])[0], want[0], rtol=1e-5, atol=1e-5)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_arena_refuses_a_result_larger_than_its_planned_memory():
+    arena = program.Arena(256)
+    assert arena.view(64, 128, (2, 16), (16, 1), torch.float32).shape == (2, 16)
+    with pytest.raises(HarnessError, match="does not fit the 64 bytes at 64"):
+        arena.view(64, 64, (2, 16), (16, 1), torch.float32)
+    with pytest.raises(HarnessError, match="256-byte arena"):
+        arena.view(192, 128, (2, 16), (16, 1), torch.float32)
+
+
 def test_a_private_primitive_writes_each_threads_results_into_one_tensor_of_that_thread():
     gen = torch.Generator().manual_seed(9)
     w = torch.randn(8, 16, generator=gen)
-    matmul = Matmul(w, None, (4, 16), None, None, private=True)
+    matmul = Matmul(w, None, (4, 16), None, None, result=functools.partial(program.Arena(128).view, 0, 128))
     xs = [torch.randn(4, 16, generator=gen) for _ in range(3)]
     results = [matmul(x) for x in xs[:2]]
     assert results[0] is results[1]

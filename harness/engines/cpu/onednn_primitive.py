@@ -71,6 +71,8 @@ _DIMS = ctypes.c_int64 * _MAX_DIMS
 # Inputs with at most this many channels are images, which callers pass plain (NCHW).
 _PLAIN_INPUT_CHANNELS = 4
 _VOID = ctypes.c_void_p
+# Gives a thread the tensor its results go into: (shape, strides, dtype) -> tensor.
+ResultSlot = Callable[[tuple[int, ...], tuple[int, ...], torch.dtype], torch.Tensor]
 
 
 class _Version(ctypes.Structure):
@@ -126,8 +128,10 @@ class _Library:
         lib.dnnl_primitive_execute.argtypes = [_VOID, _VOID, ctypes.c_int, _VOID]
         for name in ("dnnl_alg_kind2str", "dnnl_fmt_tag2str", "dnnl_dt2str", "dnnl_status2str", "dnnl_prop_kind2str"):
             getattr(lib, name).restype = ctypes.c_char_p
-        # convolution kinds from 1, eltwise ones from 0x20, binary ones from 0x1fff0 (dnnl_types.h)
-        self.algorithms = _names(lib.dnnl_alg_kind2str, [*range(1, 0x100), *range(0x1FFF0, 0x20000)])
+        # convolution kinds from 1, eltwise ones from 0x20, pooling ones at 0x1ff, 0x2ff and
+        # 0x3ff, binary ones from 0x1fff0 (dnnl_types.h)
+        kinds = [*range(1, 0x100), *range(0x1FF, 0x400, 0x100), *range(0x1FFF0, 0x20000)]
+        self.algorithms = _names(lib.dnnl_alg_kind2str, kinds)
         self.prop_kinds = _names(lib.dnnl_prop_kind2str, range(1, 0x100))
         self.tags = _names(lib.dnnl_fmt_tag2str, range(0, 64))
         self.types = _names(lib.dnnl_dt2str, range(0, 16))
@@ -272,10 +276,13 @@ class _Primitive:
     result has the weight's dtype: oneDNN accumulates in fp32 and rounds once,
     after the bias, residual and activation.
 
-    ``private``: nothing keeps the result beyond the caller's next call from
-    the same thread (the engine's program decides that: see
-    :func:`harness.engines.cpu.program.private_results`), so each thread
-    writes every result into one tensor instead of allocating one per call.
+    ``result``: where a thread's results go when nothing keeps a result past
+    the caller's next call from the same thread (the engine's program decides
+    that and plans the memory: see
+    :func:`harness.engines.cpu.program.private_results`). Called once in each
+    thread with the result's shape, strides and dtype, it gives the tensor
+    that receives every result of that thread; without it each call
+    allocates a new tensor.
     """
 
     tactic = ""  # the engine's name of the tactic running it
@@ -284,13 +291,15 @@ class _Primitive:
 
     def __init__(
         self,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
+        dtype: torch.dtype,
         in_shape: Sequence[int],
         out_shape: Sequence[int],
-        eltwise: Eltwise | None,
-        residual: torch.dtype | None,
-        private: bool = False,
+        *,
+        weight: torch.Tensor | None = None,
+        bias: torch.Tensor | None = None,
+        eltwise: Eltwise | None = None,
+        residual: torch.dtype | None = None,
+        result: ResultSlot | None = None,
     ) -> None:
         lib = library()
         if lib is None:
@@ -298,12 +307,12 @@ class _Primitive:
         self._lib = lib
         self.in_shape, self.out_shape = tuple(in_shape), tuple(out_shape)
         self._dst_dims = self._dims(self.out_shape)
-        self.dtype = weight.dtype
-        self._weight = weight.detach().contiguous()
+        self.dtype = dtype
+        self._weight = None if weight is None else weight.detach().contiguous()
         self._bias = None if bias is None else bias.detach().contiguous()
-        self._eltwise, self._residual, self._private = eltwise, residual, private
+        self._eltwise, self._residual, self._result = eltwise, residual, result
         # thread count -> its primitive descriptor, primitive and packed weight (buffer, memory)
-        self._shared: dict[int, tuple[_VOID, _VOID, torch.Tensor, _VOID]] = {}
+        self._shared: dict[int, tuple[_VOID, _VOID, torch.Tensor | None, _VOID | None]] = {}
         self._local = threading.local()  # .runs: this thread's _ThreadRuns
         self._lock = threading.Lock()
         # The shared primitives, descriptors and weight memories, freed with this object.
@@ -325,10 +334,37 @@ class _Primitive:
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         run: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
         try:
-            run = self._local.runs.calls[torch.get_num_threads()]
+            run = self._local.runs.calls[torch.get_num_threads()].run
         except (AttributeError, KeyError):  # this thread's first call at this thread count
-            run = self._state()
+            run = self._state().run
         return run(x, residual)
+
+    def thread_result(self) -> torch.Tensor | None:
+        """The tensor this thread's results go into (see ``result``); None without a result slot."""
+        return self._thread().result
+
+    def pinned(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> Callable[[], int] | None:
+        """This thread's bare call of the primitive on ``x`` (and ``residual``), into
+        :meth:`thread_result`, for a caller whose operands never move: results planned in
+        the same arena. The call returns oneDNN's status (see :meth:`failed`).
+
+        It skips the per-call checks and pointer updates (about 1.3 µs of a
+        layer's 18 µs: mobilenet's 5x5 depthwise layer in bf16, an AMD EPYC), so
+        it is only given for operands that fit: the right dtype and size, in
+        the primitive's layouts, with a result slot. None otherwise. Calling
+        the primitive normally from this thread afterwards is still correct.
+        """
+        return self._thread().pin(x, residual)
+
+    def failed(self, status: int) -> None:
+        """Raise the error of a failed call's ``status`` (a pinned call's return value)."""
+        self._lib.check(status, f"running a {type(self).__name__.lower()}")
+
+    def _thread(self) -> _ThreadCall:
+        try:
+            return self._local.runs.calls[torch.get_num_threads()]  # type: ignore[no-any-return]
+        except (AttributeError, KeyError):
+            return self._state()
 
     def _dims(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         """How oneDNN sees an activation of ``shape`` (the input's, the result's)."""
@@ -371,8 +407,8 @@ class _Primitive:
             lib.destroy("post_ops", post_ops if post_ops.value else None)
             lib.destroy("primitive_attr", attr if attr.value else None)
 
-    def _state(self) -> Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]:
-        """This thread's call of the current thread count's primitive, each created once."""
+    def _state(self) -> _ThreadCall:
+        """This thread's calls of the current thread count's primitive, each created once."""
         threads, lib = torch.get_num_threads(), self._lib
         with self._lock:
             if threads not in self._shared:
@@ -391,7 +427,9 @@ class _Primitive:
             return _owned_memory(lib, runs.owned, md, data)
 
         src, dst = memory(_ARG_SRC), memory(_ARG_DST)
-        args = [_Arg(_ARG_SRC, src), _Arg(_ARG_WEIGHTS, weights), _Arg(_ARG_DST, dst)]
+        args = [_Arg(_ARG_SRC, src), _Arg(_ARG_DST, dst)]
+        if weights is not None:
+            args.append(_Arg(_ARG_WEIGHTS, weights))
         if self._bias is not None:
             args.append(_Arg(_ARG_BIAS, memory(_ARG_BIAS, self._bias.data_ptr())))
         residual = None
@@ -410,8 +448,8 @@ class _Primitive:
             reorder, plain = self._input_reorder(md, runs.owned)
             runs.arrays.append(staged := (_Arg * 2)(_Arg(_ARG_SRC, plain), _Arg(_ARG_DST, src)))
             staging = (reorder, plain, staged)
-        run = runs.calls[threads] = self._runner(primitive, runs.stream, src, dst, residual, array, staging)
-        return run
+        call = runs.calls[threads] = self._runner(primitive, runs.stream, src, dst, residual, array, staging)
+        return call
 
     def _takes_plain_input(self) -> bool:
         """Whether the input may arrive plain, to be reordered by oneDNN (see :meth:`_input_reorder`)."""
@@ -439,9 +477,10 @@ class _Primitive:
         residual: _VOID | None,
         args: ctypes.Array[_Arg],
         staging: tuple[_VOID, _VOID, ctypes.Array[_Arg]] | None,
-    ) -> Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]:
+    ) -> _ThreadCall:
         """The per-call path, everything it touches bound as locals: at 64x64x64 the kernel
-        takes 6 µs, and attribute lookups and argument conversions had added 4 more.
+        takes 6 µs, and attribute lookups and argument conversions had added 4 more. And
+        the pinned path (see :meth:`pinned`) on the same memory objects.
 
         No ``dnnl_stream_wait``: on oneDNN's OpenMP runtime a CPU primitive has
         finished when ``dnnl_primitive_execute`` returns. The operands are
@@ -461,8 +500,10 @@ class _Primitive:
         input_layout = self.input_layout
         as_input, as_result = _to_layout(input_layout), _to_layout(self.layout)
         result = _allocator(shape, dtype, self.layout)
-        if self._private:  # this thread's one result tensor, written again by every call
-            result = itertools.repeat(result()).__next__
+        fixed = None
+        if self._result is not None:  # this thread's one result tensor, written again by every call
+            fixed = self._result(shape, _strides(shape, self.layout), dtype)
+            result = itertools.repeat(fixed).__next__
         # The data pointers last set: the allocator often hands a run the same addresses.
         last = [0, 0, 0]
         if staging is not None:
@@ -498,14 +539,31 @@ class _Primitive:
                         last[i] = pointers[i]
             status = execute(primitive, stream, count, pointer)
             if status:
-                lib.check(status, f"running a {type(self).__name__.lower()}")
+                self.failed(status)
             return y
 
-        return run
+        def pin(x: torch.Tensor, r: torch.Tensor | None) -> Callable[[], int] | None:
+            operands: list[tuple[torch.Tensor, int, torch.dtype | None, torch.memory_format]]
+            operands = [(x, sizes[0], dtype, input_layout)]
+            if r is not None:
+                operands.append((r, sizes[1], residual_dtype, self.layout))
+            if fixed is None or (r is not None) is not wants_residual or not all(
+                t.dtype is want and t.numel() == size and t.is_contiguous(memory_format=layout)
+                for t, size, want, layout in operands
+            ):
+                return None
+            last[:] = [x.data_ptr(), fixed.data_ptr(), 0 if r is None else r.data_ptr()]
+            for memory, address in zip(memories, last, strict=False):
+                set_handle(memory, address)
+            return functools.partial(execute, primitive, stream, count, pointer)
 
-    def _pack(self, pd: _VOID) -> tuple[torch.Tensor, _VOID]:
+        return _ThreadCall(run, pin, fixed)
+
+    def _pack(self, pd: _VOID) -> tuple[torch.Tensor | None, _VOID | None]:
         """The weight reordered once into the primitive's layout, in a buffer this object owns."""
         lib = self._lib
+        if self._weight is None:
+            return None, None
         packed_md = lib.lib.dnnl_primitive_desc_query_md(pd, _QUERY_EXEC_ARG_MD, _ARG_WEIGHTS)
         buffer = torch.empty(lib.lib.dnnl_memory_desc_get_size(packed_md), dtype=torch.uint8)
         packed = _owned_memory(lib, self._owned, packed_md, buffer.data_ptr())
@@ -541,22 +599,31 @@ class Matmul(_Primitive):
         input_shape: Sequence[int],
         eltwise: Eltwise | None,
         residual: torch.dtype | None,
-        private: bool = False,
+        result: ResultSlot | None = None,
     ) -> None:
-        n, k = weight.shape
+        n, k = self._weight_shape = tuple(weight.shape)
         if input_shape[-1] != k:
             raise HarnessError(f"{self.tactic}: input {tuple(input_shape)} does not end in the weight's K={k}")
-        super().__init__(weight, bias, input_shape, (*input_shape[:-1], n), eltwise, residual, private)
+        super().__init__(
+            weight.dtype,
+            input_shape,
+            (*input_shape[:-1], n),
+            weight=weight,
+            bias=bias,
+            eltwise=eltwise,
+            residual=residual,
+            result=result,
+        )
 
     def _dims(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         return math.prod(shape[:-1]), shape[-1]  # rows by columns
 
     def _plain_weight(self) -> tuple[tuple[int, ...], str]:
-        n, k = self._weight.shape
+        n, k = self._weight_shape
         return (k, n), "ba"  # [N, K] row-major: oneDNN's {K, N} in "ba"
 
     def _create(self, attr: _VOID, descs: list[_VOID | None]) -> _VOID:
-        lib, (n, k) = self._lib, self._weight.shape
+        lib, (n, k) = self._lib, self._weight_shape
         operands = [
             lib.desc(self._dims(self.in_shape), self.dtype, "ab"),
             lib.desc((k, n), self.dtype, "any"),
@@ -597,10 +664,10 @@ class Convolution(_Primitive):
         groups: int,
         eltwise: Eltwise | None,
         residual: torch.dtype | None,
-        private: bool = False,
+        result: ResultSlot | None = None,
     ) -> None:
         n, c, h, w = input_shape
-        out_c, _, kh, kw = weight.shape
+        out_c, _, kh, kw = self._weight_shape = tuple(weight.shape)
         self._geometry = tuple(stride), tuple(padding), tuple(dilation), groups
         out = [
             (size + 2 * pad - dil * (k - 1) - 1) // st + 1
@@ -611,7 +678,16 @@ class Convolution(_Primitive):
                 f"{self.tactic}: weight {tuple(weight.shape)} with groups={groups}, stride {tuple(stride)}, "
                 f"padding {tuple(padding)}, dilation {tuple(dilation)} does not fit input {tuple(input_shape)}"
             )
-        super().__init__(weight, bias, input_shape, (n, out_c, *out), eltwise, residual, private)
+        super().__init__(
+            weight.dtype,
+            input_shape,
+            (n, out_c, *out),
+            weight=weight,
+            bias=bias,
+            eltwise=eltwise,
+            residual=residual,
+            result=result,
+        )
 
     def _takes_plain_input(self) -> bool:
         """An image-like input (at most 4 channels: the first layer's) arrives plain from the
@@ -620,7 +696,7 @@ class Convolution(_Primitive):
         return self.in_shape[1] <= _PLAIN_INPUT_CHANNELS
 
     def _plain_weight(self) -> tuple[tuple[int, ...], str]:
-        groups, shape = self._geometry[3], tuple(self._weight.shape)
+        groups, shape = self._geometry[3], tuple(self._weight_shape)
         if groups == 1:
             return shape, "abcd"
         return (groups, shape[0] // groups, *shape[1:]), "abcde"  # the same memory, groups first
@@ -636,7 +712,7 @@ class Convolution(_Primitive):
             lib.desc(self.out_shape, self.dtype, _tag(self.layout, 4)),
         ]
         descs += operands
-        kernel = self._weight.shape[2:]
+        kernel = self._weight_shape[2:]
         right = [
             (out - 1) * st + dil * (k - 1) + 1 - size - pad
             for out, size, k, st, pad, dil in zip(
@@ -657,8 +733,49 @@ class Convolution(_Primitive):
                 _DIMS(*right),
                 attr,
             ),
-            f"creating a {dtype_name(self.dtype)} convolution ({tuple(self.in_shape)} by {tuple(self._weight.shape)}, "
+            f"creating a {dtype_name(self.dtype)} convolution ({tuple(self.in_shape)} by {tuple(self._weight_shape)}, "
             f"stride {stride}, padding {padding}, dilation {dilation}, groups {self._geometry[3]})",
+        )
+        return pd
+
+
+class Pooling(_Primitive):
+    """A fixed-window average pooling without padding (``avg_pool2d(x, window, window)``) as
+    oneDNN's pooling primitive, channels-last in and out: a squeeze-excite block's global
+    pooling between its producer's and its reader's primitives."""
+
+    tactic = "pool_dnnl"
+    layout = input_layout = torch.channels_last
+
+    def __init__(
+        self, dtype: torch.dtype, input_shape: Sequence[int], window: Sequence[int], result: ResultSlot | None = None
+    ) -> None:
+        n, c, h, w = input_shape
+        if len(window) != 2 or min(window) < 1 or h % window[0] or w % window[1]:
+            raise HarnessError(f"{self.tactic}: window {tuple(window)} does not tile input {tuple(input_shape)}")
+        self._window = tuple(window)
+        super().__init__(dtype, input_shape, (n, c, h // window[0], w // window[1]), result=result)
+
+    def _create(self, attr: _VOID, descs: list[_VOID | None]) -> _VOID:
+        lib = self._lib
+        operands = [lib.desc(shape, self.dtype, _tag(self.layout, 4)) for shape in (self.in_shape, self.out_shape)]
+        descs += operands
+        pd = _VOID()
+        lib.check(
+            lib.lib.dnnl_pooling_forward_primitive_desc_create(
+                ctypes.byref(pd),
+                lib.engine,
+                lib.prop_kinds["forward_inference"],
+                lib.algorithms["pooling_avg_exclude_padding"],
+                *operands,
+                _DIMS(*self._window),  # strides
+                _DIMS(*self._window),  # kernel
+                _DIMS(0, 0),  # dilation
+                _DIMS(0, 0),  # padding, left and right
+                _DIMS(0, 0),
+                attr,
+            ),
+            f"creating a {dtype_name(self.dtype)} pooling ({self.in_shape} by a {self._window} window)",
         )
         return pd
 
@@ -679,8 +796,11 @@ def _allocator(shape: tuple[int, ...], dtype: torch.dtype, layout: torch.memory_
     costs 0.5 µs more than ``empty_strided``)."""
     if layout == torch.contiguous_format:
         return functools.partial(torch.empty, *shape, dtype=dtype)
-    strides = torch.empty(shape, device="meta", memory_format=layout).stride()
-    return functools.partial(torch.empty_strided, shape, strides, dtype=dtype)
+    return functools.partial(torch.empty_strided, shape, _strides(shape, layout), dtype=dtype)
+
+
+def _strides(shape: tuple[int, ...], layout: torch.memory_format) -> tuple[int, ...]:
+    return tuple(torch.empty(shape, device="meta", memory_format=layout).stride())
 
 
 def _to_layout(layout: torch.memory_format) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -695,13 +815,22 @@ def _refuse(tactic: str, wanted: str, x: torch.Tensor, r: torch.Tensor | None) -
     raise HarnessError(f"{tactic}: expected {wanted}, got {got}")
 
 
+@dataclass(frozen=True)
+class _ThreadCall:
+    """A thread's ways to call a primitive at one thread count (see :meth:`_Primitive._runner`)."""
+
+    run: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
+    pin: Callable[[torch.Tensor, torch.Tensor | None], Callable[[], int] | None]
+    result: torch.Tensor | None  # where the results go, with a result slot
+
+
 class _ThreadRuns:
     """One thread's calls of a primitive (per thread count), its stream, and the memory
     objects, scratchpads and argument arrays they use, freed when the thread ends or the
     primitive goes."""
 
     def __init__(self, lib: _Library) -> None:
-        self.calls: dict[int, Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]] = {}
+        self.calls: dict[int, _ThreadCall] = {}
         self.arrays: list[ctypes.Array[_Arg]] = []
         self.buffers: list[torch.Tensor] = []
         self.stream = lib.stream()

@@ -16,7 +16,9 @@ one call for them and the partitions pass each other oneDNN's own layouts.
 
 from __future__ import annotations
 
+import functools
 import math
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +28,7 @@ import torch
 from harness.dtypes import dtype_from_name
 from harness.engines.cpu import onednn_graph, tactics
 from harness.engines.cpu.plan import GETITEM, Node, Plan, Ref, TensorMeta
+from harness.errors import HarnessError
 from harness.opnames import plan_packet
 
 RunFn = Callable[..., tuple[torch.Tensor, ...]]
@@ -44,15 +47,11 @@ _INNER_IMPLS = frozenset(
     {"direct", "reshape", "pool_window", "layernorm_fused", "softmax_fused", "sdpa_fused", "sdpa_math"}
 )
 _INNER_OPS = frozenset({"adaptive_avg_pool2d"})
-# The largest result a primitive writes into a tensor of its own (see private_results).
-# Beyond the caches, a tensor the allocator just freed (still cached) is the better place
-# for a result than one of many buffers of its own: mobilenet fp32 (an AMD EPYC, one
-# thread, A/B in one process) 2-3% faster with results up to 64 KB kept, 2-4% slower
-# with all of them; digits (a 64x64 result) 10-16% faster.
-PRIVATE_RESULT_BYTES = 1 << 16
+# Where planned results start in a thread's arena: a cache line, and more than any dtype's size.
+ARENA_ALIGNMENT = 64
 # ATen calls that always return a new tensor (never their input, never a view), as the
 # tactics that run them as that call: a primitive's result read only by these and by other
-# primitives may be written into one tensor per thread (see private_results).
+# primitives may be written into a thread's arena (see private_results).
 _FRESH_IMPLS = frozenset({"direct", "pool_window"})
 _FRESH_OPS = frozenset(
     {"add", "sub", "mul", "div", "relu", "hardswish", "hardsigmoid", "sigmoid", "silu", "gelu", "tanh"}
@@ -67,6 +66,7 @@ class Program:
     calls: tuple[tuple[Node, ...], ...]  # the layers of each call the timed function stamps, in order
     run: RunFn
     timed: TimedRunFn
+    pinned: frozenset[str] = frozenset()  # the layers run as bare calls (see _pinned_layers)
 
 
 def compile_plan(plan: Plan, regions: bool = True) -> Program:
@@ -77,12 +77,6 @@ def compile_plan(plan: Plan, regions: bool = True) -> Program:
     """
     metas = plan.value_metas()
     groups = region_groups(plan.nodes) if regions else [[i] for i in range(len(plan.nodes))]
-    private = private_results(plan, groups)
-    bound: dict[int, Any] = {}
-    for index, node in enumerate(plan.nodes):
-        if node.op != GETITEM:
-            impl, _ = tactics.parse_tactic(node.tactic)
-            bound[index] = tactics.bind(node, impl, metas, plan.weights, private=index in private)
     last_use: dict[str, int] = {}
     for index, node in enumerate(plan.nodes):
         for ref in node.refs():
@@ -90,6 +84,15 @@ def compile_plan(plan: Plan, regions: bool = True) -> Program:
     for out in plan.outputs:
         if isinstance(out, Ref):
             last_use[out.name] = len(plan.nodes)  # never freed
+    offsets, size = arena_offsets(plan, private_results(plan, groups), last_use)
+    arena = Arena(size)
+    bound: dict[int, Any] = {}
+    for index, node in enumerate(plan.nodes):
+        if node.op != GETITEM:
+            impl, _ = tactics.parse_tactic(node.tactic)
+            result = None if index not in offsets else functools.partial(arena.view, offsets[index], _bytes(node))
+            bound[index] = tactics.bind(node, impl, metas, plan.weights, result=result)
+    pinned = _pinned_layers(plan, bound, offsets)
     variables = {name: f"a{i}" for i, (name, _) in enumerate(plan.inputs)}
     namespace: dict[str, Any] = {}
     body: list[tuple[str, bool]] = []  # (statement, is a timed call)
@@ -105,6 +108,9 @@ def compile_plan(plan: Plan, regions: bool = True) -> Program:
             args = ", ".join(variables[r.name] for r in node.refs())
             if node.op == GETITEM:
                 statement = f"{var} = {args}[{int(node.args[1])}]"
+            elif first in pinned:  # its result tensor, after the bare call (see _pinned_layers)
+                namespace[f"f{first}"] = bound[first]
+                statement = f"{var} = f{first}.failed(s) if (s := x{first}()) else t{first}"
             else:
                 namespace[f"f{first}"] = bound[first]
                 statement = f"{var} = f{first}({args})"
@@ -146,8 +152,75 @@ def compile_plan(plan: Plan, regions: bool = True) -> Program:
             timed_lines.append(f"    {statement}")
     timed_lines.append(f"    {ret}")
     source = "\n".join(run_lines) + "\n\n" + "\n".join(timed_lines)
-    exec(compile(source, "<cpu-engine>", "exec"), namespace)
-    return Program(tuple(calls), namespace["run"], namespace["timed"])
+    code = compile(source, "<cpu-engine>", "exec")
+    if not pinned:
+        exec(code, namespace)
+        return Program(tuple(calls), namespace["run"], namespace["timed"])
+    pins = functools.partial(_thread_pins, plan, bound, offsets, pinned)
+    names = {i: plan.nodes[i].name for i in pinned}
+    threads = _PerThread(code, namespace, pins, names)
+    return Program(tuple(calls), threads.run, threads.timed, frozenset(names.values()))
+
+
+def _pinned_layers(plan: Plan, bound: Mapping[int, Any], offsets: Mapping[int, int]) -> set[int]:
+    """The layers on primitives that run as their bare call (:meth:`~harness.engines.cpu.
+    onednn_primitive.Matmul.pinned`): result and operands all in the arena, so in the same
+    place in every run of a thread. Each saves the primitive's per-call checks and pointer
+    updates (about 1.3 µs). Decided by pinning them in this thread: where one fits here, it
+    fits in every thread, as each thread's arena holds the same views."""
+    producer = {node.name: i for i, node in enumerate(plan.nodes)}
+    candidates = {i for i in offsets if all(producer.get(r.name) in offsets for r in plan.nodes[i].refs())}
+    return {i for i, (call, _) in _thread_pins(plan, bound, offsets, candidates).items() if call is not None}
+
+
+def _thread_pins(
+    plan: Plan, bound: Mapping[int, Any], offsets: Mapping[int, int], layers: set[int]
+) -> dict[int, tuple[Callable[[], int] | None, torch.Tensor]]:
+    """This thread's bare calls of ``layers`` (None where one does not fit) and their results."""
+    producer = {node.name: i for i, node in enumerate(plan.nodes)}
+    results = {i: bound[i].thread_result() for i in offsets}
+    return {
+        i: (bound[i].pinned(*(results[producer[r.name]] for r in plan.nodes[i].refs())), results[i])
+        for i in sorted(layers)
+    }
+
+
+class _PerThread:
+    """``run`` and ``timed`` for a program with pinned layers: the generated functions,
+    instantiated per thread and thread count with that thread's bare calls and results
+    (``x{i}``, ``t{i}``), as a primitive's memory objects are per thread and its blocking
+    per thread count."""
+
+    def __init__(self, code: Any, namespace: Mapping[str, Any], pins: Callable[[], Mapping[int, Any]], names: Mapping[int, str]) -> None:
+        self._code, self._namespace, self._pins, self._names = code, namespace, pins, names
+        self._local = threading.local()
+
+    def run(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        try:
+            fn = self._local.functions[torch.get_num_threads()][0]
+        except (AttributeError, KeyError):  # this thread's first run at this thread count
+            fn = self._instantiate()[0]
+        return fn(*inputs)  # type: ignore[no-any-return]
+
+    def timed(self, clock: Callable[[], int], stamps: list[int], *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        try:
+            fn = self._local.functions[torch.get_num_threads()][1]
+        except (AttributeError, KeyError):
+            fn = self._instantiate()[1]
+        return fn(clock, stamps, *inputs)  # type: ignore[no-any-return]
+
+    def _instantiate(self) -> tuple[RunFn, TimedRunFn]:
+        namespace = dict(self._namespace)
+        for i, (call, result) in self._pins().items():
+            if call is None:  # the arena's views are the same in every thread: not expected
+                raise HarnessError(f"layer {self._names[i]!r}: its primitive cannot run in place in this thread")
+            namespace[f"x{i}"], namespace[f"t{i}"] = call, result
+        exec(self._code, namespace)
+        functions = getattr(self._local, "functions", None)
+        if functions is None:
+            functions = self._local.functions = {}
+        made = functions[torch.get_num_threads()] = (namespace["run"], namespace["timed"])
+        return made
 
 
 def private_results(plan: Plan, groups: Sequence[Sequence[int]]) -> set[int]:
@@ -155,12 +228,12 @@ def private_results(plan: Plan, groups: Sequence[Sequence[int]]) -> set[int]:
     not an output of the plan, and read only by layers that return new tensors (another
     primitive, or one of the ATen calls of ``_FRESH_OPS``), none in a region.
 
-    Such a result is dead before the run returns, and each layer runs once a
-    run, so the primitive may write it into one tensor per thread instead of
-    allocating one per call (about 1 µs a layer), where the result is small
-    (``PRIVATE_RESULT_BYTES``).
-    A view of the result, or a region (whose trace may return its input),
-    could hand that tensor to the caller, to be overwritten by the next run.
+    Such a result is dead once its last reader has run, and each layer runs
+    once a run, so the primitive may write it into memory planned for it in
+    the thread's arena (:func:`arena_offsets`) instead of allocating a tensor
+    per call (about 2 µs a layer). A view of the result, or a region (whose
+    trace may return its input), could hand that memory to the caller, to be
+    overwritten by the next run.
     """
     in_region = {i for group in groups if len(group) > 1 for i in group}
     fresh = {
@@ -177,10 +250,59 @@ def private_results(plan: Plan, groups: Sequence[Sequence[int]]) -> set[int]:
         index
         for index in fresh
         if _on_primitive(plan.nodes[index])
-        and _bytes(plan.nodes[index]) <= PRIVATE_RESULT_BYTES
         and plan.nodes[index].name not in outputs
         and set(readers.get(plan.nodes[index].name, [])) <= fresh
     }
+
+
+def arena_offsets(plan: Plan, layers: set[int], last_use: Mapping[str, int]) -> tuple[dict[int, int], int]:
+    """Byte offsets of ``layers``' results in one arena, and its size: results alive at the
+    same time (from their layer to their last reader, both included) never overlap, and a
+    result takes the lowest gap that fits among those alive, as ONNX Runtime's memory planner
+    does.
+
+    Reusing the memory of dead results keeps the arena about the size of the
+    largest live set, so a result lands in memory a layer just used, still in
+    the caches, as the allocator's most recently freed block would be: mobilenet
+    fp32 with every result in a buffer of its own (53 of them) ran 2-4% slower
+    than with new tensors per call (an AMD EPYC, one thread, A/B in one process).
+    """
+    offsets: dict[int, int] = {}
+    live: list[tuple[int, int, int]] = []  # (offset, end, last use), by offset
+    size = 0
+    for index in sorted(layers):
+        live = [block for block in live if block[2] >= index]
+        need = -(-_bytes(plan.nodes[index]) // ARENA_ALIGNMENT) * ARENA_ALIGNMENT
+        start = 0
+        for offset, end, _ in live:
+            if offset - start >= need:
+                break
+            start = max(start, end)
+        offsets[index] = start
+        live = sorted([*live, (start, start + need, last_use.get(plan.nodes[index].name, index))])
+        size = max(size, start + need)
+    return offsets, size
+
+
+class Arena:
+    """Memory for planned results, one buffer per thread (a program's run may be called from
+    several threads at once), each created by the thread's first call."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._local = threading.local()
+
+    def view(self, offset: int, nbytes: int, shape: Sequence[int], strides: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """This thread's tensor of ``shape``, ``strides`` and ``dtype`` on the ``nbytes`` planned at ``offset``."""
+        buffer = getattr(self._local, "buffer", None)
+        if buffer is None:
+            buffer = self._local.buffer = torch.empty(self.size, dtype=torch.uint8)
+        extent = 1 + sum((n - 1) * s for n, s in zip(shape, strides, strict=True)) if all(shape) else 0
+        if offset % ARENA_ALIGNMENT or offset + nbytes > self.size or extent * dtype.itemsize > nbytes:
+            raise HarnessError(
+                f"a result {tuple(shape)} {dtype} does not fit the {nbytes} bytes at {offset} of a {self.size}-byte arena"
+            )
+        return buffer[offset : offset + nbytes].view(dtype).as_strided(shape, strides)
 
 
 def _bytes(node: Node) -> int:
