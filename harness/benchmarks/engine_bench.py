@@ -1,7 +1,7 @@
 """CPU engine vs eager PyTorch, measured side by side in one run.
 
-``python -m harness.benchmarks.engine_bench [--models a,b] [--seconds S] [--threads N]``
-prints, per zoo model:
+``python -m harness.benchmarks.engine_bench [--models a,b] [--seconds S] [--threads N]
+[--repeat R] [--json FILE]`` prints, per zoo model:
 - fp32: eager module vs the CPU engine built in mode ``fp32`` (speedup =
   eager median / engine median);
 - bf16: eager under ``torch.autocast("cpu", torch.bfloat16)`` vs the engine
@@ -18,7 +18,10 @@ prints, per zoo model:
 
 The two sides of each ratio are measured in alternating rounds and each side
 keeps the median of its round medians, so a burst of load from another
-process hits both sides instead of deciding the ratio. Every candidate (eager,
+process hits both sides instead of deciding the ratio. A slow phase of a shared
+machine can still cover a whole process, so ``--repeat R`` runs everything R
+times, each in a process of its own, and ends with each peer ratio's range
+(min-max and median) over the runs. Every candidate (eager,
 engines, their builds) runs at one pinned intra-op thread count, 1 unless
 ``--threads`` says otherwise, as ``harness bench`` does. This is a benchmark
 report, not a test: nothing here asserts a threshold.
@@ -28,9 +31,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -40,13 +47,14 @@ from harness.bench.latency import measure_latency
 from harness.bench.peer_names import PEER_NAMES, PRECISIONS
 from harness.bench.peers import Peer, resolve_peers
 from harness.bench.runner import DEFAULT_THREADS
+from harness.benchmarks.peer_bench import RATIOS_SCHEMA, ranges_report, ratios, side_by_side
 from harness.benchmarks.peer_bench import report as peer_report
-from harness.benchmarks.peer_bench import side_by_side
 from harness.build import compile_graph
 from harness.cache.timing_cache import TimingCache
 from harness.engines.cpu import CpuBackend
 from harness.engines.protocol import BuildConfig, Engine
 from harness.errors import HarnessError
+from harness.fileio import atomic_write_json, check_writable, read_json
 from harness.globalstate import pinned_threads
 from harness.outputs import flat_tensors
 
@@ -54,6 +62,7 @@ from harness.outputs import flat_tensors
 DEFAULT_MODELS = ("resnet", "transformer", "digits", "mobilenet")
 
 ROUNDS = 3
+MAX_REPEAT = 100
 
 
 def medians_alternating(fns: Sequence[Callable[[], object]], seconds: float) -> list[float]:
@@ -236,6 +245,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--seconds", type=float, default=3.0, help="measuring time per ratio")
     parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help=f"whole runs, each in a process of its own, then each ratio's range over them (1 to {MAX_REPEAT}; "
+        "default 1): a slow phase of a shared machine can cover a whole process and every ratio measured in it",
+    )
+    parser.add_argument(
+        "--json", default=None, help="also write the peers' ratios to this JSON file (with --repeat, every run's)"
+    )
+    parser.add_argument(
         "--threads",
         type=int,
         default=DEFAULT_THREADS,
@@ -248,8 +267,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         precisions = [p.strip() for p in args.precisions.split(",") if p.strip()]
         if not precisions or set(precisions) - set(PRECISIONS):
             raise HarnessError(f"--precisions {args.precisions!r}: valid: {', '.join(PRECISIONS)}")
+        if not 1 <= args.repeat <= MAX_REPEAT:
+            raise HarnessError(f"--repeat {args.repeat}: valid: 1 to {MAX_REPEAT}")
+        if args.json is not None:
+            check_writable(args.json, "--json")
     except HarnessError as exc:
         parser.error(str(exc))
+    if args.repeat > 1:
+        return _repeated(args)
     names = [m.strip() for m in args.models.split(",") if m.strip()]
     notes += [f"model {m!r} is not in the zoo here: skipped" for m in names if m not in models.available()]
     names = [m for m in names if m in models.available()]
@@ -271,7 +296,38 @@ def main(argv: Sequence[str] | None = None) -> int:
     if groups:
         print()
         print(peer_report(groups, args.threads))
+    if args.json is not None:
+        atomic_write_json(args.json, ratios(groups))
     return 0
+
+
+def _repeated(args: argparse.Namespace) -> int:
+    """Run the benchmark ``args.repeat`` times, each in a new process, then print each ratio's
+    range. Each run's ratios are kept as it ends (in ``--json``, rewritten whole), so an
+    interrupted series keeps the runs it finished; a failed run is reported and left out."""
+    child = [sys.executable, "-m", "harness.benchmarks.engine_bench", "--models", args.models]
+    child += ["--precisions", args.precisions, "--seconds", str(args.seconds), "--threads", str(args.threads)]
+    child += [] if args.peers is None else ["--peers", args.peers]
+    runs: list[dict[str, Any]] = []
+    failed = []
+    with tempfile.TemporaryDirectory(prefix="engine-bench-") as scratch:
+        for k in range(1, args.repeat + 1):
+            print(f"== run {k} of {args.repeat}, a process of its own ==", flush=True)
+            path = Path(scratch) / f"run{k}.json"
+            code = subprocess.run([*child, "--json", str(path)], check=False).returncode
+            if code != 0 or not path.is_file():
+                failed.append(f"run {k} exited with {code}")
+                print(f"note: {failed[-1]}; left out of the ranges", flush=True)
+                continue
+            runs.append(read_json(path, RATIOS_SCHEMA, f"run {k}'s ratios"))
+            if args.json is not None:
+                atomic_write_json(args.json, {"runs": runs})
+    print()
+    if runs:
+        print(ranges_report(runs))
+    for note in failed:
+        print(f"note: {note}")
+    return 1 if failed else 0
 
 
 def _peers(text: str | None) -> tuple[list[Peer], list[str]]:

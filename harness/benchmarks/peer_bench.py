@@ -16,6 +16,8 @@ fp32 on the example inputs. Nothing here asserts a threshold.
 
 from __future__ import annotations
 
+import math
+import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -165,28 +167,143 @@ def report(groups: Sequence[Group], threads: int) -> str:
             mark = "  <- fastest peer" if c is fastest else ""
             lines.append(f"    {c.label:<28} {c.ms:>9.4f} ms  err {err:>9}  vs peer {_ratio(c.ms, fastest):>6}{mark}")
         lines += [f"    note: {n}" for n in g.notes]
+    summary = ratios(groups)
     lines += [
         "",
         "our best CPU-engine mode vs the fastest peer at the same precision (aim: every mode within 1.1x)",
         f"  {'model':<12} {'prec':<5} {'best mode':<18} {'ms':>9} {'fastest peer':<18} {'ms':>9} {'ratio':>6}  slowest mode",
     ]
-    for g in groups:
-        fastest, modes = g.fastest_peer(), g.cpu_modes()
-        if fastest is None or not modes:
-            lines.append(f"  {g.model:<12} {g.precision:<5} not compared: {'no peer ran' if fastest is None else 'no CPU mode built'}")
+    for r in summary["modes"]:
+        if "not_compared" in r:
+            lines.append(f"  {r['model']:<12} {r['precision']:<5} not compared: {r['not_compared']}")
             continue
-        best, slowest = modes[0], modes[-1]
         lines.append(
-            f"  {g.model:<12} {g.precision:<5} {best.label[4:]:<18} {best.ms:>9.4f} {fastest.label:<18} {fastest.ms:>9.4f} "
-            f"{_ratio(best.ms, fastest):>6}  {slowest.label[4:]} {_ratio(slowest.ms, fastest)}"
+            f"  {r['model']:<12} {r['precision']:<5} {r['best_mode']:<18} {r['best_ms']:>9.4f} {r['peer']:<18} "
+            f"{r['peer_ms']:>9.4f} {_times(r['best_ratio']):>6}  {r['slowest_mode']} {_times(r['slowest_ratio'])}"
         )
     lines += [
         "",
         "onnxruntime backend vs plain ONNX Runtime on the eager model's own ONNX, fp32 (aim: within 1.05x)",
         f"  {'model':<12} {'backend ms':>11} {'plain ms':>9} {'ratio':>6}",
     ]
+    for r in summary["onnxruntime_backend"]:
+        lines.append(f"  {r['model']:<12} {r['backend_ms']:>11.4f} {r['plain_ms']:>9.4f} {_times(r['ratio']):>6}")
+    return "\n".join(lines)
+
+
+def ratios(groups: Sequence[Group]) -> dict[str, list[dict[str, Any]]]:
+    """The two comparisons of issue 14's aims: per group, the best and slowest CPU-engine modes
+    against the fastest peer, and the ``onnxruntime`` backend against plain ONNX Runtime (what
+    :func:`report` ends with, and what a repeated run collects from each process). A time
+    that is not finite leaves its ratio None, never a number."""
+    modes, backend = [], []
     for g in groups:
+        fastest, cpu = g.fastest_peer(), g.cpu_modes()
+        row: dict[str, Any] = {"model": g.model, "precision": g.precision}
+        if fastest is None or not cpu:
+            row["not_compared"] = "no peer ran" if fastest is None else "no CPU mode built"
+        else:
+            best, slowest = cpu[0], cpu[-1]
+            row |= {
+                "best_mode": best.label.removeprefix("cpu "),
+                "best_ms": _finite(best.ms),
+                "peer": fastest.label,
+                "peer_ms": _finite(fastest.ms),
+                "best_ratio": _finite(best.ms / fastest.ms),
+                "slowest_mode": slowest.label.removeprefix("cpu "),
+                "slowest_ratio": _finite(slowest.ms / fastest.ms),
+            }
+        modes.append(row)
         ours, plain = g.find(ORT_BACKEND), g.find(PLAIN_ORT)
         if ours is not None and plain is not None:
-            lines.append(f"  {g.model:<12} {ours.ms:>11.4f} {plain.ms:>9.4f} {ours.ms / plain.ms:>5.2f}x")
+            backend.append(
+                {
+                    "model": g.model,
+                    "backend_ms": _finite(ours.ms),
+                    "plain_ms": _finite(plain.ms),
+                    "ratio": _finite(ours.ms / plain.ms),
+                }
+            )
+    return {"modes": modes, "onnxruntime_backend": backend}
+
+
+_NUMBER = {"type": ["number", "null"], "exclusiveMinimum": 0}
+_NAME = {"type": "string"}
+# What ratios() gives: one run's record, as a repeated run reads it back from each process.
+RATIOS_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["modes", "onnxruntime_backend"],
+    "additionalProperties": False,
+    "properties": {
+        "modes": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["model", "precision"],
+                "additionalProperties": False,
+                "properties": {
+                    **dict.fromkeys(["model", "precision", "not_compared", "best_mode", "peer", "slowest_mode"], _NAME),
+                    **dict.fromkeys(["best_ms", "peer_ms", "best_ratio", "slowest_ratio"], _NUMBER),
+                },
+            },
+        },
+        "onnxruntime_backend": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["model", "backend_ms", "plain_ms", "ratio"],
+                "additionalProperties": False,
+                "properties": {"model": _NAME, **dict.fromkeys(["backend_ms", "plain_ms", "ratio"], _NUMBER)},
+            },
+        },
+    },
+}
+
+
+def ranges_report(runs: Sequence[Mapping[str, Any]]) -> str:
+    """Each ratio of :func:`ratios` over several runs: min-max and median, with the best modes
+    seen, and how many runs compared it where not all did."""
+    lines = [
+        f"each ratio over {len(runs)} runs, each a process of its own: min-max (median)",
+        "our best CPU-engine mode vs the fastest peer at the same precision (aim: every mode within 1.1x)",
+        f"  {'model':<12} {'prec':<5} {'best mode':<22} {'slowest mode':<22} best modes seen",
+    ]
+    modes: dict[tuple[str, str], list[Mapping[str, Any]]] = {}
+    for run in runs:
+        for row in run["modes"]:
+            modes.setdefault((row["model"], row["precision"]), []).append(row)
+    for (model, precision), rows in modes.items():
+        compared = [r for r in rows if "not_compared" not in r]
+        if not compared:
+            lines.append(f"  {model:<12} {precision:<5} not compared: {rows[0]['not_compared']}")
+            continue
+        seen = sorted({f"{r['best_mode']} vs {r['peer']}" for r in compared})
+        note = "" if len(compared) == len(runs) else f"; compared in {len(compared)} of {len(runs)} runs"
+        lines.append(
+            f"  {model:<12} {precision:<5} {_spread([r['best_ratio'] for r in compared]):<22} "
+            f"{_spread([r['slowest_ratio'] for r in compared]):<22} {', '.join(seen)}{note}"
+        )
+    lines += ["onnxruntime backend vs plain ONNX Runtime, fp32 (aim: within 1.05x)"]
+    backend: dict[str, list[float | None]] = {}
+    for run in runs:
+        for row in run["onnxruntime_backend"]:
+            backend.setdefault(row["model"], []).append(row["ratio"])
+    for model, values in backend.items():
+        note = "" if len(values) == len(runs) else f" (compared in {len(values)} of {len(runs)} runs)"
+        lines.append(f"  {model:<12} {_spread(values)}{note}")
     return "\n".join(lines)
+
+
+def _spread(values: Sequence[float | None]) -> str:
+    finite = [v for v in values if v is not None]
+    if len(finite) < len(values):
+        return f"{len(values) - len(finite)} not finite"
+    return f"{min(finite):.2f}-{max(finite):.2f}x ({statistics.median(finite):.2f}x)"
+
+
+def _finite(value: float) -> float | None:
+    return value if math.isfinite(value) else None
+
+
+def _times(value: float | None) -> str:
+    return "not finite" if value is None else f"{value:.2f}x"
