@@ -1,4 +1,4 @@
-"""oneDNN's matmul and convolution primitives called through libdnnl's C API.
+"""oneDNN's matmul, convolution and pooling primitives called through libdnnl's C API.
 
 PyTorch reaches oneDNN only through ops that rebuild the primitive
 descriptor on every call (``mkldnn._linear_pointwise``,
@@ -237,12 +237,12 @@ def _names(to_str: Any, values: Iterable[int]) -> dict[str, int]:
 def library() -> _Library | None:
     """The library, or None (logged once) where the ``onednn`` extra is not installed or unusable."""
     if not LIBRARY.is_file():
-        log.debug("no %s (%s): gemm_dnnl and conv_dnnl are not offered", LIBRARY, install_command("onednn"))
+        log.debug("no %s (%s): its primitive tactics are not offered", LIBRARY, install_command("onednn"))
         return None
     try:
         return _Library(LIBRARY)
     except (OSError, AttributeError, KeyError, HarnessError) as exc:
-        log.warning("oneDNN at %s is not usable (%s); gemm_dnnl and conv_dnnl are not offered", LIBRARY, exc)
+        log.warning("oneDNN at %s is not usable (%s); its primitive tactics are not offered", LIBRARY, exc)
         return None
 
 
