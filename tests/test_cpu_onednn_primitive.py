@@ -23,6 +23,7 @@ from torch import nn
 from harness.autocast import compile
 from harness.build import build_engine, compile_graph
 from harness.cache.timing_cache import TimingCache
+from harness.dtypes import dtype_from_name
 from harness.engines.cpu import CpuBackend, CpuEngine, builder, onednn_primitive, program, tactics
 from harness.engines.cpu.lowering import lower
 from harness.engines.cpu.onednn_primitive import Convolution, Eltwise, Matmul
@@ -602,6 +603,37 @@ def test_layers_reading_only_the_arena_run_as_bare_calls_in_every_thread_and_thr
                 torch.testing.assert_close(engine.run(batches[0])[0], want[0], rtol=1e-5, atol=1e-5)
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_bare_call_stays_right_after_normal_calls_on_operands_since_freed():
+    gen = torch.Generator().manual_seed(14)
+    w = torch.randn(8, 16, generator=gen)
+    arena = program.Arena(128)
+    matmul = Matmul(w, None, (4, 16), None, None, result=functools.partial(arena.view, 0, 128))
+    pinned = torch.randn(4, 16, generator=gen)
+    bare = matmul.pinned(pinned.clone())  # its operand held by the primitive, not the caller
+    assert bare is not None and bare() == 0
+    want = F.linear(pinned, w)
+    torch.testing.assert_close(matmul.thread_result(), want, rtol=1e-5, atol=1e-5)
+    for _ in range(3):
+        other = torch.randn(4, 16, generator=gen)
+        torch.testing.assert_close(matmul(other), F.linear(other, w), rtol=1e-5, atol=1e-5)
+        del other
+        gc.collect()
+        torch.randn(4, 16, generator=gen)  # likely where the freed operand was
+        assert bare() == 0
+        torch.testing.assert_close(matmul.thread_result(), want, rtol=1e-5, atol=1e-5)
+    assert matmul.pinned(torch.zeros(4, 16, dtype=torch.bfloat16)) is None  # the wrong dtype
+
+
+def test_pool_dnnl_is_offered_where_the_pooling_itself_has_a_fast_kernel():
+    for precision in ("fp32", "bf16", "fp16"):
+        try:
+            fast = not onednn_primitive.Pooling(dtype_from_name(precision), (1, 16, 4, 4), (4, 4)).impl().startswith("ref")
+        except HarnessError:
+            fast = False
+        assert onednn_primitive.pooling_available(precision) == (fast and onednn_primitive.available(precision))
+    assert onednn_primitive.pooling_available("fp32")
 
 
 def test_the_arena_refuses_a_result_larger_than_its_planned_memory():

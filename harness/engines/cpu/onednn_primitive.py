@@ -265,20 +265,35 @@ def available(precision: str) -> bool:
     return not impl.startswith("ref")
 
 
+@functools.cache
+def pooling_available(precision: str) -> bool:
+    """Whether an average pooling of ``precision`` gets an optimized oneDNN kernel here (the
+    matmul's kernels, :func:`available`, do not vouch for the pooling's)."""
+    if not available(precision):
+        return False
+    try:
+        impl = Pooling(dtype_from_name(precision), (1, 16, 4, 4), (4, 4)).impl()
+    except HarnessError as exc:
+        log.debug("oneDNN pooling in %s: %s", precision, exc)
+        return False
+    return not impl.startswith("ref")
+
+
 class _Primitive:
-    """A oneDNN primitive for fixed shapes: weight packed once, bias, residual and activation
-    as post-ops; one primitive per thread count shared by every thread, memory objects per thread.
+    """A oneDNN primitive for fixed shapes: a weight (if any) packed once, bias, residual and
+    activation as post-ops; one primitive per thread count shared by every thread, memory
+    objects per thread.
 
     Subclasses say which primitive (:meth:`_create`), the weight's plain layout
-    (:meth:`_plain_weight`), how oneDNN sees an activation (:meth:`_dims`), the
-    layouts of the input and result (``input_layout``, ``layout``) and whether
-    a plain input is reordered by oneDNN (:meth:`_takes_plain_input`). The
-    result has the weight's dtype: oneDNN accumulates in fp32 and rounds once,
-    after the bias, residual and activation.
+    (:meth:`_plain_weight`, where there is a weight), how oneDNN sees an
+    activation (:meth:`_dims`), the layouts of the input and result
+    (``input_layout``, ``layout``) and whether a plain input is reordered by
+    oneDNN (:meth:`_takes_plain_input`). The result has ``dtype``: oneDNN
+    accumulates in fp32 and rounds once, after the bias, residual and activation.
 
-    ``result``: where a thread's results go when nothing keeps a result past
-    the caller's next call from the same thread (the engine's program decides
-    that and plans the memory: see
+    ``result``: where a thread's results go when nothing reads a result after
+    its last reader in the caller's run (the engine's program decides that and
+    plans the memory, shared with other layers' results once dead: see
     :func:`harness.engines.cpu.program.private_results`). Called once in each
     thread with the result's shape, strides and dtype, it gives the tensor
     that receives every result of that thread; without it each call
@@ -351,8 +366,10 @@ class _Primitive:
         It skips the per-call checks and pointer updates (about 1.3 µs of a
         layer's 18 µs: mobilenet's 5x5 depthwise layer in bf16, an AMD EPYC), so
         it is only given for operands that fit: the right dtype and size, in
-        the primitive's layouts, with a result slot. None otherwise. Calling
-        the primitive normally from this thread afterwards is still correct.
+        the primitive's layouts, with a result slot. None otherwise. The
+        operands are held as long as the primitive, and the latest pin stands:
+        a normal call from this thread afterwards puts its handles back after
+        running, and a new pin replaces the bare call's operands.
         """
         return self._thread().pin(x, residual)
 
@@ -506,6 +523,9 @@ class _Primitive:
             result = itertools.repeat(fixed).__next__
         # The data pointers last set: the allocator often hands a run the same addresses.
         last = [0, 0, 0]
+        # The bare call's pointers and operands (see pin), held alive: a normal call that moves
+        # the handles puts them back once it has run, so the bare call stays right.
+        pinned: list[Any] = []
         if staging is not None:
             reorder, plain, staged = staging[0], staging[1], ctypes.cast(staging[2], _VOID)
             staged_input = _allocator(self.in_shape, dtype, input_layout)
@@ -538,6 +558,10 @@ class _Primitive:
                         set_handle(memory, pointers[i])
                         last[i] = pointers[i]
             status = execute(primitive, stream, count, pointer)
+            if pinned and last != pinned[0]:
+                for memory, address in zip(memories, pinned[0], strict=False):
+                    set_handle(memory, address)
+                last[:] = pinned[0]
             if status:
                 self.failed(status)
             return y
@@ -555,6 +579,7 @@ class _Primitive:
             last[:] = [x.data_ptr(), fixed.data_ptr(), 0 if r is None else r.data_ptr()]
             for memory, address in zip(memories, last, strict=False):
                 set_handle(memory, address)
+            pinned[:] = [list(last), x, r]
             return functools.partial(execute, primitive, stream, count, pointer)
 
         return _ThreadCall(run, pin, fixed)

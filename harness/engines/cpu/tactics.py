@@ -186,7 +186,7 @@ def impl_names(
     if avg_pool_window(node, metas) is not None:
         precision = node.out().dtype
         in_meta = metas[node.refs()[0].name]
-        dnnl = len(in_meta.shape) == 4 and in_meta.dtype == precision and onednn_primitive.available(precision)
+        dnnl = len(in_meta.shape) == 4 and in_meta.dtype == precision and onednn_primitive.pooling_available(precision)
         return ["direct", "pool_window", *([PRIMITIVE_POOL] if dnnl else [])]
     if packet in _SOFTMAX_LOG:
         undecomposable = named.get("dtype") is not None or named.get("half_to_float", False)
@@ -244,9 +244,10 @@ def bind(
 ) -> Bound:
     """Callable computing ``node`` with ``impl`` from its dynamic inputs (``node.refs()`` order).
 
-    ``result``: the caller keeps no result past its next call of it from the
-    same thread, so a tactic may write every result of a thread into the one
-    tensor this gives that thread (the oneDNN primitives do: see
+    ``result``: the caller reads no result after its last reader in the run,
+    so a tactic may write every result of a thread into the one tensor this
+    gives that thread, which may share memory with other layers' results once
+    dead (the oneDNN primitives do: see
     :class:`harness.engines.cpu.onednn_primitive.Matmul`); other tactics ignore it.
     """
     valid = impl_names(node, metas, weights)
