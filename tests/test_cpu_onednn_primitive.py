@@ -1,8 +1,10 @@
-"""``gemm_dnnl`` and ``conv_dnnl``: linear layers and convolutions on oneDNN's primitives,
-called through libdnnl's C API.
+"""``gemm_dnnl``, ``conv_dnnl``, ``pool_dnnl`` and ``binary_dnnl``: linear layers,
+convolutions, poolings and elementwise products on oneDNN's primitives, called through
+libdnnl's C API.
 
-References: PyTorch's fp32 ``linear`` and ``conv2d`` (and activations) on the
-same values, the engine's other tactics, and the engine's own saved files.
+References: PyTorch's fp32 ``linear``, ``conv2d``, ``avg_pool2d`` and ``mul``
+(and activations) on the same values, the engine's other tactics, and the
+engine's own saved files.
 """
 
 from __future__ import annotations
@@ -376,15 +378,16 @@ def test_the_builder_moves_convolutions_onto_it_out_of_regions_when_the_whole_ru
     assert {chosen[c] for c in convs} == {"conv_dnnl[fp32]"}
     assert {t for name, t in chosen.items() if name.startswith("linear")} == {"gemm_dnnl[fp32]"}
     assert {t for name, t in chosen.items() if name.startswith("adaptive")} == {"pool_dnnl[fp32]"}
-    assert any(m.startswith(f"moved 8 layer(s) onto {builder.PRIMITIVES}") for m in built.log.messages)
-    # Its convolutions and the first pooling write their results into the arena (the second
-    # pooling's result reaches the head through a view, the head's is the output). Those reading
-    # only the arena run as bare calls: not the first pooling and the projection, which read the
-    # new tensors of ATen's residual add (after the relu) and rescale. A second run on other
-    # inputs leaves the first run's result alone.
+    assert chosen["mul"] == "binary_dnnl[fp32]"
+    assert any(m.startswith(f"moved 9 layer(s) onto {builder.PRIMITIVES}") for m in built.log.messages)
+    # Its convolutions, the first pooling and the rescale write their results into the arena (the
+    # second pooling's result reaches the head through a view, the head's is the output). Those
+    # reading only the arena run as bare calls: not the first pooling and the rescale, which read
+    # the new tensor of ATen's residual add (after the relu). A second run on other inputs
+    # leaves the first run's result alone.
     plan = built.engine.plan
-    assert len(program.private_results(plan, program.region_groups(plan.nodes))) == 6
-    assert built.engine._program.pinned == {"conv2d_1", "conv2d_2", "conv2d_3"}
+    assert len(program.private_results(plan, program.region_groups(plan.nodes))) == 7
+    assert built.engine._program.pinned == {"conv2d_1", "conv2d_2", "conv2d_3", "conv2d_4"}
     other = (torch.randn(inputs[0].shape, generator=torch.Generator().manual_seed(6)),)
     with torch.inference_mode():
         first = built.engine.run(*inputs)[0]
@@ -456,6 +459,93 @@ def test_pool_dnnl_refuses_a_window_that_does_not_tile_its_input():
     pool = onednn_primitive.Pooling(torch.float32, (1, 4, 8, 8), (2, 2))
     with pytest.raises(HarnessError, match=r"pool_dnnl: expected fp32 \(1, 4, 8, 8\), got torch.bfloat16"):
         pool(torch.zeros(1, 4, 8, 8, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(
+    ("shape", "second"),
+    [((1, 16, 8, 8), (1, 16, 1, 1)), ((2, 24, 5, 7), (2, 24, 1, 1)), ((2, 24, 5, 7), (1, 24, 1, 1)), ((2, 3, 4, 5), (2, 3, 4, 5))],
+)
+@pytest.mark.parametrize("scale_first", [False, True], ids=["x*s", "s*x"])
+def test_binary_dnnl_multiplies_as_aten_does_to_the_bit(dtype, shape, second, scale_first):
+    """One rounding of the exact product, as ATen's: the same bits in bf16 too, whatever the
+    operands' layouts and order."""
+    gen = torch.Generator().manual_seed(15)
+    x = torch.randn(shape, generator=gen).to(dtype)
+    s = torch.rand(second, generator=gen).to(dtype)
+    binary = onednn_primitive.Binary("binary_mul", dtype, shape, second, scale_first=scale_first)
+    assert not binary.impl().startswith("ref"), binary.impl()
+    operands = (s, x) if scale_first else (x, s)
+    want = torch.mul(*operands)
+    for layout in (torch.contiguous_format, torch.channels_last):
+        got = binary(*(t.contiguous(memory_format=layout) for t in operands))
+        assert got.dtype == dtype and got.is_contiguous(memory_format=torch.channels_last)
+        assert torch.equal(got, want)
+
+
+def test_binary_dnnl_refuses_operands_that_do_not_broadcast():
+    with pytest.raises(HarnessError, match=r"a \(1, 8, 1, 1\) operand does not broadcast over a 4-D \(1, 16, 4, 4\)"):
+        onednn_primitive.Binary("binary_mul", torch.float32, (1, 16, 4, 4), (1, 8, 1, 1))
+    with pytest.raises(HarnessError, match="does not broadcast over a 4-D"):
+        onednn_primitive.Binary("binary_mul", torch.float32, (16, 4, 4), (16, 1, 1))
+    binary = onednn_primitive.Binary("binary_mul", torch.float32, (1, 16, 4, 4), (1, 16, 1, 1))
+    with pytest.raises(HarnessError, match=r"binary_dnnl: expected fp32 \(1, 16, 4, 4\) and a fp32 \(1, 16, 1, 1\) second operand, got .* and a torch.float32 \(1, 8, 1, 1\) second operand"):
+        binary(torch.zeros(1, 16, 4, 4), torch.zeros(1, 8, 1, 1))
+
+
+class Rescale(nn.Module):
+    """A squeeze-excite rescale written both ways round, as torchvision's (``scale * input``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.excite, self.project = nn.Conv2d(8, 16, 3, 1, 1), nn.Conv2d(16, 16, 1), nn.Conv2d(16, 8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        f = self.conv(x)
+        scale = F.hardsigmoid(self.excite(F.adaptive_avg_pool2d(f, 1)))
+        g = self.project(scale * f)
+        return g * F.adaptive_avg_pool2d(g, 1) * 0.5
+
+
+def test_a_product_of_computed_4d_operands_that_broadcast_is_offered_on_binary_dnnl_and_runs_in_the_arena():
+    """``scale * f`` and ``g * pooled`` are offered; the product by a constant is not. On an
+    engine with every convolution, pooling and product on its primitive, the rescale reads two
+    results of the arena and runs as a bare call, its operands in the layer's order."""
+    torch.manual_seed(16)
+    module, x = Rescale().eval(), torch.randn(2, 8, 6, 6)
+    plan, _ = lower(compile(module, (x,), policy="fp32").graph_module, "test")
+    metas = plan.value_metas()
+    offered = {n.name: tactics.impl_names(n, metas, plan.weights) for n in plan.nodes if plan_packet(n.op) == "mul"}
+    assert offered == {"mul": ["direct", "binary_dnnl"], "mul_1": ["direct", "binary_dnnl"], "mul_2": ["direct"]}
+    for i, node in enumerate(plan.nodes):
+        if node.is_layer:
+            impls = tactics.impl_names(node, metas, plan.weights)
+            impl = next((p for p in tactics.PRIMITIVE_IMPLS if p in impls), impls[0])
+            plan.nodes[i] = replace(node, tactic=f"{impl}[fp32]")
+    engine = CpuEngine(plan)
+    assert "mul" in engine._program.pinned  # scale * f: both operands from convolutions
+    with torch.inference_mode():
+        for seed in (17, 18):
+            y = torch.randn(2, 8, 6, 6, generator=torch.Generator().manual_seed(seed))
+            torch.testing.assert_close(engine.run(y)[0], module(y), rtol=1e-5, atol=1e-6)
+    # A product in another dtype than its operands', or of operands that do not broadcast,
+    # stays on ATen.
+    node = next(n for n in plan.nodes if n.name == "mul")
+    bf16 = {**metas, node.refs()[0].name: replace(metas[node.refs()[0].name], dtype="bf16")}
+    assert tactics.impl_names(node, bf16, plan.weights) == ["direct"]
+    flat = {**metas, node.refs()[0].name: replace(metas[node.refs()[0].name], shape=(2, 16, 36))}
+    assert tactics.impl_names(node, flat, plan.weights) == ["direct"]
+
+
+def test_binary_dnnl_is_offered_where_the_product_itself_has_a_fast_kernel():
+    for precision in ("fp32", "bf16", "fp16"):
+        try:
+            binary = onednn_primitive.Binary("binary_mul", dtype_from_name(precision), (1, 16, 4, 4), (1, 16, 1, 1))
+            fast = not binary.impl().startswith("ref")
+        except HarnessError:
+            fast = False
+        assert onednn_primitive.binary_available(precision) == (fast and onednn_primitive.available(precision))
+    assert onednn_primitive.binary_available("fp32")
 
 
 def test_an_image_input_is_reordered_by_onednn_and_any_layout_gives_the_same_bits(monkeypatch):

@@ -64,7 +64,10 @@ _GRAPH_LAYOUTS = {"conv": _CL, "gemm": torch.contiguous_format}
 PRIMITIVE_GEMM = onednn_primitive.Matmul.tactic
 PRIMITIVE_CONV = onednn_primitive.Convolution.tactic
 PRIMITIVE_POOL = onednn_primitive.Pooling.tactic
-PRIMITIVE_IMPLS = (PRIMITIVE_GEMM, PRIMITIVE_CONV, PRIMITIVE_POOL)
+PRIMITIVE_BINARY = onednn_primitive.Binary.tactic
+PRIMITIVE_IMPLS = (PRIMITIVE_GEMM, PRIMITIVE_CONV, PRIMITIVE_POOL, PRIMITIVE_BINARY)
+# ATen's elementwise ops by plan packet -> oneDNN's binary algorithm doing the same.
+_BINARY_ALGORITHMS = {"mul": "binary_mul"}
 # The tactics that compile a layer into a oneDNN Graph partition (regions are made of them).
 GRAPH_IMPLS = tuple(f"{family}_onednn_graph{suffix}" for family in _GRAPH_LAYOUTS for suffix in ("", "_widened"))
 # A plain layer's form that a region traces into oneDNN partitions, where its own tactic stays
@@ -188,6 +191,8 @@ def impl_names(
         in_meta = metas[node.refs()[0].name]
         dnnl = len(in_meta.shape) == 4 and in_meta.dtype == precision and onednn_primitive.pooling_available(precision)
         return ["direct", "pool_window", *([PRIMITIVE_POOL] if dnnl else [])]
+    if packet in _BINARY_ALGORITHMS and _binary_ok(node, named, metas):
+        return ["direct", PRIMITIVE_BINARY]
     if packet in _SOFTMAX_LOG:
         undecomposable = named.get("dtype") is not None or named.get("half_to_float", False)
         return ["softmax_fused"] + ([] if undecomposable else ["softmax_decomposed"])
@@ -768,6 +773,22 @@ def _pool_dnnl(ctx: _Ctx) -> Bound:
     return onednn_primitive.Pooling(dtype, ctx.input_shape, _ctx_window(ctx), ctx.result)
 
 
+def _binary_dnnl(ctx: _Ctx) -> Bound:
+    """oneDNN's binary primitive through its C API, channels-last in and out (see
+    :class:`harness.engines.cpu.onednn_primitive.Binary`): the operand of the result's shape
+    first, whichever the layer lists first."""
+    first, second = (meta.shape for meta in ctx.inputs)
+    scale_first = tuple(first) != tuple(ctx.output)
+    return onednn_primitive.Binary(
+        _BINARY_ALGORITHMS[ctx.packet],
+        dtype_from_name(ctx.inputs[0].dtype),
+        ctx.output,
+        first if scale_first else second,
+        ctx.result,
+        scale_first=scale_first,
+    )
+
+
 def _ctx_window(ctx: _Ctx) -> tuple[int, ...]:
     window = _window(ctx.input_shape[-2:], ctx.output[-2:])
     assert window is not None, "offered only where the output divides the input"
@@ -880,6 +901,23 @@ def _dnnl_ok(
     if metas[named["input"].name].dtype != precision or dtype_name(weights[named["weight"].name].dtype) != precision:
         return False
     return onednn_primitive.available(precision)
+
+
+def _binary_ok(node: Node, named: Mapping[str, Any], metas: Mapping[str, TensorMeta]) -> bool:
+    """Two computed 4-D operands of the result's precision, one of the result's shape and the
+    other broadcast over it, in a precision oneDNN's binary primitive has fast kernels for."""
+    operands = [named["self"], named["other"]]
+    if node.multi or not all(isinstance(o, Ref) for o in operands):
+        return False
+    out = node.out()
+    first, second = (metas[o.name] for o in operands)
+    if first.dtype != out.dtype or second.dtype != out.dtype:
+        return False
+    shape = tuple(out.shape)
+    fits = (tuple(first.shape) == shape and onednn_primitive.broadcasts(shape, second.shape)) or (
+        tuple(second.shape) == shape and onednn_primitive.broadcasts(shape, first.shape)
+    )
+    return fits and onednn_primitive.binary_available(out.dtype)
 
 
 def _linear_ok(named: Mapping[str, Any]) -> bool:
@@ -1014,6 +1052,7 @@ _BINDERS: dict[str, Callable[[_Ctx], Bound]] = {
     "gemm_splitk4": _split_k(4),
     "pool_window": _pool_window,
     PRIMITIVE_POOL: _pool_dnnl,
+    PRIMITIVE_BINARY: _binary_dnnl,
     "softmax_fused": _direct,
     "softmax_decomposed": _softmax,
     "layernorm_fused": _direct,
