@@ -1,10 +1,10 @@
-"""``gemm_dnnl``, ``conv_dnnl``, ``pool_dnnl`` and ``binary_dnnl``: linear layers,
-convolutions, poolings and elementwise products on oneDNN's primitives, called through
-libdnnl's C API.
+"""``gemm_dnnl``, ``conv_dnnl``, ``pool_dnnl``, ``binary_dnnl`` and ``cast_dnnl``: linear
+layers, convolutions, poolings, elementwise products and casts on oneDNN's primitives, called
+through libdnnl's C API.
 
-References: PyTorch's fp32 ``linear``, ``conv2d``, ``avg_pool2d`` and ``mul``
-(and activations) on the same values, the engine's other tactics, and the
-engine's own saved files.
+References: PyTorch's fp32 ``linear``, ``conv2d``, ``avg_pool2d``, ``mul`` and
+``to`` (and activations) on the same values, the engine's other tactics, and
+the engine's own saved files.
 """
 
 from __future__ import annotations
@@ -546,6 +546,85 @@ def test_binary_dnnl_is_offered_where_the_product_itself_has_a_fast_kernel():
             fast = False
         assert onednn_primitive.binary_available(precision) == (fast and onednn_primitive.available(precision))
     assert onednn_primitive.binary_available("fp32")
+
+
+BF16 = pytest.mark.skipif(not onednn_primitive.cast_available("fp32", "bf16"), reason="no fast bf16 reorder here")
+
+
+@BF16
+def test_cast_dnnl_rounds_to_bf16_as_aten_does_but_reads_fp32_subnormals_as_zero():
+    """Every finite fp32 bit pattern of a random sample (and the edges): ATen's bf16 bits,
+    except subnormal inputs, which become a zero of their sign; back to fp32 exactly."""
+    bits = torch.randint(-(2**31), 2**31 - 1, (1 << 16,), generator=torch.Generator().manual_seed(19), dtype=torch.int64)
+    edges = torch.tensor([0.0, -0.0, 1e-40, -1e-40, 1.17e-38, 3.4e38, -3.4e38, 1.00390625, 1.01171875, 65504.0])
+    x = torch.cat([bits.to(torch.int32).view(torch.float32), edges, torch.tensor([float("inf"), -float("inf")])])
+    x = x[~x.isnan()]
+    cast = onednn_primitive.Cast(torch.float32, torch.bfloat16, (x.numel(),))
+    assert cast.impl().startswith("jit"), cast.impl()
+    got = cast(x)
+    subnormal = (x != 0) & (x.abs() < torch.finfo(torch.float32).tiny)
+    assert subnormal.sum() > 100  # the sample has them
+    want = torch.where(subnormal, torch.zeros_like(x).copysign(x), x).to(torch.bfloat16)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    assert torch.equal(got.view(torch.int16)[~subnormal], x[~subnormal].to(torch.bfloat16).view(torch.int16))
+    assert onednn_primitive.Cast(torch.float32, torch.bfloat16, (4,))(torch.full((4,), float("nan"))).isnan().all()
+    back = onednn_primitive.Cast(torch.bfloat16, torch.float32, (x.numel(),))(got)
+    assert back.dtype == torch.float32 and torch.equal(back.view(torch.int32), got.float().view(torch.int32))
+
+
+@BF16
+def test_cast_dnnl_is_offered_for_a_float_conversion_only_and_an_engine_on_it_computes_the_model():
+    """A strongly typed bf16 network's input cast (fp32 -> bf16) and its result's cast back are
+    offered; an integer conversion, or one asking for a memory format, is not. The engine with
+    both casts on primitives gives the bits of the one with ATen's casts (no subnormal input
+    here), and the model's values within bf16's error."""
+    module, inputs = _se()
+    plan, _ = lower(compile(module, inputs, policy="full", low_precision_type="bf16").graph_module, "bf16")
+    metas = plan.value_metas()
+    casts = [n for n in plan.nodes if plan_packet(n.op) == "_to_copy"]
+    assert {(metas[n.refs()[0].name].dtype, n.out().dtype) for n in casts} == {("fp32", "bf16"), ("bf16", "fp32")}
+    for node in casts:
+        assert tactics.impl_names(node, metas, plan.weights) == ["direct", "cast_dnnl"]
+    node = casts[0]
+    as_long = replace(node, kwargs={"dtype": torch.int64}, outputs=(replace(node.out(), dtype="int64"),))
+    assert tactics.impl_names(as_long, metas, plan.weights) == ["direct"]
+    formatted = replace(node, kwargs={**node.kwargs, "memory_format": torch.channels_last})
+    assert tactics.impl_names(formatted, metas, plan.weights) == ["direct"]
+
+    def casts_on(cast_impl: str) -> CpuEngine:
+        """Every layer on its primitive, the casts on ``cast_impl``."""
+        nodes = []
+        for n in plan.nodes:
+            if n.is_layer:
+                impls = tactics.impl_names(n, metas, plan.weights)
+                impl = next((p for p in tactics.PRIMITIVE_IMPLS if p in impls), impls[0])
+                impl = cast_impl if n in casts else impl
+                n = replace(n, tactic=tactics.tactic_name(impl, n.out().dtype))
+            nodes.append(n)
+        return CpuEngine(replace(plan, nodes=nodes))
+
+    engine = casts_on("cast_dnnl")
+    assert {layer.tactic for layer in engine.layers() if layer.name in {n.name for n in casts}} == {
+        "cast_dnnl[bf16]", "cast_dnnl[fp32]"
+    }
+    with torch.inference_mode():
+        got = engine.run(*inputs)[0]
+        assert got.dtype == torch.float32
+        assert torch.equal(got, casts_on("direct").run(*inputs)[0])
+        torch.testing.assert_close(got, module(*inputs), rtol=0.05, atol=0.05)
+
+
+def test_cast_dnnl_is_offered_between_types_the_other_primitives_compute_in_here():
+    for source in ("fp32", "bf16", "fp16"):
+        for target in ("fp32", "bf16", "fp16"):
+            fast = False
+            if source != target and onednn_primitive.available(source) and onednn_primitive.available(target):
+                cast = onednn_primitive.Cast(dtype_from_name(source), dtype_from_name(target), (4, 64))
+                fast = cast.impl().startswith("jit")
+            assert onednn_primitive.cast_available(source, target) == fast
+    assert not onednn_primitive.cast_available("fp32", "int64")
+    with pytest.raises(HarnessError, match="a 0-D tensor; oneDNN takes 1 to 12 dimensions"):
+        onednn_primitive.Cast(torch.float32, torch.bfloat16, ())
 
 
 def test_an_image_input_is_reordered_by_onednn_and_any_layout_gives_the_same_bits(monkeypatch):

@@ -65,7 +65,8 @@ PRIMITIVE_GEMM = onednn_primitive.Matmul.tactic
 PRIMITIVE_CONV = onednn_primitive.Convolution.tactic
 PRIMITIVE_POOL = onednn_primitive.Pooling.tactic
 PRIMITIVE_BINARY = onednn_primitive.Binary.tactic
-PRIMITIVE_IMPLS = (PRIMITIVE_GEMM, PRIMITIVE_CONV, PRIMITIVE_POOL, PRIMITIVE_BINARY)
+PRIMITIVE_CAST = onednn_primitive.Cast.tactic
+PRIMITIVE_IMPLS = (PRIMITIVE_GEMM, PRIMITIVE_CONV, PRIMITIVE_POOL, PRIMITIVE_BINARY, PRIMITIVE_CAST)
 # ATen's elementwise ops by plan packet -> oneDNN's binary algorithm doing the same.
 _BINARY_ALGORITHMS = {"mul": "binary_mul"}
 # The tactics that compile a layer into a oneDNN Graph partition (regions are made of them).
@@ -193,6 +194,8 @@ def impl_names(
         return ["direct", "pool_window", *([PRIMITIVE_POOL] if dnnl else [])]
     if packet in _BINARY_ALGORITHMS and _binary_ok(node, named, metas):
         return ["direct", PRIMITIVE_BINARY]
+    if packet == "_to_copy" and _cast_ok(node, named, metas):
+        return ["direct", PRIMITIVE_CAST]
     if packet in _SOFTMAX_LOG:
         undecomposable = named.get("dtype") is not None or named.get("half_to_float", False)
         return ["softmax_fused"] + ([] if undecomposable else ["softmax_decomposed"])
@@ -789,6 +792,13 @@ def _binary_dnnl(ctx: _Ctx) -> Bound:
     )
 
 
+def _cast_dnnl(ctx: _Ctx) -> Bound:
+    """oneDNN's reorder between float types through its C API, plain layout in and out (see
+    :class:`harness.engines.cpu.onednn_primitive.Cast`)."""
+    source = dtype_from_name(ctx.inputs[0].dtype)
+    return onednn_primitive.Cast(source, ctx.named["dtype"], ctx.input_shape, ctx.result)
+
+
 def _ctx_window(ctx: _Ctx) -> tuple[int, ...]:
     window = _window(ctx.input_shape[-2:], ctx.output[-2:])
     assert window is not None, "offered only where the output divides the input"
@@ -918,6 +928,20 @@ def _binary_ok(node: Node, named: Mapping[str, Any], metas: Mapping[str, TensorM
         tuple(second.shape) == shape and onednn_primitive.broadcasts(shape, first.shape)
     )
     return fits and onednn_primitive.binary_available(out.dtype)
+
+
+def _cast_ok(node: Node, named: Mapping[str, Any], metas: Mapping[str, TensorMeta]) -> bool:
+    """A computed float tensor converted to another float type and nothing else (no device,
+    layout or memory format asked for), in types oneDNN's reorder converts between here."""
+    source = named["self"]
+    if node.multi or not isinstance(source, Ref) or not isinstance(named["dtype"], torch.dtype):
+        return False
+    if named["memory_format"] not in (None, torch.preserve_format) or any(
+        named[k] is not None for k in ("layout", "device", "pin_memory")
+    ):
+        return False
+    meta = metas[source.name]
+    return 1 <= len(meta.shape) <= onednn_primitive.MAX_DIMS and onednn_primitive.cast_available(meta.dtype, dtype_name(named["dtype"]))
 
 
 def _linear_ok(named: Mapping[str, Any]) -> bool:
@@ -1053,6 +1077,7 @@ _BINDERS: dict[str, Callable[[_Ctx], Bound]] = {
     "pool_window": _pool_window,
     PRIMITIVE_POOL: _pool_dnnl,
     PRIMITIVE_BINARY: _binary_dnnl,
+    PRIMITIVE_CAST: _cast_dnnl,
     "softmax_fused": _direct,
     "softmax_decomposed": _softmax,
     "layernorm_fused": _direct,
