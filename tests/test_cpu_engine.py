@@ -172,11 +172,12 @@ def test_builder_keeps_the_fastest_measured_candidate(fp32_build):
         fastest = min(record.candidates, key=lambda c: c.time_ms)
         chosen = next(c for c in record.candidates if c.tactic == record.chosen)
         assert record.chosen_hash == chosen.tactic_hash
-        # The fastest, unless the whole run was faster with the layer on its graph tactic or on
-        # its oneDNN primitive.
+        # The fastest, unless the whole run was faster with the layer on its graph tactic (or its
+        # ATen call in a region) or on its oneDNN primitive.
         impl = tactics.parse_tactic(record.chosen)[0]
+        aten = tactics.parse_tactic(record.candidates[0].tactic)[0]
         assert record.chosen == fastest.tactic or (
-            (moved and impl in tactics.GRAPH_IMPLS) or (primitive and impl in tactics.PRIMITIVE_IMPLS)
+            (moved and impl in (*tactics.GRAPH_IMPLS, aten)) or (primitive and impl in tactics.PRIMITIVE_IMPLS)
         )
         assert by_name[record.layer].tactic == record.chosen
         assert all(c.time_ms > 0 for c in record.candidates)
@@ -238,8 +239,9 @@ def test_weak_mode_chooses_precision_per_layer_by_timing(net):
             (c for c in record.candidates if not lowered or c.tactic.endswith("[bf16]")), key=lambda c: c.time_ms
         ).tactic
         impl, precision = tactics.parse_tactic(record.chosen)
+        aten = tactics.parse_tactic(record.candidates[0].tactic)[0]
         assert record.chosen == fastest or (
-            moved and impl in tactics.GRAPH_IMPLS and precision == tactics.parse_tactic(fastest)[1]
+            moved and impl in (*tactics.GRAPH_IMPLS, aten) and precision == tactics.parse_tactic(fastest)[1]
         ) or (primitive and impl in tactics.PRIMITIVE_IMPLS and precision == tactics.parse_tactic(fastest)[1])
         layer = layers[record.layer]
         assert layer.output_dtypes == (precision,)
@@ -269,23 +271,35 @@ def test_weak_build_runs_its_timed_layers_in_bf16_only_if_the_whole_run_is_faste
 
     def whole_runs(plans, run_inputs, timing):
         compared.append([{n.name: n.tactic for n in p.nodes if n.is_layer and n.key} for p in plans])
-        precision_call = len(compared) == 1
-        return list(whole_run_ms) if precision_call else [1.0, 2.0]
+        if len(compared) == 1:  # the precision decision: each side in two forms
+            mixed, low = whole_run_ms
+            # On graph tactics the answer is the other one, but each side is slower there.
+            return [low + 3, mixed, mixed + 3, low]
+        return [1.0, 2.0]
 
     monkeypatch.setattr(builder, "median_ms", lambda fns, run_inputs, timing: [float(i + 1) for i in range(len(fns))])
     monkeypatch.setattr(builder, "run_ms", whole_runs)
     cache = tmp_path / "cache.json"
     built = build_engine(spec, config, CpuBackend(), cache)
-    # The two plans compared, each with its layers on graph tactics where that forms regions.
-    as_timed, in_bf16 = compared[0]
+    # The two plans compared, each with its layers on graph tactics where that forms regions,
+    # and on oneDNN's primitives where they have one; each side counts at its faster form.
+    as_timed, as_timed_on_primitives, in_bf16, in_bf16_on_primitives = compared[0]
     choosable = {"conv2d", "linear", "linear_1", "layer_norm", "softmax"}
     records = {t.layer: t for t in built.log.layers if t.layer in choosable}
     first = {name: t.candidates[0].tactic for name, t in records.items()}
     first_bf16 = {name: next(c.tactic for c in t.candidates if c.tactic.endswith("[bf16]")) for name, t in records.items()}
-    for plan, own, precision in ((as_timed, first, "fp32"), (in_bf16, first_bf16, "bf16")):
+    for plan, own, precision, forms in (
+        (as_timed, first, "fp32", tactics.GRAPH_IMPLS),
+        (as_timed_on_primitives, first, "fp32", tactics.PRIMITIVE_IMPLS),
+        (in_bf16, first_bf16, "bf16", tactics.GRAPH_IMPLS),
+        (in_bf16_on_primitives, first_bf16, "bf16", tactics.PRIMITIVE_IMPLS),
+    ):
         for name in choosable:
             impl, dtype = tactics.parse_tactic(plan[name])
-            assert dtype == precision and (plan[name] == own[name] or impl in tactics.GRAPH_IMPLS)
+            assert dtype == precision and (plan[name] == own[name] or impl in forms)
+    assert {tactics.parse_tactic(as_timed_on_primitives[n])[0] for n in ("conv2d", "linear", "linear_1")} <= set(
+        tactics.PRIMITIVE_IMPLS
+    )
     kept = first_bf16 if low_faster else first
     layers = {layer.name: layer for layer in built.engine.layers()}
     assert {n: layers[n].tactic for n in choosable} == {n: kept[n] for n in choosable}

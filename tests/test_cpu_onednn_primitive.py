@@ -614,6 +614,53 @@ def test_cast_dnnl_is_offered_for_a_float_conversion_only_and_an_engine_on_it_co
         torch.testing.assert_close(got, module(*inputs), rtol=0.05, atol=0.05)
 
 
+class MixedPair(nn.Module):
+    """Two linear layers typed apart (bf16, then fp32): a cast before each."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 32), nn.Linear(32, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x)))
+
+
+@BF16
+def test_a_cast_timed_fastest_on_its_primitive_joins_a_region_on_its_aten_call(monkeypatch):
+    """Doubled timing: each layer's own timing prefers its last candidate (the casts'
+    ``cast_dnnl``, the linear layers' ``gemm_dnnl``). A region takes in ATen calls only, so the
+    regions the whole run is timed with have the casts on theirs; that run is faster, the
+    primitives' is not, and the engine runs casts and linear layers as one region."""
+    torch.manual_seed(20)
+    module, x = MixedPair().eval(), torch.randn(4, 16)
+    compiled = compile(module, (x,), policy="explicit", explicit={"linear$": "bf16", "relu": "bf16"})
+    alternatives: list[dict[str, str]] = []
+
+    def whole_runs(plans, run_inputs, timing):
+        alternatives.append({n.name: n.tactic for n in plans[1].nodes if n.is_layer})
+        return [2.0, 1.0] if len(alternatives) == 1 else [1.0, 2.0]  # regions faster, primitives not
+
+    monkeypatch.setattr(builder, "median_ms", lambda fns, run_inputs, options: [float(len(fns) - i) for i in range(len(fns))])
+    monkeypatch.setattr(builder, "run_ms", whole_runs)
+    engine, log = CpuBackend().build(compiled, BuildConfig(mode="explicit", options={"timing_runs": 2, "warmup_runs": 0}), None)
+    own = {t.layer: t.candidates[-1].tactic for t in log.layers if t.candidates}
+    assert own == {
+        "x_bf16": "cast_dnnl[bf16]", "linear": "gemm_dnnl[bf16]", "relu_fp32": "cast_dnnl[fp32]", "linear_1": "gemm_dnnl[fp32]"
+    }
+    regions, primitives = alternatives
+    assert regions == {
+        "x_bf16": "direct[bf16]",
+        "linear": "gemm_onednn_graph[bf16]",
+        "relu_fp32": "direct[fp32]",
+        "linear_1": "gemm_onednn_graph[fp32]",
+    }
+    chosen = {layer.name: layer.tactic for layer in engine.layers()}
+    assert chosen == regions
+    assert program.region_groups(engine.plan.nodes) == [[0, 1, 2, 3]]
+    with torch.inference_mode():
+        torch.testing.assert_close(engine(x), compiled(x), rtol=1e-2, atol=1e-2)
+
+
 def test_cast_dnnl_is_offered_between_types_the_other_primitives_compute_in_here():
     for source in ("fp32", "bf16", "fp16"):
         for target in ("fp32", "bf16", "fp16"):
