@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from harness import models
 from harness.autocast import compile
 from harness.build import build_engine, compile_graph
 from harness.cache.timing_cache import TimingCache
@@ -395,6 +396,36 @@ def test_the_builder_moves_convolutions_onto_it_out_of_regions_when_the_whole_ru
         torch.testing.assert_close(built.engine.run(*other)[0], module(*other), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(first, module(*inputs), rtol=1e-5, atol=1e-5)
     assert torch.equal(first, kept)
+
+
+def test_a_layer_moved_for_a_region_the_primitives_then_break_returns_to_its_own_fastest(monkeypatch, tmp_path):
+    """Doubled timing: every layer's first candidate is its fastest (attention's is ATen's
+    fused call), and each whole run says the alternative is faster. The regions take attention
+    in its explicit form; the primitives then take the linear layers out of the regions, and
+    attention, alone again, returns to its fused call, in the engine and the cache."""
+    spec = models.load("transformer")
+    config = BuildConfig(mode="fp32", options={"timing_runs": 1, "warmup_runs": 0})
+    alternatives: list[dict[str, str]] = []
+
+    def whole_runs(plans, run_inputs, timing):
+        alternatives.append({n.name: n.tactic for n in plans[1].nodes if n.is_layer})
+        return [2.0, 1.0]
+
+    monkeypatch.setattr(builder, "median_ms", lambda fns, run_inputs, timing: [float(i + 1) for i in range(len(fns))])
+    monkeypatch.setattr(builder, "run_ms", whole_runs)
+    cache = tmp_path / "cache.json"
+    built = build_engine(spec, config, CpuBackend(), cache)
+    regions, primitives = alternatives
+    attention = sorted(name for name in regions if name.startswith("scaled_dot_product_attention"))
+    assert len(attention) == 2 and {regions[n] for n in attention} == {"sdpa_math[fp32]"}
+    linears = [name for name in regions if name.startswith("linear")]
+    assert {primitives[n] for n in linears} == {"gemm_dnnl[fp32]"}
+    assert {primitives[n] for n in attention} == {"sdpa_fused[fp32]"}
+    chosen = {layer.name: layer.tactic for layer in built.engine.layers()}
+    assert chosen == primitives
+    recorded = {e.layer: e.tactic for e in TimingCache.load(cache).entries()}
+    assert {recorded[n] for n in attention} == {"sdpa_fused[fp32]"}
+    assert [call for call in built.engine._program.calls if len(call) > 1] == []
 
 
 def test_a_result_read_by_a_region_is_not_private():

@@ -249,7 +249,7 @@ def private_results(plan: Plan, groups: Sequence[Sequence[int]]) -> set[int]:
     return {
         index
         for index in fresh
-        if _on_primitive(plan.nodes[index])
+        if tactics.on_primitive(plan.nodes[index])
         and plan.nodes[index].name not in outputs
         and set(readers.get(plan.nodes[index].name, [])) <= fresh
     }
@@ -310,15 +310,11 @@ def _bytes(node: Node) -> int:
     return math.prod(meta.shape) * dtype_from_name(meta.dtype).itemsize
 
 
-def _on_primitive(node: Node) -> bool:
-    return tactics.parse_tactic(node.tactic)[0] in tactics.PRIMITIVE_IMPLS
-
-
 def _returns_new(node: Node) -> bool:
     """Whether ``node``'s tactic returns a new tensor, never its input or a view of it (a plan
     holds no op that writes its arguments, such as an ``out=`` overload: loading refuses them)."""
     impl = tactics.parse_tactic(node.tactic)[0]
-    return _on_primitive(node) or (impl in _FRESH_IMPLS and plan_packet(node.op) in _FRESH_OPS)
+    return tactics.on_primitive(node) or (impl in _FRESH_IMPLS and plan_packet(node.op) in _FRESH_OPS)
 
 
 def region_groups(nodes: Sequence[Node]) -> list[list[int]]:

@@ -131,6 +131,11 @@ def on_graph_tactic(node: Node) -> bool:
     return node.op != GETITEM and parse_tactic(node.tactic)[0] in GRAPH_IMPLS
 
 
+def on_primitive(node: Node) -> bool:
+    """Whether ``node`` is a layer on one of oneDNN's primitives (:data:`PRIMITIVE_IMPLS`)."""
+    return node.op != GETITEM and parse_tactic(node.tactic)[0] in PRIMITIVE_IMPLS
+
+
 def graph_input_layout(node: Node) -> torch.memory_format:
     """The layout the partition of ``node``'s oneDNN Graph tactic takes its inputs in."""
     return _GRAPH_LAYOUTS[parse_tactic(node.tactic)[0].split("_", 1)[0]]
