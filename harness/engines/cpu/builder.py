@@ -394,23 +394,7 @@ class PlanBuilder:
         primitive, on their own ATen call, which a region takes in (a cast between an AMP
         transformer's graph layers), where that puts them in a region with another graph
         layer."""
-        switched = list(plan.nodes)
-        for i, node in enumerate(plan.nodes):
-            if node.op == GETITEM or node.key not in self.timed:
-                continue
-            impl, precision = tactics.parse_tactic(node.tactic)
-            impls = tactics.impl_names(node, metas, plan.weights)
-            graph = [g for g in impls if g in tactics.GRAPH_IMPLS]
-            if graph and impl not in graph:
-                form = graph[0]
-            elif tactics.REGION_FORMS.get(impl) in impls:
-                form = tactics.REGION_FORMS[impl]
-            elif not graph and impl in tactics.PRIMITIVE_IMPLS:
-                form = impls[0]
-            else:
-                continue
-            tactic = tactics.tactic_name(form, precision)
-            switched[i] = replace(node, tactic=tactic, tactic_hash=tactics.tactic_hash(tactic))
+        switched = self._switched(plan, metas, _region_form)
         for group in region_groups(switched):
             graph_layers = [i for i in group if tactics.on_graph_tactic(switched[i])]
             for i in group:
@@ -435,16 +419,9 @@ class PlanBuilder:
         region back on their own fastest tactic of that precision: a region's form of a layer
         gains only in a region (the transformer's attention in explicit matmuls: 0.57 ms
         alone against 0.47 ms for ATen's fused call, fp32, an AMD EPYC)."""
-        switched = list(plan.nodes)
-        for i, node in enumerate(plan.nodes):
-            if node.op == GETITEM or node.key not in self.timed:
-                continue
-            impl, precision = tactics.parse_tactic(node.tactic)
-            offered = tactics.impl_names(node, metas, plan.weights)
-            primitive = next((p for p in tactics.PRIMITIVE_IMPLS if p in offered), None)
-            if primitive is not None and impl != primitive:
-                tactic = tactics.tactic_name(primitive, precision)
-                switched[i] = replace(node, tactic=tactic, tactic_hash=tactics.tactic_hash(tactic))
+        switched = self._switched(
+            plan, metas, lambda impl, impls: next((p for p in tactics.PRIMITIVE_IMPLS if p in impls), None)
+        )
         in_regions = {
             i
             for group in region_groups(switched)
@@ -462,6 +439,22 @@ class PlanBuilder:
             )
             if own.tactic != node.tactic:
                 switched[i] = replace(node, tactic=own.tactic, tactic_hash=own.tactic_hash)
+        return switched
+
+    def _switched(
+        self, plan: Plan, metas: Mapping[str, TensorMeta], form_of: Callable[[str, list[str]], str | None]
+    ) -> list[Node]:
+        """``plan``'s nodes with each layer this build timed on ``form_of(its implementation,
+        the implementations it has)`` in the same precision, where that names another."""
+        switched = list(plan.nodes)
+        for i, node in enumerate(plan.nodes):
+            if node.op == GETITEM or node.key not in self.timed:
+                continue
+            impl, precision = tactics.parse_tactic(node.tactic)
+            form = form_of(impl, tactics.impl_names(node, metas, plan.weights))
+            if form is not None and form != impl:
+                tactic = tactics.tactic_name(form, precision)
+                switched[i] = replace(node, tactic=tactic, tactic_hash=tactics.tactic_hash(tactic))
         return switched
 
     def _record_choices(self, chosen: Mapping[str, str]) -> None:
@@ -654,6 +647,17 @@ def _untimed_note(untimed: dict[str, list[str]]) -> str:
         f"(e.g. {layers[0]!r}); to let them compete, delete the cache file: the next "
         "`harness build --cache` or `harness bench` times every layer again and writes a new one"
     )
+
+
+def _region_form(impl: str, impls: list[str]) -> str | None:
+    """The form of a layer on ``impl`` that a region takes in: its graph tactic, the form a
+    region traces into partitions, or, off a primitive without a graph tactic, its ATen call."""
+    graph = [g for g in impls if g in tactics.GRAPH_IMPLS]
+    if graph:
+        return None if impl in graph else graph[0]
+    if tactics.REGION_FORMS.get(impl) in impls:
+        return tactics.REGION_FORMS[impl]
+    return impls[0] if impl in tactics.PRIMITIVE_IMPLS else None
 
 
 def _compute_precision(node: Node, input_metas: list[TensorMeta]) -> str:
