@@ -852,6 +852,35 @@ def test_layers_reading_only_the_arena_run_as_bare_calls_in_every_thread_and_thr
         torch.set_num_threads(before)
 
 
+def test_the_run_calls_each_thread_s_own_primitive_calls_without_looking_them_up(monkeypatch):
+    """A layer on a primitive that is not a bare call (fc1 reads the caller's input, fc5's
+    result goes to the caller) is called through the thread's own call, bound when the
+    thread first runs the program, never through the per-call lookup of ``__call__``; in a
+    new thread too."""
+    torch.manual_seed(21)
+    module, x = Chain().eval(), torch.randn(8, 16)
+    engine = CpuEngine(_dnnl_plan(module, (x,)))
+
+    def looked_up(self, *args):
+        raise AssertionError("the run looked up the thread's call")
+
+    monkeypatch.setattr(onednn_primitive._Primitive, "__call__", looked_up)
+    results: list[torch.Tensor] = []
+
+    def run() -> None:
+        with torch.inference_mode():
+            results.append(engine.run(x)[0])
+
+    run()
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    assert len(results) == 2
+    with torch.inference_mode():
+        for got in results:
+            torch.testing.assert_close(got, module(x), rtol=1e-5, atol=1e-5)
+
+
 def test_a_bare_call_stays_right_after_normal_calls_on_operands_since_freed():
     gen = torch.Generator().manual_seed(14)
     w = torch.randn(8, 16, generator=gen)

@@ -384,6 +384,12 @@ class _Primitive:
             run = self._state().run
         return run(x, residual)
 
+    def thread_run(self) -> Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]:
+        """This thread's call at the current thread count, ``run(x, residual_or_None)``: a call
+        without looking up the thread's memory objects, for a caller that keeps one per thread
+        and thread count."""
+        return self._thread().run
+
     def thread_result(self) -> torch.Tensor | None:
         """The tensor this thread's results go into (see ``result``); None without a result slot."""
         return self._thread().result
