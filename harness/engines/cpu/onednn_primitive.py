@@ -845,7 +845,6 @@ class Pooling(_Primitive):
         return pd
 
 
-
 class Binary(_Primitive):
     """``x * s`` (or another of oneDNN's binary algorithms, by its name: ``binary_mul``) as oneDNN's
     binary primitive, channels-last in and out, for an ``s`` of ``x``'s shape or broadcast over
@@ -916,7 +915,6 @@ class Binary(_Primitive):
         )
 
 
-
 class Cast(_Primitive):
     """``x.to(dtype)`` between float types as oneDNN's reorder, plain layout in and out.
 
@@ -955,10 +953,12 @@ class Cast(_Primitive):
                 f"{dtype_name(self.dtype)} {self.in_shape}: {exc}"
             ) from exc
 
+
 def broadcasts(shape: Sequence[int], second: Sequence[int]) -> bool:
     """Whether ``second`` broadcasts over a 4-D ``shape`` as :class:`Binary` takes it: the same
     rank, each dimension equal or 1."""
     return len(shape) == len(second) == 4 and all(b in (a, 1) for a, b in zip(shape, second, strict=True))
+
 
 def _handle(value: _VOID | int) -> _VOID:
     """A oneDNN handle as ctypes passes it (queries return plain ints)."""

@@ -216,7 +216,6 @@ def impl_names(
     return ["direct"]
 
 
-
 def _gemm_variants(family: str, precision: str) -> list[str]:
     """``family``'s widened and oneDNN tactics, where ``precision`` has them."""
     variants = []
@@ -225,6 +224,7 @@ def _gemm_variants(family: str, precision: str) -> list[str]:
     if _onednn_ok(precision):
         variants.append(f"{family}_onednn")
     return variants
+
 
 def epilogue_ok(node: Node, epilogue: str) -> bool:
     """Whether ``node`` can absorb the activation ``epilogue`` (every tactic of it applies it)."""
