@@ -171,8 +171,9 @@ def lint(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """Benchmark the model zoo across precision modes (posargs go to ``harness bench``).
 
-    The extras of the default run: ``onednn`` (the CPU engine's ``gemm_dnnl``
-    tactic), ``plots`` (its PNGs) and ``digits`` (a default model); on a GPU
+    The extras of the default run: ``onednn`` (the CPU engine's tactics on oneDNN's
+    primitives: ``gemm_dnnl``, ``conv_dnnl``, ``pool_dnnl``, ``binary_dnnl``,
+    ``cast_dnnl``), ``plots`` (its PNGs) and ``digits`` (a default model); on a GPU
     machine also ``onnx``, the TensorRT backend's hand-off.
     """
     _install(session, "onednn", "plots", "digits", *(("onnx",) if _is_gpu_machine() else ()))
