@@ -552,6 +552,31 @@ def test_every_tactic_of_every_layer_agrees_with_the_plain_aten_call(dtype):
     assert tried >= expected_impls
 
 
+class FullyMasked(nn.Module):
+    """Attention where the mask hides every key from some queries."""
+
+    def forward(self, q: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+
+
+@pytest.mark.parametrize("boolean", [True, False], ids=["bool", "additive"])
+def test_a_query_whose_every_key_is_masked_gets_zeros_from_every_tactic_as_from_aten(boolean):
+    q = torch.randn(1, 2, 4, 8, generator=torch.Generator().manual_seed(4))
+    keep = torch.ones(4, 4, dtype=torch.bool)
+    keep[1] = False
+    mask = keep if boolean else torch.zeros(4, 4).masked_fill(~keep, float("-inf"))
+    expected = nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+    assert torch.equal(expected[..., 1, :], torch.zeros(1, 2, 8))
+    plan, _ = lower(compile(FullyMasked().eval(), (q, mask), policy="fp32").graph_module, "test")
+    metas = plan.value_metas()
+    (node,) = [n for n in plan.nodes if n.is_layer and tactics.layer_type(n) == "attention"]
+    impls = tactics.impl_names(node, metas, plan.weights)
+    assert impls == ["sdpa_fused", "sdpa_math"]
+    for impl in impls:
+        got = tactics.bind(node, impl, metas, plan.weights)(q, q, q, mask)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5, msg=impl)
+
+
 def _resign(plan: dict) -> None:
     body = {k: v for k, v in plan.items() if k not in ("fingerprint", "weights_digest")}
     plan["fingerprint"] = digest(canonical_json(body))

@@ -29,6 +29,7 @@ from harness.cache.timing_cache import TimingCache
 from harness.dtypes import dtype_from_name
 from harness.engines.cpu import CpuBackend, CpuEngine, builder, onednn_primitive, program, tactics
 from harness.engines.cpu.lowering import lower
+from harness.engines.cpu.onednn_attention import Attention
 from harness.engines.cpu.onednn_primitive import Convolution, Eltwise, Matmul
 from harness.engines.cpu.plan import Plan
 from harness.engines.protocol import BuildConfig
@@ -398,11 +399,13 @@ def test_the_builder_moves_convolutions_onto_it_out_of_regions_when_the_whole_ru
     assert torch.equal(first, kept)
 
 
-def test_a_layer_moved_for_a_region_the_primitives_then_break_returns_to_its_own_fastest(monkeypatch, tmp_path):
-    """Doubled timing: every layer's first candidate is its fastest (attention's is ATen's
-    fused call), and each whole run says the alternative is faster. The regions take attention
-    in its explicit form; the primitives then take the linear layers out of the regions, and
-    attention, alone again, returns to its fused call, in the engine and the cache."""
+@pytest.mark.parametrize("fastest", ["sdpa_fused", "sdpa_dnnl"])
+def test_a_layer_moved_for_a_region_the_primitives_then_break_returns_to_its_own_fastest(fastest, monkeypatch, tmp_path):
+    """Doubled timing: every layer's first candidate is its fastest but attention's, which is
+    ``fastest`` (ATen's fused call or oneDNN's primitives), and each whole run says the
+    alternative is faster. The regions take attention in its explicit form; the primitives
+    then take the linear layers out of the regions, and attention, alone again, returns to
+    ``fastest``, in the engine and the cache."""
     spec = models.load("transformer")
     config = BuildConfig(mode="fp32", options={"timing_runs": 1, "warmup_runs": 0})
     alternatives: list[dict[str, str]] = []
@@ -411,7 +414,11 @@ def test_a_layer_moved_for_a_region_the_primitives_then_break_returns_to_its_own
         alternatives.append({n.name: n.tactic for n in plans[1].nodes if n.is_layer})
         return [2.0, 1.0]
 
-    monkeypatch.setattr(builder, "median_ms", lambda fns, run_inputs, timing: [float(i + 1) for i in range(len(fns))])
+    def layer_times(fns, run_inputs, timing):
+        on_dnnl = fastest == "sdpa_dnnl"
+        return [0.5 if on_dnnl and isinstance(fn, Attention) else float(i + 1) for i, fn in enumerate(fns)]
+
+    monkeypatch.setattr(builder, "median_ms", layer_times)
     monkeypatch.setattr(builder, "run_ms", whole_runs)
     cache = tmp_path / "cache.json"
     built = build_engine(spec, config, CpuBackend(), cache)
@@ -420,11 +427,11 @@ def test_a_layer_moved_for_a_region_the_primitives_then_break_returns_to_its_own
     assert len(attention) == 2 and {regions[n] for n in attention} == {"sdpa_math[fp32]"}
     linears = [name for name in regions if name.startswith("linear")]
     assert {primitives[n] for n in linears} == {"gemm_dnnl[fp32]"}
-    assert {primitives[n] for n in attention} == {"sdpa_fused[fp32]"}
+    assert {primitives[n] for n in attention} == {f"{fastest}[fp32]"}
     chosen = {layer.name: layer.tactic for layer in built.engine.layers()}
     assert chosen == primitives
     recorded = {e.layer: e.tactic for e in TimingCache.load(cache).entries()}
-    assert {recorded[n] for n in attention} == {"sdpa_fused[fp32]"}
+    assert {recorded[n] for n in attention} == {f"{fastest}[fp32]"}
     assert [call for call in built.engine._program.calls if len(call) > 1] == []
 
 

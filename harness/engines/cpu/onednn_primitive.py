@@ -60,17 +60,19 @@ log = logging.getLogger(__name__)
 LIBRARY = Path(sys.prefix) / "lib" / "libdnnl.so.3"
 _RUNTIME_OMP = 2  # DNNL_RUNTIME_OMP (dnnl_config.h)
 MAX_DIMS = 12  # DNNL_MAX_NDIMS
-_ARG_SRC, _ARG_SRC_1, _ARG_DST, _ARG_WEIGHTS, _ARG_BIAS, _ARG_SCRATCHPAD = 1, 2, 17, 33, 41, 80
-_SCRATCHPAD_USER = 1  # dnnl_scratchpad_mode_user
-_ARG_POST_OP_0 = 32768  # DNNL_ARG_ATTR_MULTIPLE_POST_OP(0)
+# Execution arguments, attributes and queries (dnnl_types.h); :mod:`harness.engines.cpu.
+# onednn_attention` builds on these too, as on the library, memory and per-thread helpers below.
+ARG_SRC, ARG_SRC_1, ARG_DST, ARG_WEIGHTS, ARG_BIAS, ARG_SCRATCHPAD = 1, 2, 17, 33, 41, 80
+SCRATCHPAD_USER = 1  # dnnl_scratchpad_mode_user
+ARG_POST_OP_0 = 32768  # DNNL_ARG_ATTR_MULTIPLE_POST_OP(0)
 _QUERY_IMPL_INFO_STR = 8  # dnnl_query_impl_info_str: stable since oneDNN 1.0
-_QUERY_EXEC_ARG_MD = 255
+QUERY_EXEC_ARG_MD = 255
 _ENGINE_CPU = 1
 _STREAM_IN_ORDER = 1
 _DIMS = ctypes.c_int64 * MAX_DIMS
 # Inputs with at most this many channels are images, which callers pass plain (NCHW).
 _PLAIN_INPUT_CHANNELS = 4
-_VOID = ctypes.c_void_p
+VOID = ctypes.c_void_p
 # Gives a thread the tensor its results go into: (shape, strides, dtype) -> tensor.
 ResultSlot = Callable[[tuple[int, ...], tuple[int, ...], torch.dtype], torch.Tensor]
 
@@ -86,8 +88,8 @@ class _Version(ctypes.Structure):
     ]
 
 
-class _Arg(ctypes.Structure):
-    _fields_ = [("arg", ctypes.c_int), ("memory", _VOID)]
+class Arg(ctypes.Structure):
+    _fields_ = [("arg", ctypes.c_int), ("memory", VOID)]
 
 
 @dataclass(frozen=True)
@@ -120,69 +122,83 @@ class _Library:
                 f"{path} brought its own OpenMP runtime ({', '.join(sorted(self.openmp_added))}): "
                 "its threads would not follow torch.set_num_threads"
             )
-        lib.dnnl_primitive_desc_query_md.restype = _VOID
-        lib.dnnl_primitive_desc_query_md.argtypes = [_VOID, ctypes.c_int, ctypes.c_int]
+        lib.dnnl_primitive_desc_query_md.restype = VOID
+        lib.dnnl_primitive_desc_query_md.argtypes = [VOID, ctypes.c_int, ctypes.c_int]
         lib.dnnl_memory_desc_get_size.restype = ctypes.c_size_t
-        lib.dnnl_memory_desc_get_size.argtypes = [_VOID]
-        lib.dnnl_memory_set_data_handle.argtypes = [_VOID, _VOID]
-        lib.dnnl_primitive_execute.argtypes = [_VOID, _VOID, ctypes.c_int, _VOID]
+        lib.dnnl_memory_desc_get_size.argtypes = [VOID]
+        lib.dnnl_memory_set_data_handle.argtypes = [VOID, VOID]
+        lib.dnnl_primitive_execute.argtypes = [VOID, VOID, ctypes.c_int, VOID]
         for name in ("dnnl_alg_kind2str", "dnnl_fmt_tag2str", "dnnl_dt2str", "dnnl_status2str", "dnnl_prop_kind2str"):
             getattr(lib, name).restype = ctypes.c_char_p
         # convolution kinds from 1, eltwise ones from 0x20, pooling ones at 0x1ff, 0x2ff and
-        # 0x3ff, binary ones from 0x1fff0 (dnnl_types.h)
-        kinds = [*range(1, 0x100), *range(0x1FF, 0x400, 0x100), *range(0x1FFF0, 0x20000)]
+        # 0x3ff, binary ones from 0x1fff0, softmax ones from 0x30000 (dnnl_types.h)
+        kinds = [*range(1, 0x100), *range(0x1FF, 0x400, 0x100), *range(0x1FFF0, 0x20000), *range(0x30000, 0x30010)]
         self.algorithms = _names(lib.dnnl_alg_kind2str, kinds)
         self.prop_kinds = _names(lib.dnnl_prop_kind2str, range(1, 0x100))
         self.tags = _names(lib.dnnl_fmt_tag2str, range(0, 64))
         self.types = _names(lib.dnnl_dt2str, range(0, 16))
-        self.engine = _VOID()
+        self.engine = VOID()
         self.check(lib.dnnl_engine_create(ctypes.byref(self.engine), _ENGINE_CPU, 0), "creating the CPU engine")
 
     def check(self, status: int, doing: str) -> None:
         if status != 0:
             raise HarnessError(f"oneDNN {self.version} failed {doing}: {self.lib.dnnl_status2str(status).decode()}")
 
-    def desc(self, shape: Sequence[int], dtype: torch.dtype, tag: str) -> _VOID:
-        md = _VOID()
-        name = dtype_name(dtype)
-        if name not in _DNNL_TYPES:
-            raise HarnessError(f"oneDNN primitives here take {', '.join(_DNNL_TYPES)}, not {name}")
+    def desc(self, shape: Sequence[int], dtype: torch.dtype, tag: str) -> VOID:
+        md = VOID()
         self.check(
             self.lib.dnnl_memory_desc_create_with_tag(
-                ctypes.byref(md), len(shape), _DIMS(*shape), self.types[_DNNL_TYPES[name]], self.tags[tag]
+                ctypes.byref(md), len(shape), _DIMS(*shape), self._type(dtype), self.tags[tag]
             ),
-            f"describing a {name} {tuple(shape)} tensor",
+            f"describing a {dtype_name(dtype)} {tuple(shape)} tensor",
         )
         return md
 
-    def memory(self, md: _VOID | int, data: int = 0) -> _VOID:
-        mem, md = _VOID(), _handle(md)
-        self.check(self.lib.dnnl_memory_create(ctypes.byref(mem), md, self.engine, _VOID(data)), "creating memory")
+    def strided_desc(self, shape: Sequence[int], dtype: torch.dtype, strides: Sequence[int]) -> VOID:
+        """A tensor's description by its strides (in elements), as torch gives them."""
+        md = VOID()
+        self.check(
+            self.lib.dnnl_memory_desc_create_with_strides(
+                ctypes.byref(md), len(shape), _DIMS(*shape), self._type(dtype), _DIMS(*strides)
+            ),
+            f"describing a {dtype_name(dtype)} {tuple(shape)} tensor of strides {tuple(strides)}",
+        )
+        return md
+
+    def _type(self, dtype: torch.dtype) -> int:
+        name = dtype_name(dtype)
+        if name not in _DNNL_TYPES:
+            raise HarnessError(f"oneDNN primitives here take {', '.join(_DNNL_TYPES)}, not {name}")
+        return self.types[_DNNL_TYPES[name]]
+
+    def memory(self, md: VOID | int, data: int = 0) -> VOID:
+        mem, md = VOID(), _handle(md)
+        self.check(self.lib.dnnl_memory_create(ctypes.byref(mem), md, self.engine, VOID(data)), "creating memory")
         return mem
 
-    def primitive(self, pd: _VOID) -> _VOID:
-        prim = _VOID()
+    def primitive(self, pd: VOID) -> VOID:
+        prim = VOID()
         self.check(self.lib.dnnl_primitive_create(ctypes.byref(prim), pd), "creating a primitive")
         return prim
 
-    def stream(self) -> _VOID:
+    def stream(self) -> VOID:
         """A new in-order stream (the caller frees it): streams are not shared between threads."""
-        stream = _VOID()
+        stream = VOID()
         self.check(self.lib.dnnl_stream_create(ctypes.byref(stream), self.engine, _STREAM_IN_ORDER), "creating a stream")
         return stream
 
-    def execute(self, prim: _VOID, args: ctypes.Array[_Arg], doing: str) -> None:
+    def execute(self, prim: VOID, args: ctypes.Array[Arg], doing: str) -> None:
         """Run ``prim`` once, on a stream of its own (a one-off: a weight's reorder)."""
         stream = self.stream()
         try:
-            self.check(self.lib.dnnl_primitive_execute(prim, stream, len(args), ctypes.cast(args, _VOID)), doing)
+            self.check(self.lib.dnnl_primitive_execute(prim, stream, len(args), ctypes.cast(args, VOID)), doing)
             self.check(self.lib.dnnl_stream_wait(stream), doing)
         finally:
             self.destroy("stream", stream)
 
-    def reorder_desc(self, source: _VOID | int, target: _VOID | int, attr: _VOID | None = None) -> _VOID:
+    def reorder_desc(self, source: VOID | int, target: VOID | int, attr: VOID | None = None) -> VOID:
         """A reorder's descriptor, from ``source``'s layout and type to ``target``'s (the caller frees it)."""
-        pd = _VOID()
+        pd = VOID()
         self.check(
             self.lib.dnnl_reorder_primitive_desc_create(
                 ctypes.byref(pd), _handle(source), self.engine, _handle(target), self.engine, attr
@@ -191,7 +207,7 @@ class _Library:
         )
         return pd
 
-    def reorder(self, source: _VOID | int, target: _VOID | int) -> tuple[_VOID, _VOID]:
+    def reorder(self, source: VOID | int, target: VOID | int) -> tuple[VOID, VOID]:
         """A reorder primitive's descriptor and primitive, from ``source``'s layout to ``target``'s
         (the caller frees both)."""
         pd = self.reorder_desc(source, target)
@@ -209,7 +225,7 @@ class _Library:
             if handle is not None:
                 free(handle)
 
-    def impl(self, pd: _VOID) -> str:
+    def impl(self, pd: VOID) -> str:
         info = ctypes.c_char_p()
         self.check(self.lib.dnnl_primitive_desc_query(pd, _QUERY_IMPL_INFO_STR, 0, ctypes.byref(info)), "a query")
         return (info.value or b"").decode()
@@ -329,7 +345,7 @@ class _Primitive:
     input_layout = torch.contiguous_format
     # The second input (given as ``residual``): oneDNN's argument for it, and what errors call it.
     # By default the operand of a binary-add post-op, of the result's shape.
-    second_arg = _ARG_POST_OP_0 | _ARG_SRC_1
+    second_arg = ARG_POST_OP_0 | ARG_SRC_1
     second_name = "residual"
 
     def __init__(
@@ -357,12 +373,12 @@ class _Primitive:
         self._bias = None if bias is None else bias.detach().contiguous()
         self._eltwise, self._residual, self._result = eltwise, residual, result
         # thread count -> its primitive descriptor, primitive and packed weight (buffer, memory)
-        self._shared: dict[int, tuple[_VOID, _VOID, torch.Tensor | None, _VOID | None]] = {}
-        self._local = threading.local()  # .runs: this thread's _ThreadRuns
+        self._shared: dict[int, tuple[VOID, VOID, torch.Tensor | None, VOID | None]] = {}
+        self._local = threading.local()  # .runs: this thread's ThreadRuns
         self._lock = threading.Lock()
         # The shared primitives, descriptors and weight memories, freed with this object.
-        self._owned: list[tuple[str, _VOID]] = []
-        weakref.finalize(self, _free, lib, self._owned)
+        self._owned: list[tuple[str, VOID]] = []
+        weakref.finalize(self, free_owned, lib, self._owned)
         # Created now, not on the first call: that call would pay the kernel's JIT generation
         # (milliseconds), which the builder's whole-run timing must not see, and an engine
         # that cannot create its primitive fails where it is built or loaded.
@@ -427,7 +443,7 @@ class _Primitive:
         """The second input's shape: a residual has the result's."""
         return self.out_shape
 
-    def _create(self, attr: _VOID, descs: list[_VOID | None]) -> _VOID:
+    def _create(self, attr: VOID, descs: list[VOID | None]) -> VOID:
         """The primitive descriptor with ``attr``; descriptors it creates go in ``descs`` (freed by the caller)."""
         raise NotImplementedError
 
@@ -435,22 +451,22 @@ class _Primitive:
         """The weight's dims and tag as oneDNN describes ``self._weight``'s memory."""
         raise NotImplementedError
 
-    def _desc(self) -> _VOID:
+    def _desc(self) -> VOID:
         """The primitive descriptor, weights in the layout oneDNN prefers (the caller frees it)."""
         lib, raw = self._lib, self._lib.lib
         if self._eltwise is not None and self._eltwise.algorithm not in lib.algorithms:
             raise HarnessError(f"oneDNN {lib.version} has no eltwise {self._eltwise.algorithm!r}")
-        attr, post_ops = _VOID(), _VOID()
-        descs: list[_VOID | None] = []
+        attr, post_ops = VOID(), VOID()
+        descs: list[VOID | None] = []
         try:
             lib.check(raw.dnnl_primitive_attr_create(ctypes.byref(attr)), "creating attributes")
             # Each thread gives the shared primitive a scratchpad of its own: with oneDNN's
             # default (one scratchpad for every primitive of the library) a primitive must
             # run in the thread that created it.
-            lib.check(raw.dnnl_primitive_attr_set_scratchpad_mode(attr, _SCRATCHPAD_USER), "setting the scratchpad")
+            lib.check(raw.dnnl_primitive_attr_set_scratchpad_mode(attr, SCRATCHPAD_USER), "setting the scratchpad")
             lib.check(raw.dnnl_post_ops_create(ctypes.byref(post_ops)), "creating post-ops")
-            if self._residual is not None and self.second_arg & _ARG_POST_OP_0:
-                descs.append(lib.desc(self._dst_dims, self._residual, _tag(self.layout, len(self._dst_dims))))
+            if self._residual is not None and self.second_arg & ARG_POST_OP_0:
+                descs.append(lib.desc(self._dst_dims, self._residual, layout_tag(self.layout, len(self._dst_dims))))
                 add = lib.algorithms["binary_add"]
                 lib.check(raw.dnnl_post_ops_append_binary(post_ops, add, descs[-1]), "adding a residual post-op")
             if self._eltwise is not None:
@@ -477,33 +493,33 @@ class _Primitive:
             pd, primitive, _, weights = self._shared[threads]
         runs = getattr(self._local, "runs", None)
         if runs is None:
-            runs = self._local.runs = _ThreadRuns(lib)
+            runs = self._local.runs = ThreadRuns(lib)
 
-        def memory(arg: int, data: int = 0) -> _VOID:
-            md = lib.lib.dnnl_primitive_desc_query_md(pd, _QUERY_EXEC_ARG_MD, arg)
-            return _owned_memory(lib, runs.owned, md, data)
+        def memory(arg: int, data: int = 0) -> VOID:
+            md = lib.lib.dnnl_primitive_desc_query_md(pd, QUERY_EXEC_ARG_MD, arg)
+            return owned_memory(lib, runs.owned, md, data)
 
-        src, dst = memory(_ARG_SRC), memory(_ARG_DST)
-        args = [_Arg(_ARG_SRC, src), _Arg(_ARG_DST, dst)]
+        src, dst = memory(ARG_SRC), memory(ARG_DST)
+        args = [Arg(ARG_SRC, src), Arg(ARG_DST, dst)]
         if weights is not None:
-            args.append(_Arg(_ARG_WEIGHTS, weights))
+            args.append(Arg(ARG_WEIGHTS, weights))
         if self._bias is not None:
-            args.append(_Arg(_ARG_BIAS, memory(_ARG_BIAS, self._bias.data_ptr())))
+            args.append(Arg(ARG_BIAS, memory(ARG_BIAS, self._bias.data_ptr())))
         residual = None
         if self._residual is not None:
             residual = memory(self.second_arg)
-            args.append(_Arg(self.second_arg, residual))
-        scratchpad = lib.lib.dnnl_primitive_desc_query_md(pd, _QUERY_EXEC_ARG_MD, _ARG_SCRATCHPAD)
+            args.append(Arg(self.second_arg, residual))
+        scratchpad = lib.lib.dnnl_primitive_desc_query_md(pd, QUERY_EXEC_ARG_MD, ARG_SCRATCHPAD)
         if size := lib.lib.dnnl_memory_desc_get_size(scratchpad):
             runs.buffers.append(buffer := torch.empty(size, dtype=torch.uint8))
-            args.append(_Arg(_ARG_SCRATCHPAD, _owned_memory(lib, runs.owned, scratchpad, buffer.data_ptr())))
-        array = (_Arg * len(args))(*args)
+            args.append(Arg(ARG_SCRATCHPAD, owned_memory(lib, runs.owned, scratchpad, buffer.data_ptr())))
+        array = (Arg * len(args))(*args)
         runs.arrays.append(array)  # held as long as the memory objects it names
         staging = None
         if self._takes_plain_input():
-            md = lib.lib.dnnl_primitive_desc_query_md(pd, _QUERY_EXEC_ARG_MD, _ARG_SRC)
+            md = lib.lib.dnnl_primitive_desc_query_md(pd, QUERY_EXEC_ARG_MD, ARG_SRC)
             reorder, plain = self._input_reorder(md, runs.owned)
-            runs.arrays.append(staged := (_Arg * 2)(_Arg(_ARG_SRC, plain), _Arg(_ARG_DST, src)))
+            runs.arrays.append(staged := (Arg * 2)(Arg(ARG_SRC, plain), Arg(ARG_DST, src)))
             staging = (reorder, plain, staged)
         call = runs.calls[threads] = self._runner(primitive, runs.stream, src, dst, residual, array, staging)
         return call
@@ -512,28 +528,28 @@ class _Primitive:
         """Whether the input may arrive plain, to be reordered by oneDNN (see :meth:`_input_reorder`)."""
         return False
 
-    def _input_reorder(self, md: int, owned: list[tuple[str, _VOID]]) -> tuple[_VOID, _VOID]:
+    def _input_reorder(self, md: int, owned: list[tuple[str, VOID]]) -> tuple[VOID, VOID]:
         """A reorder primitive from a plain input to ``md`` (the primitive's input), and a memory
         object for the plain input, both listed in ``owned``. Made per thread: a reorder runs
         on the library's scratchpad, so in the thread that created it."""
         lib = self._lib
-        plain_md = lib.desc(self.in_shape, self.input_dtype, _tag(torch.contiguous_format, len(self.in_shape)))
+        plain_md = lib.desc(self.in_shape, self.input_dtype, layout_tag(torch.contiguous_format, len(self.in_shape)))
         try:
             reorder_pd, reorder = lib.reorder(plain_md, md)
             owned += [("primitive_desc", reorder_pd), ("primitive", reorder)]
-            return reorder, _owned_memory(lib, owned, plain_md, 0)
+            return reorder, owned_memory(lib, owned, plain_md, 0)
         finally:
             lib.destroy("memory_desc", plain_md)
 
     def _runner(
         self,
-        primitive: _VOID,
-        stream: _VOID,
-        src: _VOID,
-        dst: _VOID,
-        residual: _VOID | None,
-        args: ctypes.Array[_Arg],
-        staging: tuple[_VOID, _VOID, ctypes.Array[_Arg]] | None,
+        primitive: VOID,
+        stream: VOID,
+        src: VOID,
+        dst: VOID,
+        residual: VOID | None,
+        args: ctypes.Array[Arg],
+        staging: tuple[VOID, VOID, ctypes.Array[Arg]] | None,
     ) -> _ThreadCall:
         """The per-call path, everything it touches bound as locals: at 64x64x64 the kernel
         takes 6 µs, and attribute lookups and argument conversions had added 4 more. And
@@ -547,7 +563,7 @@ class _Primitive:
         """
         lib, shape, dtype, in_dtype, tactic = self._lib, self.out_shape, self.dtype, self.input_dtype, self.tactic
         set_handle, execute = lib.lib.dnnl_memory_set_data_handle, lib.lib.dnnl_primitive_execute
-        count, pointer = len(args), ctypes.cast(args, _VOID)
+        count, pointer = len(args), ctypes.cast(args, VOID)
         memories = (src, dst) if residual is None else (src, dst, residual)
         sizes = (math.prod(self.in_shape), math.prod(self._second_shape()))
         wants_residual, residual_dtype = residual is not None, self._residual
@@ -567,7 +583,7 @@ class _Primitive:
         # the handles puts them back once it has run, so the bare call stays right.
         pinned: list[Any] = []
         if staging is not None:
-            reorder, plain, staged = staging[0], staging[1], ctypes.cast(staging[2], _VOID)
+            reorder, plain, staged = staging[0], staging[1], ctypes.cast(staging[2], VOID)
             staged_input = _allocator(self.in_shape, in_dtype, input_layout)
 
             def stage(x: torch.Tensor) -> torch.Tensor:
@@ -624,21 +640,21 @@ class _Primitive:
 
         return _ThreadCall(run, pin, fixed)
 
-    def _pack(self, pd: _VOID) -> tuple[torch.Tensor | None, _VOID | None]:
+    def _pack(self, pd: VOID) -> tuple[torch.Tensor | None, VOID | None]:
         """The weight reordered once into the primitive's layout, in a buffer this object owns."""
         lib = self._lib
         if self._weight is None:
             return None, None
-        packed_md = lib.lib.dnnl_primitive_desc_query_md(pd, _QUERY_EXEC_ARG_MD, _ARG_WEIGHTS)
+        packed_md = lib.lib.dnnl_primitive_desc_query_md(pd, QUERY_EXEC_ARG_MD, ARG_WEIGHTS)
         buffer = torch.empty(lib.lib.dnnl_memory_desc_get_size(packed_md), dtype=torch.uint8)
-        packed = _owned_memory(lib, self._owned, packed_md, buffer.data_ptr())
+        packed = owned_memory(lib, self._owned, packed_md, buffer.data_ptr())
         dims, tag = self._plain_weight()
         plain_md = lib.desc(dims, self.dtype, tag)
         reorder_pd, reorder, plain = None, None, None
         try:
             reorder_pd, reorder = lib.reorder(plain_md, packed_md)
             plain = lib.memory(plain_md, self._weight.data_ptr())
-            lib.execute(reorder, (_Arg * 2)(_Arg(_ARG_SRC, plain), _Arg(_ARG_DST, packed)), "reordering the weight")
+            lib.execute(reorder, (Arg * 2)(Arg(ARG_SRC, plain), Arg(ARG_DST, packed)), "reordering the weight")
         finally:
             lib.destroy("primitive", reorder)
             lib.destroy("memory", plain)
@@ -687,7 +703,7 @@ class Matmul(_Primitive):
         n, k = self._weight_shape
         return (k, n), "ba"  # [N, K] row-major: oneDNN's {K, N} in "ba"
 
-    def _create(self, attr: _VOID, descs: list[_VOID | None]) -> _VOID:
+    def _create(self, attr: VOID, descs: list[VOID | None]) -> VOID:
         lib, (n, k) = self._lib, self._weight_shape
         operands = [
             lib.desc(self._dims(self.in_shape), self.dtype, "ab"),
@@ -696,7 +712,7 @@ class Matmul(_Primitive):
             lib.desc(self._dst_dims, self.dtype, "ab"),
         ]
         descs += operands
-        pd = _VOID()
+        pd = VOID()
         lib.check(
             lib.lib.dnnl_matmul_primitive_desc_create(ctypes.byref(pd), lib.engine, *operands, attr),
             f"creating a {dtype_name(self.dtype)} matmul ({self._dst_dims[0]}x{k} by {k}x{n})",
@@ -766,15 +782,15 @@ class Convolution(_Primitive):
             return shape, "abcd"
         return (groups, shape[0] // groups, *shape[1:]), "abcde"  # the same memory, groups first
 
-    def _create(self, attr: _VOID, descs: list[_VOID | None]) -> _VOID:
+    def _create(self, attr: VOID, descs: list[VOID | None]) -> VOID:
         lib = self._lib
         stride, padding, dilation, _ = self._geometry
         dims, _ = self._plain_weight()
         operands = [
-            lib.desc(self.in_shape, self.dtype, _tag(self.input_layout, 4)),
+            lib.desc(self.in_shape, self.dtype, layout_tag(self.input_layout, 4)),
             lib.desc(dims, self.dtype, "any"),
             None if self._bias is None else lib.desc(self._bias.shape, self._bias.dtype, "a"),
-            lib.desc(self.out_shape, self.dtype, _tag(self.layout, 4)),
+            lib.desc(self.out_shape, self.dtype, layout_tag(self.layout, 4)),
         ]
         descs += operands
         kernel = self._weight_shape[2:]
@@ -784,7 +800,7 @@ class Convolution(_Primitive):
                 self.out_shape[2:], self.in_shape[2:], kernel, stride, padding, dilation, strict=True
             )
         ]
-        pd = _VOID()
+        pd = VOID()
         lib.check(
             lib.lib.dnnl_convolution_forward_primitive_desc_create(
                 ctypes.byref(pd),
@@ -821,11 +837,11 @@ class Pooling(_Primitive):
         self._window = tuple(window)
         super().__init__(dtype, input_shape, (n, c, h // window[0], w // window[1]), result=result)
 
-    def _create(self, attr: _VOID, descs: list[_VOID | None]) -> _VOID:
+    def _create(self, attr: VOID, descs: list[VOID | None]) -> VOID:
         lib = self._lib
-        operands = [lib.desc(shape, self.dtype, _tag(self.layout, 4)) for shape in (self.in_shape, self.out_shape)]
+        operands = [lib.desc(shape, self.dtype, layout_tag(self.layout, 4)) for shape in (self.in_shape, self.out_shape)]
         descs += operands
-        pd = _VOID()
+        pd = VOID()
         lib.check(
             lib.lib.dnnl_pooling_forward_primitive_desc_create(
                 ctypes.byref(pd),
@@ -866,7 +882,7 @@ class Binary(_Primitive):
 
     tactic = "binary_dnnl"
     layout = input_layout = torch.channels_last
-    second_arg = _ARG_SRC_1
+    second_arg = ARG_SRC_1
     second_name = "second operand"
 
     def __init__(
@@ -890,14 +906,14 @@ class Binary(_Primitive):
     def _second_shape(self) -> tuple[int, ...]:
         return self._second
 
-    def _create(self, attr: _VOID, descs: list[_VOID | None]) -> _VOID:
+    def _create(self, attr: VOID, descs: list[VOID | None]) -> VOID:
         lib = self._lib
         if self._algorithm not in lib.algorithms:
             raise HarnessError(f"oneDNN {lib.version} has no binary algorithm {self._algorithm!r}")
-        tag = _tag(self.layout, 4)
+        tag = layout_tag(self.layout, 4)
         operands = [lib.desc(shape, self.dtype, tag) for shape in (self.in_shape, self._second, self.out_shape)]
         descs += operands
-        pd = _VOID()
+        pd = VOID()
         lib.check(
             lib.lib.dnnl_binary_primitive_desc_create(
                 ctypes.byref(pd), lib.engine, lib.algorithms[self._algorithm], *operands, attr
@@ -941,8 +957,8 @@ class Cast(_Primitive):
             raise HarnessError(f"{self.tactic}: a {len(shape)}-D tensor; oneDNN takes 1 to {MAX_DIMS} dimensions")
         super().__init__(dtype, shape, shape, result=result, input_dtype=input_dtype)
 
-    def _create(self, attr: _VOID, descs: list[_VOID | None]) -> _VOID:
-        lib, tag = self._lib, _tag(self.layout, len(self.in_shape))
+    def _create(self, attr: VOID, descs: list[VOID | None]) -> VOID:
+        lib, tag = self._lib, layout_tag(self.layout, len(self.in_shape))
         source, target = lib.desc(self.in_shape, self.input_dtype, tag), lib.desc(self.out_shape, self.dtype, tag)
         descs += [source, target]
         try:
@@ -960,12 +976,12 @@ def broadcasts(shape: Sequence[int], second: Sequence[int]) -> bool:
     return len(shape) == len(second) == 4 and all(b in (a, 1) for a, b in zip(shape, second, strict=True))
 
 
-def _handle(value: _VOID | int) -> _VOID:
+def _handle(value: VOID | int) -> VOID:
     """A oneDNN handle as ctypes passes it (queries return plain ints)."""
-    return value if isinstance(value, _VOID) else _VOID(value)
+    return value if isinstance(value, VOID) else VOID(value)
 
 
-def _tag(layout: torch.memory_format, ndim: int) -> str:
+def layout_tag(layout: torch.memory_format, ndim: int) -> str:
     """oneDNN's name (``dnnl_fmt_tag2str``) of a ``layout``-contiguous tensor of ``ndim`` dimensions."""
     return "acdb" if layout == torch.channels_last else "abcdefghijkl"[:ndim]
 
@@ -1004,27 +1020,28 @@ class _ThreadCall:
     result: torch.Tensor | None  # where the results go, with a result slot
 
 
-class _ThreadRuns:
+class ThreadRuns:
     """One thread's calls of a primitive (per thread count), its stream, and the memory
     objects, scratchpads and argument arrays they use, freed when the thread ends or the
     primitive goes."""
 
     def __init__(self, lib: _Library) -> None:
         self.calls: dict[int, _ThreadCall] = {}
-        self.arrays: list[ctypes.Array[_Arg]] = []
+        self.arrays: list[ctypes.Array[Arg]] = []
         self.buffers: list[torch.Tensor] = []
         self.stream = lib.stream()
-        self.owned: list[tuple[str, _VOID]] = [("stream", self.stream)]
-        weakref.finalize(self, _free, lib, self.owned)
+        self.owned: list[tuple[str, VOID]] = [("stream", self.stream)]
+        weakref.finalize(self, free_owned, lib, self.owned)
 
 
-def _owned_memory(lib: _Library, owned: list[tuple[str, _VOID]], md: _VOID | int, data: int) -> _VOID:
+def owned_memory(lib: _Library, owned: list[tuple[str, VOID]], md: VOID | int, data: int) -> VOID:
     """A memory object on ``md`` (and ``data``), listed in ``owned`` to be freed with its owner."""
     memory = lib.memory(md, data)
     owned.append(("memory", memory))
     return memory
 
 
-def _free(lib: _Library, owned: list[tuple[str, _VOID]]) -> None:
+def free_owned(lib: _Library, owned: list[tuple[str, VOID]]) -> None:
+    """Free what ``owned`` lists, newest first (memory objects before the primitives they serve)."""
     for kind, handle in reversed(owned):
         lib.destroy(kind, handle)

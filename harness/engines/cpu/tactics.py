@@ -11,9 +11,10 @@ accumulated in the layer's own dtype); fp16/bf16 GEMMs also widened exactly
 to fp32 and rounded once; convolution and linear layers as oneDNN Graph
 partitions (fp16 ones widened to fp32 partitions and rounded once) or
 oneDNN primitives called through its C API; softmax, layer norm and
-attention fused or decomposed; an adaptive average pooling whose output
-divides its input also as the fixed-window pooling it equals. Every other op has the single
-tactic ``direct``. A convolution or linear layer may carry an epilogue
+attention fused or decomposed, attention also as three oneDNN primitives; an
+adaptive average pooling whose output divides its input also as the
+fixed-window pooling it equals. Every other op has the single tactic
+``direct``. A convolution or linear layer may carry an epilogue
 activation and a residual input (see :mod:`harness.engines.cpu.lowering`),
 which every one of its tactics applies.
 
@@ -39,7 +40,7 @@ from typing import Any
 import torch
 
 from harness.dtypes import LOW_DTYPES, dtype_from_name, dtype_name
-from harness.engines.cpu import onednn_graph, onednn_primitive
+from harness.engines.cpu import onednn_attention, onednn_graph, onednn_primitive
 from harness.engines.cpu.onednn_primitive import Eltwise
 from harness.engines.cpu.plan import (
     GETITEM,
@@ -67,13 +68,15 @@ PRIMITIVE_POOL = onednn_primitive.Pooling.tactic
 PRIMITIVE_BINARY = onednn_primitive.Binary.tactic
 PRIMITIVE_CAST = onednn_primitive.Cast.tactic
 PRIMITIVE_IMPLS = (PRIMITIVE_GEMM, PRIMITIVE_CONV, PRIMITIVE_POOL, PRIMITIVE_BINARY, PRIMITIVE_CAST)
+# Attention on three oneDNN primitives: a layer like any other, its result a new tensor per call.
+SDPA_DNNL = onednn_attention.Attention.tactic
 # ATen's elementwise ops by plan packet -> oneDNN's binary algorithm doing the same.
 _BINARY_ALGORITHMS = {"mul": "binary_mul"}
 # The tactics that compile a layer into a oneDNN Graph partition (regions are made of them).
 GRAPH_IMPLS = tuple(f"{family}_onednn_graph{suffix}" for family in _GRAPH_LAYOUTS for suffix in ("", "_widened"))
 # A plain layer's form that a region traces into oneDNN partitions, where its own tactic stays
 # one ATen call there: attention's explicit matmuls, scaling and softmax, not ATen's fused call.
-REGION_FORMS = {"sdpa_fused": "sdpa_math"}
+REGION_FORMS = {"sdpa_fused": "sdpa_math", "sdpa_dnnl": "sdpa_math"}
 # Smallest reduction-chunk a split-K tactic may use: below it the extra
 # partial-sum traffic can only lose, so the candidate is not worth timing.
 _MIN_SPLIT_CHUNK = 16
@@ -212,7 +215,7 @@ def impl_names(
         and named["dropout_p"] == 0.0
         and not named["enable_gqa"]
     ):
-        return ["sdpa_fused", "sdpa_math"]
+        return ["sdpa_fused", "sdpa_math", *([SDPA_DNNL] if _sdpa_dnnl_ok(node, named, metas, weights) else [])]
     return ["direct"]
 
 
@@ -804,6 +807,16 @@ def _cast_dnnl(ctx: _Ctx) -> Bound:
     return onednn_primitive.Cast(source, ctx.named["dtype"], ctx.input_shape, ctx.result)
 
 
+def _sdpa_dnnl(ctx: _Ctx) -> Bound:
+    """Attention on three oneDNN primitives through its C API, on the operands' strides (see
+    :class:`harness.engines.cpu.onednn_attention.Attention`)."""
+    q, k, v = (meta.shape for meta in ctx.inputs)
+    dtype, named = dtype_from_name(ctx.inputs[0].dtype), ctx.named
+    return onednn_attention.Attention(
+        dtype, q, k, v, named["scale"], mask=named["attn_mask"], causal=bool(named["is_causal"])
+    )
+
+
 def _ctx_window(ctx: _Ctx) -> tuple[int, ...]:
     window = _window(ctx.input_shape[-2:], ctx.output[-2:])
     assert window is not None, "offered only where the output divides the input"
@@ -848,7 +861,8 @@ def _layer_norm(ctx: _Ctx) -> Bound:
 
 
 def _sdpa_math(ctx: _Ctx) -> Bound:
-    """Explicit attention: scores in the input dtype, softmax in fp32, then @ v."""
+    """Explicit attention: scores in the input dtype, softmax in fp32, then @ v. A query
+    whose every key is masked gets zeros, as from ATen (its softmax alone would give NaN)."""
     get_mask = _getter(ctx.named["attn_mask"])
     causal, scale = bool(ctx.named["is_causal"]), ctx.named["scale"]
     # From the static shape, so that a region traces a constant (engine shapes are static).
@@ -860,13 +874,11 @@ def _sdpa_math(ctx: _Ctx) -> Bound:
         if causal:
             keep = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril()
             scores = scores.masked_fill(~keep, float("-inf"))
-        if mask is not None:
-            scores = (
-                scores.masked_fill(~mask, float("-inf"))
-                if mask.dtype == torch.bool
-                else scores + mask
-            )
-        return scores.softmax(-1).to(q.dtype) @ v
+        if mask is None:
+            return scores.softmax(-1).to(q.dtype) @ v
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+        probs = scores.softmax(-1).masked_fill(scores.isneginf().all(-1, keepdim=True), 0.0)
+        return probs.to(q.dtype) @ v
 
     return math_attention
 
@@ -947,6 +959,27 @@ def _cast_ok(node: Node, named: Mapping[str, Any], metas: Mapping[str, TensorMet
         return False
     meta = metas[source.name]
     return 1 <= len(meta.shape) <= onednn_primitive.MAX_DIMS and onednn_primitive.cast_available(meta.dtype, dtype_name(named["dtype"]))
+
+
+def _sdpa_dnnl_ok(
+    node: Node, named: Mapping[str, Any], metas: Mapping[str, TensorMeta], weights: Mapping[str, torch.Tensor]
+) -> bool:
+    """An attention with a constant mask or none, its three inputs and result of one precision
+    and of shapes :class:`~harness.engines.cpu.onednn_attention.Attention` takes, in a
+    precision oneDNN has fast kernels for all three steps in."""
+    mask = named["attn_mask"]
+    if isinstance(mask, Ref) or node.multi:
+        return False
+    q, k, v = (metas[named[a].name] for a in ("query", "key", "value"))
+    precision = node.out().dtype
+    if not (q.dtype == k.dtype == v.dtype == precision and onednn_attention.fits(q.shape, k.shape, v.shape)):
+        return False
+    scores = (*q.shape[:-1], k.shape[-2])
+    try:
+        onednn_attention.additive_mask(scores, None if mask is None else weights[mask.name], named["is_causal"])
+    except HarnessError:
+        return False
+    return onednn_attention.attention_available(precision)
 
 
 def _linear_ok(named: Mapping[str, Any]) -> bool:
@@ -1089,6 +1122,7 @@ _BINDERS: dict[str, Callable[[_Ctx], Bound]] = {
     "layernorm_decomposed": _layer_norm,
     "sdpa_fused": _direct,
     "sdpa_math": _sdpa_math,
+    SDPA_DNNL: _sdpa_dnnl,
 }
 
 
