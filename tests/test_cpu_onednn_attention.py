@@ -22,7 +22,7 @@ from harness import models
 from harness.autocast import compile
 from harness.build import build_engine
 from harness.cache.timing_cache import TimingCache
-from harness.engines.cpu import CpuBackend, CpuEngine, builder, tactics
+from harness.engines.cpu import CpuBackend, CpuEngine, builder, onednn_attention, tactics
 from harness.engines.cpu.lowering import lower
 from harness.engines.cpu.onednn_attention import Attention, attention_available, split_heads_strides
 from harness.engines.protocol import BuildConfig
@@ -149,6 +149,7 @@ def test_operands_it_was_not_made_for_are_refused_before_it_reads_them():
         (((1, 2, 8, 4), (1, 2, 8, 4), (1, 2, 6, 4)), {}, "do not make an attention it runs"),
         (((1, 2, 8, 4), (1, 1, 8, 4), (1, 1, 8, 4)), {}, "no broadcasting"),
         (((8, 4), (8, 4), (8, 4)), {}, "3 to 12 dimensions"),
+        (((1, 8, 2048, 4), (1, 8, 1024, 4), (1, 8, 1024, 4)), {}, "scores of at most 32 MiB"),
         (((1, 2, 8, 4),) * 3, {"mask": torch.ones(8, 8, dtype=torch.bool).triu(1)}, "hides every key from some query"),
         (((1, 2, 8, 4),) * 3, {"mask": torch.zeros(8, 8), "causal": True}, "a mask or is causal, not both"),
         (((1, 2, 8, 4),) * 3, {"mask": torch.zeros(3, 8, 8)}, r"a mask \(1, 3, 8, 8\) does not broadcast"),
@@ -205,7 +206,7 @@ class Masks(nn.Module):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_it_is_offered_with_a_constant_mask_or_none_and_computes_each_layer(dtype):
+def test_it_is_offered_with_a_constant_mask_or_none_and_computes_each_layer(dtype, monkeypatch):
     gen = torch.Generator().manual_seed(3)
     inputs = (torch.randn(2, 16, 48, generator=gen), torch.rand(16, 16, generator=gen) > 0.5)
     mode, low = ("fp32", None) if dtype == torch.float32 else ("full", dtype)
@@ -215,6 +216,10 @@ def test_it_is_offered_with_a_constant_mask_or_none_and_computes_each_layer(dtyp
     layers = [n for n in plan.nodes if plan_packet(n.op) == "scaled_dot_product_attention"]
     offered = ["sdpa_dnnl" in tactics.impl_names(n, metas, plan.weights) for n in layers]
     assert offered == [True, True, True, False]
+    # Scores beyond MAX_SCORES_BYTES are left to ATen's fused call, which holds a block at a time.
+    monkeypatch.setattr(onednn_attention, "MAX_SCORES_BYTES", 2 * 16 * 16 * 4 - 1)
+    assert not any("sdpa_dnnl" in tactics.impl_names(n, metas, plan.weights) for n in layers)
+    monkeypatch.undo()
     for i, node in enumerate(plan.nodes):
         if node.is_layer:
             impl = "sdpa_dnnl" if node in layers[:3] else tactics.impl_names(node, metas, plan.weights)[0]

@@ -62,6 +62,10 @@ from harness.extras import install_command
 Strides = tuple[int, ...]
 # The mask's argument: the operand of the first matmul's second post-op (the scale is its first).
 _ARG_MASK = 2 * ARG_POST_OP_0 | ARG_SRC_1  # DNNL_ARG_ATTR_MULTIPLE_POST_OP(1) | DNNL_ARG_SRC_1
+# The largest scores an attention takes. Unlike ATen's fused call, which works through blocks
+# of queries and keys, it holds all of them, in fp32, per thread (with the softmax's result
+# and maybe an expanded mask beside them): a 2048-token layer of 32 heads would hold 512 MiB.
+MAX_SCORES_BYTES = 32 << 20
 # A thread's call for one thread count and the operands' strides: (q, k, v) -> result.
 _Call = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -112,7 +116,8 @@ class Attention:
             raise HarnessError(
                 f"{self.tactic}: query {q}, key {k} and value {v} do not make an attention it runs: it "
                 f"takes 3 to {MAX_DIMS} dimensions, the same leading ones (no broadcasting), keys and "
-                "values of the same length, queries and keys of the same width"
+                "values of the same length, queries and keys of the same width, and fp32 scores of at "
+                f"most {MAX_SCORES_BYTES >> 20} MiB"
             )
         self.dtype = dtype
         self.scale = 1.0 / math.sqrt(q[-1]) if scale is None else float(scale)
@@ -377,6 +382,7 @@ def fits(query: Sequence[int], key: Sequence[int], value: Sequence[int]) -> bool
         and q[:-2] == k[:-2] == v[:-2]
         and k[-2] == v[-2]
         and q[-1] == k[-1]
+        and math.prod(q[:-1]) * k[-2] * 4 <= MAX_SCORES_BYTES
     )
 
 
