@@ -106,3 +106,14 @@ def test_a_repeat_count_out_of_range_is_refused(repeat, capsys):
         engine_bench.main(["--models", "digits", "--repeat", repeat])
     assert exit_info.value.code == 2
     assert f"--repeat {repeat}: valid: 1 to 100" in capsys.readouterr().err
+
+
+def test_side_by_side_candidates_take_turns_in_many_short_rounds():
+    """A slow phase of a few seconds must hit every candidate a little, not one candidate most of
+    its time: each candidate runs in ``ROUNDS`` separate turns, in the same order each round."""
+    calls: list[int] = []
+    fns = [lambda i=i: calls.append(i) for i in range(3)]
+    medians = engine_bench.medians_alternating(fns, seconds=0.03)
+    turns = [who for i, who in enumerate(calls) if i == 0 or calls[i - 1] != who]
+    assert turns == [0, 1, 2] * engine_bench.ROUNDS
+    assert engine_bench.ROUNDS >= 5 and all(ms >= 0 for ms in medians)

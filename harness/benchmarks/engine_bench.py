@@ -61,18 +61,23 @@ from harness.outputs import flat_tensors
 # The four models of issue 14's table (mobilenet: MobileNetV3-small-like, depthwise, hardswish, SE).
 DEFAULT_MODELS = ("resnet", "transformer", "digits", "mobilenet")
 
-ROUNDS = 3
+# Many short rounds rather than a few long ones: a slow phase of the shared machine lasting a
+# few seconds then covers a few rounds of every candidate instead of most of one candidate's.
+ROUNDS = 9
+# Each round warms a candidate up again (the candidates before it evicted its weights from the
+# caches); the engines compiled and ran before the first round, so a short warm-up does.
+ROUND_WARMUP_S = 0.05
 MAX_REPEAT = 100
 
 
 def medians_alternating(fns: Sequence[Callable[[], object]], seconds: float) -> list[float]:
-    """Median latency (ms) of each callable, measured in alternating rounds."""
+    """Median latency (ms) of each callable: the median of its medians over alternating rounds."""
     per_run = seconds / (len(fns) * ROUNDS)
     medians: list[list[float]] = [[] for _ in fns]
     for _ in range(ROUNDS):
         for fn, own in zip(fns, medians, strict=True):
             result = measure_latency(
-                fn, warmup_s=min(0.2, per_run), min_iters=10, min_duration_s=per_run
+                fn, warmup_s=min(ROUND_WARMUP_S, per_run), min_iters=10, min_duration_s=per_run
             )
             own.append(result.summary.median / 1e6)
     return [statistics.median(own) for own in medians]
