@@ -173,7 +173,7 @@ def bench(session: nox.Session) -> None:
 
     The extras of the default run: ``onednn`` (the CPU engine's tactics on oneDNN's
     primitives: ``gemm_dnnl``, ``conv_dnnl``, ``pool_dnnl``, ``binary_dnnl``,
-    ``cast_dnnl``, ``sdpa_dnnl``), ``plots`` (its PNGs) and ``digits`` (a default model); on a GPU
+    ``cast_dnnl``, ``layernorm_dnnl``, ``sdpa_dnnl``), ``plots`` (its PNGs) and ``digits`` (a default model); on a GPU
     machine also ``onnx``, the TensorRT backend's hand-off.
     """
     _install(session, "onednn", "plots", "digits", *(("onnx",) if _is_gpu_machine() else ()))

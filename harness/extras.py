@@ -9,8 +9,8 @@ path needs (compile, build, bench, cache, gate). The rest comes with extras:
 * ``openvino``: OpenVINO and the ONNX exporter it reads from (the
   ``openvino`` backend and peer);
 * ``onednn``: oneDNN's library built on GNU OpenMP (the CPU engine's
-  ``gemm_dnnl``, ``conv_dnnl``, ``pool_dnnl``, ``binary_dnnl``, ``cast_dnnl`` and
-  ``sdpa_dnnl`` tactics; Linux x86-64; without it they are not offered);
+  ``gemm_dnnl``, ``conv_dnnl``, ``pool_dnnl``, ``binary_dnnl``, ``cast_dnnl``,
+  ``layernorm_dnnl`` and ``sdpa_dnnl`` tactics; Linux x86-64; without it they are not offered);
 * ``plots``: matplotlib (the PNGs of ``bench``, ``report`` and ``debug``);
 * ``digits``: scikit-learn (the zoo's ``digits`` model and its data);
 * ``hf``: transformers (the zoo's ``hf-*`` models);

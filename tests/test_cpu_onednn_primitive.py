@@ -1,10 +1,10 @@
-"""``gemm_dnnl``, ``conv_dnnl``, ``pool_dnnl``, ``binary_dnnl`` and ``cast_dnnl``: linear
-layers, convolutions, poolings, elementwise products and casts on oneDNN's primitives, called
-through libdnnl's C API.
+"""``gemm_dnnl``, ``conv_dnnl``, ``pool_dnnl``, ``binary_dnnl``, ``cast_dnnl`` and
+``layernorm_dnnl``: linear layers, convolutions, poolings, elementwise products, casts and
+layer norms on oneDNN's primitives, called through libdnnl's C API.
 
 References: PyTorch's fp32 ``linear``, ``conv2d``, ``avg_pool2d``, ``mul`` and
-``to`` (and activations) on the same values, the engine's other tactics, and
-the engine's own saved files.
+``to`` (and activations) and fp64 ``layer_norm`` on the same values, the
+engine's other tactics, and the engine's own saved files.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from harness import models
 from harness.autocast import compile
 from harness.build import build_engine, compile_graph
 from harness.cache.timing_cache import TimingCache
-from harness.dtypes import dtype_from_name
+from harness.dtypes import dtype_from_name, dtype_name
 from harness.engines.cpu import CpuBackend, CpuEngine, builder, onednn_primitive, program, tactics
 from harness.engines.cpu.lowering import lower
 from harness.engines.cpu.onednn_attention import Attention
@@ -944,3 +944,77 @@ def test_a_private_primitive_writes_each_threads_results_into_one_tensor_of_that
     torch.testing.assert_close(elsewhere[0], F.linear(xs[2], w), rtol=1e-5, atol=1e-5)
     fresh = Matmul(w, None, (4, 16), None, None)
     assert fresh(xs[0]) is not fresh(xs[0])
+
+
+LNORM_DTYPES = [d for d in (torch.float32, torch.bfloat16) if onednn_primitive.layernorm_available(dtype_name(d))]
+
+
+@pytest.mark.parametrize("dtype", LNORM_DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(8, 64, 128), (3, 5, 2, 48), (16, 37)], ids=str)
+@pytest.mark.parametrize("affine", ["both", "none", "weight"])
+def test_layernorm_dnnl_normalizes_as_aten_does_within_its_precision(dtype, shape, affine):
+    """Against fp64 ``layer_norm`` on the same values: no worse than ATen's own kernel in that
+    dtype (statistics in fp32, one rounding), scale and shift taken in fp32 from any weight type."""
+    gen = torch.Generator().manual_seed(23)
+    x = (torch.randn(shape, generator=gen) * 3 + 1).to(dtype)
+    weight = torch.randn(shape[-1], generator=gen).to(dtype) if affine != "none" else None
+    bias = torch.randn(shape[-1], generator=gen) if affine == "both" else None
+    norm = onednn_primitive.LayerNorm(dtype, shape, weight, bias, 1e-3)
+    assert not norm.impl().startswith("ref"), norm.impl()
+    want = F.layer_norm(
+        x.double(), shape[-1:], None if weight is None else weight.double(), None if bias is None else bias.double(), 1e-3
+    )
+    got = norm(x)
+    aten = F.layer_norm(x, shape[-1:], weight, None if bias is None else bias.to(dtype), 1e-3)
+    assert got.dtype == dtype and got.shape == x.shape
+    aten_error = float((aten.double() - want).abs().max())
+    assert float((got.double() - want).abs().max()) <= 1.5 * aten_error + 1e-6
+
+
+def test_layernorm_dnnl_refuses_what_it_was_not_made_for():
+    with pytest.raises(HarnessError, match=r"a weight of shape \(64,\); expected \(128,\)"):
+        onednn_primitive.LayerNorm(torch.float32, (4, 128), torch.ones(64), None, 1e-5)
+    with pytest.raises(HarnessError, match="a 1-D input"):
+        onednn_primitive.LayerNorm(torch.float32, (128,), None, None, 1e-5)
+    norm = onednn_primitive.LayerNorm(torch.float32, (4, 128), None, None, 1e-5)
+    with pytest.raises(HarnessError, match="layernorm_dnnl"):
+        norm(torch.ones(4, 64))
+
+
+def test_layernorm_dnnl_is_offered_for_a_last_dimension_norm_in_its_own_type_and_the_zoo_transformer_runs_on_it(tmp_path):
+    """Every layer norm of the zoo transformer is offered it (where the precision has a fast
+    kernel); one over two dimensions, or whose result changes type, is not. The engine with
+    the layer norms on it, every other layer on its primitive or ATen call, computes the
+    model, writes their results into the arena, and loads back to the same bits."""
+    spec = models.load("transformer")
+    module, inputs = spec.module, tuple(spec.example_inputs)
+    plan, _ = lower(compile(module, inputs, policy="fp32").graph_module, "fp32")
+    metas = plan.value_metas()
+    norms = [n for n in plan.nodes if plan_packet(n.op) == "layer_norm"]
+    assert len(norms) == 5
+    for node in norms:
+        assert tactics.impl_names(node, metas, plan.weights)[-1] == "layernorm_dnnl"
+    node = norms[0]
+    two_dims = replace(node, args=(node.args[0], [64, 128], *node.args[2:]))
+    assert "layernorm_dnnl" not in tactics.impl_names(two_dims, metas, plan.weights)
+    retyped = replace(node, outputs=(replace(node.out(), dtype="bf16"),))
+    assert "layernorm_dnnl" not in tactics.impl_names(retyped, metas, plan.weights)
+
+    nodes = []
+    for n in plan.nodes:
+        if n.is_layer:
+            impls = tactics.impl_names(n, metas, plan.weights)
+            impl = next((p for p in tactics.PRIMITIVE_IMPLS if p in impls), impls[0])
+            n = replace(n, tactic=tactics.tactic_name(impl, n.out().dtype))
+        nodes.append(n)
+    engine = CpuEngine(replace(plan, nodes=nodes))
+    assert [layer.tactic for layer in engine.layers() if layer.name in {n.name for n in norms}] == [
+        "layernorm_dnnl[fp32]"
+    ] * 5
+    private = program.private_results(engine.plan, [[i] for i in range(len(engine.plan.nodes))])
+    assert {engine.plan.nodes[i].name for i in private} >= {n.name for n in norms}
+    with torch.inference_mode():
+        got = engine.run(*inputs)[0]
+        torch.testing.assert_close(got, module(*inputs), rtol=1e-4, atol=1e-4)
+        engine.save(tmp_path / "e")
+        assert torch.equal(CpuEngine.load(tmp_path / "e").run(*inputs)[0], got)

@@ -48,10 +48,12 @@ pytestmark = pytest.mark.skipif(
 
 
 @pytest.fixture(autouse=True)
-def _no_primitive_gemm(monkeypatch):
-    """Regions are the subject here: ``gemm_dnnl`` and the builder's whole-run decision about
-    it (tests/test_cpu_onednn_primitive.py) stay out of these builds."""
+def _no_primitives(monkeypatch):
+    """Regions are the subject here: ``gemm_dnnl``, ``layernorm_dnnl`` and the builder's
+    whole-run decision about primitives (tests/test_cpu_onednn_primitive.py) stay out of these
+    builds. (``layernorm_available`` is cached, so patching ``available`` alone would not do.)"""
     monkeypatch.setattr(onednn_primitive, "available", lambda precision: False)
+    monkeypatch.setattr(onednn_primitive, "layernorm_available", lambda precision: False)
 
 
 GRAPH_TACTICS = {"conv2d": "conv_onednn_graph", "linear": "gemm_onednn_graph"}

@@ -60,14 +60,15 @@ _TACTIC_NAME = re.compile(r"^(\w+)\[(\w+)\]$")
 _CL = torch.channels_last
 # The families with a oneDNN Graph tactic, and the layout their partitions take inputs in.
 _GRAPH_LAYOUTS = {"conv": _CL, "gemm": torch.contiguous_format}
-# Linear layers, convolutions and global poolings on oneDNN's primitives through its C API
-# (:mod:`harness.engines.cpu.onednn_primitive`).
+# Linear layers, convolutions, poolings, binary ops, casts and layer norms on oneDNN's
+# primitives through its C API (:mod:`harness.engines.cpu.onednn_primitive`).
 PRIMITIVE_GEMM = onednn_primitive.Matmul.tactic
 PRIMITIVE_CONV = onednn_primitive.Convolution.tactic
 PRIMITIVE_POOL = onednn_primitive.Pooling.tactic
 PRIMITIVE_BINARY = onednn_primitive.Binary.tactic
 PRIMITIVE_CAST = onednn_primitive.Cast.tactic
-PRIMITIVE_IMPLS = (PRIMITIVE_GEMM, PRIMITIVE_CONV, PRIMITIVE_POOL, PRIMITIVE_BINARY, PRIMITIVE_CAST)
+PRIMITIVE_LNORM = onednn_primitive.LayerNorm.tactic
+PRIMITIVE_IMPLS = (PRIMITIVE_GEMM, PRIMITIVE_CONV, PRIMITIVE_POOL, PRIMITIVE_BINARY, PRIMITIVE_CAST, PRIMITIVE_LNORM)
 # Attention on three oneDNN primitives: a layer like any other, its result a new tensor per call.
 SDPA_DNNL = onednn_attention.Attention.tactic
 # ATen's elementwise ops by plan packet -> oneDNN's binary algorithm doing the same.
@@ -208,7 +209,8 @@ def impl_names(
         undecomposable = named.get("dtype") is not None or named.get("half_to_float", False)
         return ["softmax_fused"] + ([] if undecomposable else ["softmax_decomposed"])
     if packet == "layer_norm" and not any(isinstance(named[a], Ref) for a in ("weight", "bias")):
-        return ["layernorm_fused", "layernorm_decomposed"]
+        dnnl = _layernorm_dnnl_ok(node, named, metas)
+        return ["layernorm_fused", "layernorm_decomposed", *([PRIMITIVE_LNORM] if dnnl else [])]
     if (
         packet == "scaled_dot_product_attention"
         and all(isinstance(named[a], Ref) for a in ("query", "key", "value"))
@@ -807,6 +809,15 @@ def _cast_dnnl(ctx: _Ctx) -> Bound:
     return onednn_primitive.Cast(source, ctx.named["dtype"], ctx.input_shape, ctx.result)
 
 
+def _layernorm_dnnl(ctx: _Ctx) -> Bound:
+    """oneDNN's layer normalization through its C API, plain layout in and out (see
+    :class:`harness.engines.cpu.onednn_primitive.LayerNorm`)."""
+    named = ctx.named
+    return onednn_primitive.LayerNorm(
+        dtype_from_name(ctx.inputs[0].dtype), ctx.input_shape, named["weight"], named["bias"], named["eps"], ctx.result
+    )
+
+
 def _sdpa_dnnl(ctx: _Ctx) -> Bound:
     """Attention on three oneDNN primitives through its C API, on the operands' strides (see
     :class:`harness.engines.cpu.onednn_attention.Attention`)."""
@@ -945,6 +956,20 @@ def _binary_ok(node: Node, named: Mapping[str, Any], metas: Mapping[str, TensorM
         tuple(second.shape) == shape and onednn_primitive.broadcasts(shape, first.shape)
     )
     return fits and onednn_primitive.binary_available(out.dtype)
+
+
+def _layernorm_dnnl_ok(node: Node, named: Mapping[str, Any], metas: Mapping[str, TensorMeta]) -> bool:
+    """A computed input normalized over its last dimension alone, into its own type, in a
+    precision oneDNN has a fast layer normalization for."""
+    source = named["input"]
+    if node.multi or not isinstance(source, Ref) or len(named["normalized_shape"]) != 1:
+        return False
+    meta = metas[source.name]
+    return (
+        2 <= len(meta.shape) <= onednn_primitive.MAX_DIMS
+        and meta.dtype == node.out().dtype
+        and onednn_primitive.layernorm_available(meta.dtype)
+    )
 
 
 def _cast_ok(node: Node, named: Mapping[str, Any], metas: Mapping[str, TensorMeta]) -> bool:
@@ -1116,6 +1141,7 @@ _BINDERS: dict[str, Callable[[_Ctx], Bound]] = {
     PRIMITIVE_POOL: _pool_dnnl,
     PRIMITIVE_BINARY: _binary_dnnl,
     PRIMITIVE_CAST: _cast_dnnl,
+    PRIMITIVE_LNORM: _layernorm_dnnl,
     "softmax_fused": _direct,
     "softmax_decomposed": _softmax,
     "layernorm_fused": _direct,
