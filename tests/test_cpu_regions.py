@@ -49,11 +49,9 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.fixture(autouse=True)
 def _no_primitives(monkeypatch):
-    """Regions are the subject here: ``gemm_dnnl``, ``layernorm_dnnl`` and the builder's
-    whole-run decision about primitives (tests/test_cpu_onednn_primitive.py) stay out of these
-    builds. (``layernorm_available`` is cached, so patching ``available`` alone would not do.)"""
+    """Regions are the subject here: oneDNN's primitives and the builder's whole-run decision
+    about them (tests/test_cpu_onednn_primitive.py) stay out of these builds."""
     monkeypatch.setattr(onednn_primitive, "available", lambda precision: False)
-    monkeypatch.setattr(onednn_primitive, "layernorm_available", lambda precision: False)
 
 
 GRAPH_TACTICS = {"conv2d": "conv_onednn_graph", "linear": "gemm_onednn_graph"}

@@ -282,41 +282,51 @@ def available(precision: str) -> bool:
     return _fast(lambda dtype: Matmul(torch.zeros(16, 16, dtype=dtype), None, (16, 16), None, None), precision)
 
 
-@functools.cache
+# Each availability check below asks :func:`available` on every call and caches only its own
+# kernel probe: a test (or a caller) that turns ``available`` off turns every primitive off.
 def pooling_available(precision: str) -> bool:
     """Whether an average pooling of ``precision`` gets an optimized oneDNN kernel here (the
     matmul's kernels, :func:`available`, do not vouch for the pooling's)."""
-    return available(precision) and _fast(lambda dtype: Pooling(dtype, (1, 16, 4, 4), (4, 4)), precision)
+    return available(precision) and _probe_fast("pooling", precision)
 
 
-@functools.cache
 def binary_available(precision: str) -> bool:
     """Whether a per-channel multiplication of ``precision`` gets an optimized oneDNN kernel here."""
-    return available(precision) and _fast(
-        lambda dtype: Binary("binary_mul", dtype, (1, 16, 4, 4), (1, 16, 1, 1)), precision
-    )
+    return available(precision) and _probe_fast("binary", precision)
 
 
-@functools.cache
 def layernorm_available(precision: str) -> bool:
     """Whether a layer normalization of ``precision`` gets an optimized oneDNN kernel here."""
-    return available(precision) and _fast(
-        lambda dtype: LayerNorm(dtype, (4, 64), torch.ones(64), torch.zeros(64), 1e-5), precision
-    )
+    return available(precision) and _probe_fast("layernorm", precision)
 
 
-@functools.cache
 def cast_available(source: str, target: str) -> bool:
     """Whether a conversion from ``source`` to ``target`` gets a JIT-compiled oneDNN reorder here
     (not its generic C++ loop), both types ones its other primitives compute in here."""
-    if not (available(source) and available(target)) or source == target:
-        return False
+    return source != target and available(source) and available(target) and _cast_jit(source, target)
+
+
+@functools.cache
+def _cast_jit(source: str, target: str) -> bool:
     try:
         impl = Cast(dtype_from_name(source), dtype_from_name(target), (4, 64)).impl()
     except HarnessError as exc:
         log.debug("oneDNN reorder from %s to %s: %s", source, target, exc)
         return False
     return impl.startswith("jit")
+
+
+# The smallest primitive of each kind whose kernel shows what oneDNN runs for that kind here.
+_PROBES: dict[str, Callable[[torch.dtype], _Primitive]] = {
+    "pooling": lambda dtype: Pooling(dtype, (1, 16, 4, 4), (4, 4)),
+    "binary": lambda dtype: Binary("binary_mul", dtype, (1, 16, 4, 4), (1, 16, 1, 1)),
+    "layernorm": lambda dtype: LayerNorm(dtype, (4, 64), torch.ones(64), torch.zeros(64), 1e-5),
+}
+
+
+@functools.cache
+def _probe_fast(kind: str, precision: str) -> bool:
+    return _fast(_PROBES[kind], precision)
 
 
 def _fast(make: Callable[[torch.dtype], _Primitive], precision: str) -> bool:
