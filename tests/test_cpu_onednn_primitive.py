@@ -194,6 +194,11 @@ def test_a_primitive_per_thread_count_with_torch_s_count_restored():
     assert set(matmul._shared) == {before, 1, 2}
 
 
+def test_an_activation_the_library_does_not_know_is_refused_by_name():
+    with pytest.raises(HarnessError, match=r"oneDNN 3\.\S+ has no post-op algorithm 'gelu_fast'"):
+        Matmul(torch.randn(16, 32), None, (4, 32), Eltwise("gelu_fast"), None).impl()
+
+
 def test_shapes_that_do_not_fit_the_weight_are_refused():
     with pytest.raises(HarnessError, match=r"input \(4, 31\) does not end in the weight's K=32"):
         Matmul(torch.randn(16, 32), None, (4, 31), None, None)

@@ -46,9 +46,10 @@ from harness.engines.cpu.onednn_primitive import (
     LIBRARY,
     MAX_DIMS,
     QUERY_EXEC_ARG_MD,
-    SCRATCHPAD_USER,
     VOID,
     Arg,
+    BinaryPostOp,
+    Eltwise,
     ThreadRuns,
     available,
     free_owned,
@@ -188,7 +189,11 @@ class Attention:
             mask_md = None
             if self._mask is not None:
                 descs.append(mask_md := lib.strided_desc(self._mask.shape, torch.float32, self._mask.stride()))
-            attrs = [self._attr(scaled=True, mask=mask_md), self._attr(), self._attr()]
+            # q @ kᵀ scales its scores and adds the mask as post-ops.
+            scale_ops: list[Eltwise | BinaryPostOp] = [Eltwise("linear", self.scale)]
+            if mask_md is not None:
+                scale_ops.append(BinaryPostOp("binary_add", mask_md))
+            attrs = [lib.attributes(scale_ops), lib.attributes(), lib.attributes()]
             steps: list[tuple[str, Callable[[Any], int]]] = [
                 ("q @ kᵀ", lambda pd: lib.lib.dnnl_matmul_primitive_desc_create(
                     pd, lib.engine, q_md, kt_md, None, scores_md, attrs[0])),
@@ -209,34 +214,6 @@ class Attention:
             lib.destroy("primitive_desc", *made)
             lib.destroy("primitive_attr", *attrs)
             lib.destroy("memory_desc", *descs)
-
-    def _attr(self, scaled: bool = False, mask: VOID | None = None) -> VOID:
-        """Attributes with a scratchpad per thread (as :class:`~harness.engines.cpu.
-        onednn_primitive.Matmul`'s), and where ``scaled`` the scale, then the ``mask``
-        (described) as post-ops."""
-        lib, raw = self._lib, self._lib.lib
-        attr, post_ops = VOID(), VOID()
-        lib.check(raw.dnnl_primitive_attr_create(ctypes.byref(attr)), "creating attributes")
-        try:
-            lib.check(raw.dnnl_primitive_attr_set_scratchpad_mode(attr, SCRATCHPAD_USER), "setting the scratchpad")
-            if scaled:
-                lib.check(raw.dnnl_post_ops_create(ctypes.byref(post_ops)), "creating post-ops")
-                lib.check(
-                    raw.dnnl_post_ops_append_eltwise(
-                        post_ops, lib.algorithms["linear"], ctypes.c_float(self.scale), ctypes.c_float(0.0)
-                    ),
-                    "adding the scale",
-                )
-                if mask is not None:
-                    add = lib.algorithms["binary_add"]
-                    lib.check(raw.dnnl_post_ops_append_binary(post_ops, add, mask), "adding the mask")
-                lib.check(raw.dnnl_primitive_attr_set_post_ops(attr, post_ops), "setting post-ops")
-        except HarnessError:
-            lib.destroy("primitive_attr", attr)
-            raise
-        finally:
-            lib.destroy("post_ops", post_ops if post_ops.value else None)
-        return attr
 
     def _reference_kernel(self, key: tuple[int, Strides, Strides, Strides]) -> bool:
         """Whether one of oneDNN's kernels for ``key`` is a reference loop."""

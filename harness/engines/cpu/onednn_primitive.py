@@ -103,6 +103,14 @@ class Eltwise:
     beta: float = 0.0
 
 
+@dataclass(frozen=True)
+class BinaryPostOp:
+    """A oneDNN binary post-op: its algorithm's name and the second operand's memory descriptor."""
+
+    algorithm: str
+    operand: VOID
+
+
 class _Library:
     """The loaded libdnnl, its CPU engine, and enum values resolved by name."""
 
@@ -197,6 +205,40 @@ class _Library:
             self.check(self.lib.dnnl_stream_wait(stream), doing)
         finally:
             self.destroy("stream", stream)
+
+    def attributes(self, post_ops: Sequence[Eltwise | BinaryPostOp] = ()) -> VOID:
+        """Primitive attributes with ``post_ops`` in order and a scratchpad per thread (the
+        caller frees them).
+
+        Each thread gives a shared primitive a scratchpad of its own: with oneDNN's default
+        (one scratchpad for every primitive of the library) a primitive must run in the
+        thread that created it.
+        """
+        raw = self.lib
+        for op in post_ops:
+            if op.algorithm not in self.algorithms:
+                raise HarnessError(f"oneDNN {self.version} has no post-op algorithm {op.algorithm!r}")
+        attr, ops = VOID(), VOID()
+        self.check(raw.dnnl_primitive_attr_create(ctypes.byref(attr)), "creating attributes")
+        try:
+            self.check(raw.dnnl_primitive_attr_set_scratchpad_mode(attr, SCRATCHPAD_USER), "setting the scratchpad")
+            if post_ops:
+                self.check(raw.dnnl_post_ops_create(ctypes.byref(ops)), "creating post-ops")
+                for op in post_ops:
+                    algorithm = self.algorithms[op.algorithm]
+                    if isinstance(op, Eltwise):
+                        alpha, beta = ctypes.c_float(op.alpha), ctypes.c_float(op.beta)
+                        status = raw.dnnl_post_ops_append_eltwise(ops, algorithm, alpha, beta)
+                    else:
+                        status = raw.dnnl_post_ops_append_binary(ops, algorithm, op.operand)
+                    self.check(status, f"adding a {op.algorithm} post-op")
+                self.check(raw.dnnl_primitive_attr_set_post_ops(attr, ops), "setting post-ops")
+        except HarnessError:
+            self.destroy("primitive_attr", attr)
+            raise
+        finally:
+            self.destroy("post_ops", ops if ops.value else None)
+        return attr
 
     def reorder_desc(self, source: VOID | int, target: VOID | int, attr: VOID | None = None) -> VOID:
         """A reorder's descriptor, from ``source``'s layout and type to ``target``'s (the caller frees it)."""
@@ -473,32 +515,22 @@ class _Primitive:
 
     def _desc(self) -> VOID:
         """The primitive descriptor, weights in the layout oneDNN prefers (the caller frees it)."""
-        lib, raw = self._lib, self._lib.lib
-        if self._eltwise is not None and self._eltwise.algorithm not in lib.algorithms:
-            raise HarnessError(f"oneDNN {lib.version} has no eltwise {self._eltwise.algorithm!r}")
-        attr, post_ops = VOID(), VOID()
+        lib = self._lib
         descs: list[VOID | None] = []
+        post_ops: list[Eltwise | BinaryPostOp] = []
+        attr = None
         try:
-            lib.check(raw.dnnl_primitive_attr_create(ctypes.byref(attr)), "creating attributes")
-            # Each thread gives the shared primitive a scratchpad of its own: with oneDNN's
-            # default (one scratchpad for every primitive of the library) a primitive must
-            # run in the thread that created it.
-            lib.check(raw.dnnl_primitive_attr_set_scratchpad_mode(attr, SCRATCHPAD_USER), "setting the scratchpad")
-            lib.check(raw.dnnl_post_ops_create(ctypes.byref(post_ops)), "creating post-ops")
             if self._residual is not None and self.second_arg & ARG_POST_OP_0:
-                descs.append(lib.desc(self._dst_dims, self._residual, layout_tag(self.layout, len(self._dst_dims))))
-                add = lib.algorithms["binary_add"]
-                lib.check(raw.dnnl_post_ops_append_binary(post_ops, add, descs[-1]), "adding a residual post-op")
+                residual = lib.desc(self._dst_dims, self._residual, layout_tag(self.layout, len(self._dst_dims)))
+                descs.append(residual)
+                post_ops.append(BinaryPostOp("binary_add", residual))
             if self._eltwise is not None:
-                alpha, beta = ctypes.c_float(self._eltwise.alpha), ctypes.c_float(self._eltwise.beta)
-                algorithm = lib.algorithms[self._eltwise.algorithm]
-                lib.check(raw.dnnl_post_ops_append_eltwise(post_ops, algorithm, alpha, beta), "adding an activation")
-            lib.check(raw.dnnl_primitive_attr_set_post_ops(attr, post_ops), "setting post-ops")
+                post_ops.append(self._eltwise)
+            attr = lib.attributes(post_ops)
             return self._create(attr, descs)
         finally:
             lib.destroy("memory_desc", *descs)
-            lib.destroy("post_ops", post_ops if post_ops.value else None)
-            lib.destroy("primitive_attr", attr if attr.value else None)
+            lib.destroy("primitive_attr", attr)
 
     def _state(self) -> _ThreadCall:
         """This thread's calls of the current thread count's primitive, each created once."""
