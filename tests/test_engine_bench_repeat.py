@@ -117,3 +117,17 @@ def test_side_by_side_candidates_take_turns_in_many_short_rounds():
     turns = [who for i, who in enumerate(calls) if i == 0 or calls[i - 1] != who]
     assert turns == [0, 1, 2] * engine_bench.ROUNDS
     assert engine_bench.ROUNDS >= 5 and all(ms >= 0 for ms in medians)
+
+
+def test_a_run_says_on_stderr_which_model_and_precision_it_is_on(capsys):
+    args = ["--models", "digits", "--peers", "onnxruntime", "--precisions", "fp32,bf16", "--seconds", "0.05"]
+    assert engine_bench.main(args) == 0
+    captured = capsys.readouterr()
+    steps = [line.split("] ", 1)[1] for line in captured.err.splitlines() if line.startswith("[")]
+    assert steps == [
+        "digits (1 of 1): engines, builds and eager",
+        "digits: fp32 side by side (builds, peers' setup, timing)",
+        "digits: bf16 side by side (builds, peers' setup, timing)",
+        "done",
+    ]
+    assert "digits (1 of 1)" not in captured.out  # the report stays clean for a pipe

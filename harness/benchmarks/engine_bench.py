@@ -292,11 +292,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         for note in notes:
             print(f"note: {note}", flush=True)
         rows, groups = [], []
-        for name in names:
+        started = time.perf_counter()
+
+        def progress(step: str) -> None:
+            print(f"[{time.perf_counter() - started:6.0f} s] {step}", file=sys.stderr, flush=True)
+
+        for number, name in enumerate(names, 1):
             engines: dict[str, Engine] = {}
+            progress(f"{name} ({number} of {len(names)}): engines, builds and eager")
             rows.append(bench_model(name, args.seconds, args.threads, engines))
             if peers:
-                groups += side_by_side(name, peers, precisions, args.threads, args.seconds, medians_alternating, engines)
+                groups += side_by_side(
+                    name, peers, precisions, args.threads, args.seconds, medians_alternating, engines, progress
+                )
+        progress("done")
     print(report(rows, args.threads))
     if groups:
         print()

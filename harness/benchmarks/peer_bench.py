@@ -95,8 +95,12 @@ def side_by_side(
     seconds: float,
     timer: Timer,
     engines: Mapping[str, Engine] | None = None,
+    progress: Callable[[str], None] = lambda step: None,
 ) -> list[Group]:
-    """One :class:`Group` per precision for model ``name``; ``engines`` are CPU engines already built, by mode."""
+    """One :class:`Group` per precision for model ``name``; ``engines`` are CPU engines already built, by mode.
+
+    ``progress`` hears each precision as it starts: a group takes a minute or more.
+    """
     spec = models.load(name)
     inputs = tuple(spec.example_inputs)
     with torch.inference_mode():
@@ -106,6 +110,7 @@ def side_by_side(
     cpu, built = CpuBackend(), dict(engines or {})
     groups = []
     for precision in precisions:
+        progress(f"{name}: {precision} side by side (builds, peers' setup, timing)")
         group = Group(name, precision)
         for mode in modes_at(cpu, precision):
             try:
