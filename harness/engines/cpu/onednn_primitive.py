@@ -321,7 +321,10 @@ def available(precision: str) -> bool:
     """
     if library() is None or precision not in _DNNL_TYPES:
         return False
-    return _fast(lambda dtype: Matmul(torch.zeros(16, 16, dtype=dtype), None, (16, 16), None, None), precision)
+    return _fast(
+        lambda dtype: Matmul(torch.zeros(16, 16, dtype=dtype), torch.zeros(16, dtype=dtype), (16, 16), None, None),
+        precision,
+    )
 
 
 # Each availability check below asks :func:`available` on every call and caches only its own
@@ -746,7 +749,11 @@ class Matmul(_Primitive):
             input_shape,
             (*input_shape[:-1], n),
             weight=weight,
-            bias=bias,
+            # The bias in fp32 whatever the layer's type: oneDNN adds it to its fp32 accumulator
+            # either way (exact from bf16 and fp16), and 3.2's fp16 matmul kernels take no
+            # other, falling back to a reference loop 300x slower for an fp16 bias. (Its fp16
+            # depthwise convolution is the other way round: brdgmm_dw takes an fp16 bias only.)
+            bias=None if bias is None else bias.float(),
             eltwise=eltwise,
             residual=residual,
             result=result,
