@@ -275,6 +275,40 @@ def test_the_builder_moves_linear_layers_onto_it_only_if_the_whole_run_is_faster
         torch.testing.assert_close(built.engine.run(*inputs)[0], module(*inputs), rtol=1e-5, atol=1e-5)
 
 
+def test_a_layer_far_slower_on_its_primitive_stays_off_the_whole_run_plan_on_primitives(monkeypatch):
+    """A kernel oneDNN has only as a reference loop for one layer's operands (fp16 matmul with
+    an fp16 bias, oneDNN 3.2: 300x) must not sink the plan for the other layers: that layer
+    stays on its own fastest tactic in the plan the whole run times, and the build says so.
+    Timing is doubled: the first layer's primitive times 1000x its fastest candidate."""
+    module, inputs = _mlp()
+    spec = ModelSpec("mlp", "two linear layers", module, inputs, [])
+    config = BuildConfig(mode="fp32", options={"timing_runs": 2, "warmup_runs": 0})
+    layer_timings: list[int] = []
+    alternatives: list[dict[str, str]] = []
+
+    def layer_times(fns, run_inputs, options):
+        layer_timings.append(len(fns))
+        times = [1.0 + i for i in range(len(fns))]
+        if len(layer_timings) == 1:  # the first layer: its primitive (the last candidate) is pathological
+            times[-1] = 1000.0
+        return times
+
+    def whole_runs(plans, run_inputs, timing):
+        alternative = {n.name: n.tactic for n in plans[1].nodes if n.is_layer}
+        if any(t.startswith("gemm_dnnl") for t in alternative.values()):
+            alternatives.append(alternative)
+        return [1.0, 2.0]
+
+    monkeypatch.setattr(builder, "median_ms", layer_times)
+    monkeypatch.setattr(builder, "run_ms", whole_runs)
+    built = build_engine(spec, config, CpuBackend(), None)
+    assert len(layer_timings) == 2 and alternatives
+    for alternative in alternatives:
+        assert alternative == {"linear": "gemm_direct[fp32]", "linear_1": "gemm_dnnl[fp32]"}
+    note = next(m for m in built.log.messages if m.startswith("left 1 layer(s) off"))
+    assert "'linear': 1000 ms on gemm_dnnl[fp32], against 1 ms" in note
+
+
 def test_an_engine_on_it_matches_eager_and_survives_save_and_load(tmp_path):
     module, inputs = _mlp()
     engine = CpuEngine(_dnnl_plan(module, inputs))

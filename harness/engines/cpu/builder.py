@@ -66,6 +66,12 @@ PASSTHROUGH = frozenset(("shuffle", "gather"))
 # it costs accuracy, so a difference within the timing noise (a few percent on a shared
 # machine) must not decide it.
 LOWERING_MARGIN = 0.03
+# A layer whose own timing on its oneDNN primitive is over this many times its fastest
+# candidate's stays off the whole-run plan on primitives: a kernel oneDNN has only as a
+# reference loop for that layer's operands (an fp16 matmul with an fp16 bias, oneDNN 3.2:
+# 19 ms against 68 us) would sink the plan for every other layer, and time it for
+# minutes. A primitive's call overhead alone costs a small layer well under this.
+PRIMITIVE_OUTLIER = 10.0
 # What one decision pass (PlanBuilder._decide_all) builds: a whole-run decision that
 # tries another pass keeps these to restore them.
 _PASS_STATE = ("plan", "runtime", "cast_names", "values", "executed", "timings")
@@ -419,9 +425,9 @@ class PlanBuilder:
         region back on their own fastest tactic of that precision: a region's form of a layer
         gains only in a region (the transformer's attention in explicit matmuls: 0.57 ms
         alone against 0.47 ms for ATen's fused call, fp32, an AMD EPYC)."""
-        switched = self._switched(
-            plan, metas, lambda impl, impls: next((p for p in tactics.PRIMITIVE_IMPLS if p in impls), None)
-        )
+        switched = self._switched(plan, metas, _primitive_form)
+        for i in self._primitive_outliers(switched):
+            switched[i] = plan.nodes[i]
         in_regions = {
             i
             for group in region_groups(switched)
@@ -440,6 +446,22 @@ class PlanBuilder:
             if own.tactic != node.tactic:
                 switched[i] = replace(node, tactic=own.tactic, tactic_hash=own.tactic_hash)
         return switched
+
+    def _primitive_outliers(self, nodes: Sequence[Node]) -> dict[int, tuple[float, float]]:
+        """Index -> (its time, its fastest candidate's) of each layer of ``nodes`` on a
+        primitive whose own timing there was over :data:`PRIMITIVE_OUTLIER` times its fastest
+        candidate's of the same precision."""
+        records = {t.key: t for t in self.timings}
+        outliers = {}
+        for i, node in enumerate(nodes):
+            if node.op == GETITEM or node.key not in self.timed or not tactics.on_primitive(node):
+                continue
+            precision = tactics.parse_tactic(node.tactic)[1]
+            times = {c.tactic: c.time_ms for c in records[node.key].candidates}
+            fastest = min(ms for tactic, ms in times.items() if tactics.parse_tactic(tactic)[1] == precision)
+            if node.tactic in times and times[node.tactic] > PRIMITIVE_OUTLIER * fastest:
+                outliers[i] = (times[node.tactic], fastest)
+        return outliers
 
     def _switched(
         self, plan: Plan, metas: Mapping[str, TensorMeta], form_of: Callable[[str, list[str]], str | None]
@@ -510,6 +532,17 @@ class PlanBuilder:
         layers on their primitives run whole, as for regions, and the faster
         stays.
         """
+        # The plan as timed, each layer on the primitive, says which layers the guard keeps off.
+        on_all = self._switched(self.plan, self.runtime, _primitive_form)
+        outliers = self._primitive_outliers(on_all)
+        if outliers:
+            i, (ms, fastest) = next(iter(outliers.items()))
+            self.messages.append(
+                f"left {len(outliers)} layer(s) off {PRIMITIVES}: their own timing there was over "
+                f"{PRIMITIVE_OUTLIER:g}x their fastest tactic's (e.g. {on_all[i].name!r}: {ms:.4g} ms "
+                f"on {on_all[i].tactic}, against {fastest:.4g} ms), a kernel oneDNN has only as a slow "
+                "fallback for that layer's operands"
+            )
         self._keep_if_faster(
             self._primitive_switched(self.plan, self.runtime), PRIMITIVES, ", which their own timing or a region had"
         )
@@ -647,6 +680,11 @@ def _untimed_note(untimed: dict[str, list[str]]) -> str:
         f"(e.g. {layers[0]!r}); to let them compete, delete the cache file: the next "
         "`harness build --cache` or `harness bench` times every layer again and writes a new one"
     )
+
+
+def _primitive_form(impl: str, impls: list[str]) -> str | None:
+    """The form of a layer on oneDNN's primitives: the first it has."""
+    return next((p for p in tactics.PRIMITIVE_IMPLS if p in impls), None)
 
 
 def _region_form(impl: str, impls: list[str]) -> str | None:
