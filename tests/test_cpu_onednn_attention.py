@@ -22,9 +22,10 @@ from harness import models
 from harness.autocast import compile
 from harness.build import build_engine
 from harness.cache.timing_cache import TimingCache
-from harness.engines.cpu import CpuBackend, CpuEngine, builder, onednn_attention, tactics
+from harness.dtypes import dtype_from_name
+from harness.engines.cpu import CpuBackend, CpuEngine, builder, kernels, onednn_attention, tactics
 from harness.engines.cpu.lowering import lower
-from harness.engines.cpu.onednn_attention import Attention, attention_available, split_heads_strides
+from harness.engines.cpu.onednn_attention import Attention, split_heads_strides
 from harness.engines.protocol import BuildConfig
 from harness.errors import HarnessError
 from harness.opnames import plan_packet
@@ -33,7 +34,7 @@ from harness.outputs import tensor_paths
 INSTALLED = any(d.metadata["Name"] == "onednn-cpu-gomp" for d in importlib.metadata.distributions())
 pytestmark = pytest.mark.skipif(not INSTALLED, reason="the onednn extra has no wheel for this platform")
 
-DTYPES = [torch.float32] + ([torch.bfloat16] if attention_available("bf16") else [])
+DTYPES = [torch.float32] + [dtype_from_name(p) for p in ("bf16", "fp16") if kernels.available("attention", p)]
 # (query, key, value) shapes: heads of a transformer, keys longer than queries with wider
 # values, and 3-D operands (batch and heads in one dimension).
 SHAPES = {

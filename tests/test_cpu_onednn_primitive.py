@@ -27,7 +27,16 @@ from harness.autocast import compile
 from harness.build import build_engine, compile_graph
 from harness.cache.timing_cache import TimingCache
 from harness.dtypes import dtype_from_name, dtype_name
-from harness.engines.cpu import CpuBackend, CpuEngine, builder, onednn_primitive, program, tactics
+from harness.engines import capability
+from harness.engines.cpu import (
+    CpuBackend,
+    CpuEngine,
+    builder,
+    kernels,
+    onednn_primitive,
+    program,
+    tactics,
+)
 from harness.engines.cpu.lowering import lower
 from harness.engines.cpu.onednn_attention import Attention
 from harness.engines.cpu.onednn_primitive import Convolution, Eltwise, Matmul
@@ -49,8 +58,8 @@ ACTIVATIONS = {
     "hardswish": (Eltwise("hardswish", 1 / 6, 0.5), F.hardswish),
     "hardsigmoid": (Eltwise("hardsigmoid", 1 / 6, 0.5), F.hardsigmoid),
 }
-# Every type this CPU has oneDNN kernels for: fp16 with AVX-512 FP16 (a Xeon), not on an AMD EPYC.
-DTYPES = [torch.float32] + [dtype_from_name(p) for p in ("bf16", "fp16") if onednn_primitive.available(p)]
+# Every type this CPU has oneDNN matmul kernels for, as the engine's own probe answers.
+DTYPES = [torch.float32] + [dtype_from_name(p) for p in ("bf16", "fp16") if kernels.available("matmul", p)]
 
 
 def _one_rounding(got: torch.Tensor, want: torch.Tensor) -> bool:
@@ -88,7 +97,7 @@ def _dnnl_plan(module: nn.Module, inputs: tuple[torch.Tensor, ...]) -> Plan:
 def test_the_installed_library_is_onednn_3_on_torchs_openmp_with_fast_kernels():
     lib = onednn_primitive.library()
     assert lib is not None and lib.version.startswith("3.")
-    assert onednn_primitive.available("fp32")
+    assert kernels.available("matmul", "fp32")
     impl = Matmul(torch.randn(32, 16), None, (8, 16), None, None).impl()
     assert impl and not impl.startswith("ref"), impl
     # One OpenMP runtime in the process, torch's: torch.set_num_threads governs oneDNN too.
@@ -115,13 +124,22 @@ def test_the_primitive_computes_the_layer(activation, residual, dtype):
         assert _one_rounding(got, want)
 
 
-def test_reduced_precision_is_offered_only_with_optimized_kernels():
-    for precision, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
-        try:
-            impl = Matmul(torch.zeros(16, 16, dtype=dtype), None, (16, 16), None, None).impl()
-        except HarnessError:
-            impl = "none"  # no kernel at all
-        assert onednn_primitive.available(precision) == (impl != "none" and not impl.startswith("ref")), impl
+@pytest.mark.parametrize(
+    ("primitive", "precision"),
+    [(p, q) for p in kernels.STANDARD for q in capability.PRECISIONS] + [("reorder", r) for r in capability.REORDERS],
+)
+def test_a_primitive_is_available_exactly_where_the_one_it_creates_runs_a_native_kernel(primitive, precision):
+    """The probe asks the descriptor alone; the primitive created for real (JIT and all) must
+    run the kernel it named: a native one where available() says so, else a reference loop, a
+    generic loop or none at all."""
+    make, args = kernels._probe(primitive, precision)
+    try:
+        created = make(*args).impl()
+    except HarnessError:
+        created = None  # no kernel at all
+    assert onednn_primitive.kernel_of(make, *args) == created
+    assert kernels.available(primitive, precision) == (capability.reference_kernel(primitive, precision, created) is None)
+    assert kernels.standard_kernels()[f"{primitive} {precision}"] == created
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -325,17 +343,18 @@ def test_without_the_library_the_tactic_is_not_offered_and_an_engine_naming_it_i
     plan = _dnnl_plan(module, inputs)
     monkeypatch.setattr(onednn_primitive, "LIBRARY", tmp_path / "libdnnl.so.3")
     onednn_primitive.library.cache_clear()
-    onednn_primitive.available.cache_clear()
     try:
         layer = next(n for n in plan.nodes if n.tactic.startswith("gemm_dnnl"))
-        assert "gemm_dnnl" not in tactics.impl_names(layer, plan.value_metas(), plan.weights)
-        with pytest.raises(HarnessError, match=f"layer {layer.name!r} .* has no implementation 'gemm_dnnl'; valid: "):
+        found = tactics.offer(layer, plan.value_metas(), plan.weights)
+        assert "gemm_dnnl" not in found.impls and "no oneDNN library" in found.left_out["gemm_dnnl"]
+        with pytest.raises(
+            HarnessError, match=f"layer {layer.name!r} .* has no implementation 'gemm_dnnl' here \\(no oneDNN library"
+        ):
             CpuEngine(plan)
     finally:
         monkeypatch.undo()
         onednn_primitive.library.cache_clear()
-        onednn_primitive.available.cache_clear()
-    assert onednn_primitive.available("fp32")
+    assert kernels.available("matmul", "fp32")
 
 
 def test_non_contiguous_inputs_and_residuals_are_read_as_their_values():
@@ -372,11 +391,15 @@ def test_the_convolution_primitive_computes_the_layer_channels_last(case, activa
     want = F.conv2d(x.float(), w.float(), b.float(), stride, padding, dilation, groups)
     r = torch.randn(want.shape, generator=gen).to(dtype)
     want = reference(want + (r.float() if residual else 0))
-    conv = Convolution(w, b, in_shape, [stride] * 2, [padding] * 2, [dilation] * 2, groups, eltwise, dtype if residual else None)
+    conv_args = (w, b, in_shape, [stride] * 2, [padding] * 2, [dilation] * 2, groups, eltwise, dtype if residual else None)
+    conv = Convolution(*conv_args)
     got = conv(x, r) if residual else conv(x)  # plain NCHW operands: given channels-last strides first
     assert got.dtype == dtype and got.shape == want.shape
     assert got.is_contiguous(memory_format=torch.channels_last)
-    assert not conv.impl().startswith("ref"), conv.impl()
+    # Right whatever its kernel; offered (conv_dnnl) only where that kernel is native (on AVX2,
+    # this grouped dilated convolution with a residual gets oneDNN's reference loop).
+    why = kernels.missing("convolution", dtype_name(dtype), Convolution, *conv_args)
+    assert (why is None) == (capability.reference_kernel("convolution", dtype_name(dtype), conv.impl()) is None)
     if dtype == torch.float32:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     else:
@@ -539,12 +562,21 @@ def test_a_global_pooling_is_also_offered_as_the_fixed_window_pooling_it_equals(
     assert tactics.impl_names(uneven, metas, plan.weights) == ["direct"]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize(("shape", "window"), [((1, 16, 56, 56), (56, 56)), ((2, 24, 8, 6), (4, 3)), ((1, 5, 7, 7), (1, 1))])
-def test_pool_dnnl_averages_windows_as_avg_pool2d_does(dtype, shape, window):
+def test_pool_dnnl_averages_windows_as_avg_pool2d_does_where_offered(dtype, shape, window):
+    """Where this CPU's oneDNN has no native kernel for the pooling, the probe says why and the
+    tactic is not offered (a pooling it cannot create is refused by name)."""
     x = torch.randn(shape, generator=torch.Generator().manual_seed(13)).to(dtype)
+    why = kernels.missing("pooling", dtype_name(dtype), onednn_primitive.Pooling, dtype, shape, window)
+    if why is not None:
+        assert f"oneDNN has no {dtype_name(dtype)} pooling kernel here" == why or "reference loop" in why
+        if "no " in why:
+            with pytest.raises(HarnessError, match=f"failed creating a {dtype_name(dtype)} pooling .*unimplemented"):
+                onednn_primitive.Pooling(dtype, shape, window)
+        return
     pool = onednn_primitive.Pooling(dtype, shape, window)
-    assert not pool.impl().startswith("ref"), pool.impl()
+    assert capability.reference_kernel("pooling", dtype_name(dtype), pool.impl()) is None, pool.impl()
     want = F.avg_pool2d(x.float(), window, window)
     got = pool(x)  # a plain input is given the channels-last layout first
     assert got.dtype == dtype and got.is_contiguous(memory_format=torch.channels_last)
@@ -637,18 +669,11 @@ def test_a_product_of_computed_4d_operands_that_broadcast_is_offered_on_binary_d
     assert tactics.impl_names(node, flat, plan.weights) == ["direct"]
 
 
-def test_binary_dnnl_is_offered_where_the_product_itself_has_a_fast_kernel():
-    for precision in ("fp32", "bf16", "fp16"):
-        try:
-            binary = onednn_primitive.Binary("binary_mul", dtype_from_name(precision), (1, 16, 4, 4), (1, 16, 1, 1))
-            fast = not binary.impl().startswith("ref")
-        except HarnessError:
-            fast = False
-        assert onednn_primitive.binary_available(precision) == (fast and onednn_primitive.available(precision))
-    assert onednn_primitive.binary_available("fp32")
-
-
-BF16 = pytest.mark.skipif(not onednn_primitive.cast_available("fp32", "bf16"), reason="no fast bf16 reorder here")
+BF16 = pytest.mark.skipif(
+    not kernels.available("reorder", "fp32>bf16"),
+    reason="oneDNN has no JIT-compiled fp32-to-bf16 conversion on this CPU (the cast tactic is not offered: "
+    "test_a_primitive_is_available_exactly_where_the_one_it_creates_runs_a_native_kernel checks that)",
+)
 
 
 @BF16
@@ -761,15 +786,7 @@ def test_a_cast_timed_fastest_on_its_primitive_joins_a_region_on_its_aten_call(m
         torch.testing.assert_close(engine(x), compiled(x), rtol=1e-2, atol=1e-2)
 
 
-def test_cast_dnnl_is_offered_between_types_the_other_primitives_compute_in_here():
-    for source in ("fp32", "bf16", "fp16"):
-        for target in ("fp32", "bf16", "fp16"):
-            fast = False
-            if source != target and onednn_primitive.available(source) and onednn_primitive.available(target):
-                cast = onednn_primitive.Cast(dtype_from_name(source), dtype_from_name(target), (4, 64))
-                fast = cast.impl().startswith("jit")
-            assert onednn_primitive.cast_available(source, target) == fast
-    assert not onednn_primitive.cast_available("fp32", "int64")
+def test_cast_dnnl_refuses_a_tensor_of_no_dimensions():
     with pytest.raises(HarnessError, match="a 0-D tensor; oneDNN takes 1 to 12 dimensions"):
         onednn_primitive.Cast(torch.float32, torch.bfloat16, ())
 
@@ -971,16 +988,6 @@ def test_a_bare_call_stays_right_after_normal_calls_on_operands_since_freed():
     assert matmul.pinned(torch.zeros(4, 16, dtype=torch.bfloat16)) is None  # the wrong dtype
 
 
-def test_pool_dnnl_is_offered_where_the_pooling_itself_has_a_fast_kernel():
-    for precision in ("fp32", "bf16", "fp16"):
-        try:
-            fast = not onednn_primitive.Pooling(dtype_from_name(precision), (1, 16, 4, 4), (4, 4)).impl().startswith("ref")
-        except HarnessError:
-            fast = False
-        assert onednn_primitive.pooling_available(precision) == (fast and onednn_primitive.available(precision))
-    assert onednn_primitive.pooling_available("fp32")
-
-
 def test_the_arena_refuses_a_result_larger_than_its_planned_memory():
     arena = program.Arena(256)
     assert arena.view(64, 128, (2, 16), (16, 1), torch.float32).shape == (2, 16)
@@ -1008,7 +1015,7 @@ def test_a_private_primitive_writes_each_threads_results_into_one_tensor_of_that
     assert fresh(xs[0]) is not fresh(xs[0])
 
 
-LNORM_DTYPES = [d for d in DTYPES if onednn_primitive.layernorm_available(dtype_name(d))]
+LNORM_DTYPES = [d for d in DTYPES if kernels.available("layernorm", dtype_name(d))]
 
 
 @pytest.mark.parametrize("dtype", LNORM_DTYPES, ids=str)

@@ -23,6 +23,8 @@ from harness.autocast import compile
 from harness.build import build_engine
 from harness.cache.timing_cache import TimingCache
 from harness.cli.main import main
+from harness.dtypes import dtype_name
+from harness.engines import capability
 from harness.engines.cpu import (
     CpuBackend,
     CpuEngine,
@@ -50,8 +52,9 @@ pytestmark = pytest.mark.skipif(
 @pytest.fixture(autouse=True)
 def _no_primitives(monkeypatch):
     """Regions are the subject here: oneDNN's primitives and the builder's whole-run decision
-    about them (tests/test_cpu_onednn_primitive.py) stay out of these builds."""
-    monkeypatch.setattr(onednn_primitive, "available", lambda precision: False)
+    about them (tests/test_cpu_onednn_primitive.py) stay out of these builds, as where the
+    onednn extra is not installed."""
+    monkeypatch.setattr(onednn_primitive, "library", lambda: None)
 
 
 GRAPH_TACTICS = {"conv2d": "conv_onednn_graph", "linear": "gemm_onednn_graph"}
@@ -221,8 +224,14 @@ def test_explicit_attention_joins_the_region_and_runs_its_matmuls_in_onednn(dtyp
     plan = _graph_plan(dtype, (module, inputs))
     if not _graph_tactics_offered(plan, dtype):
         return
+    metas = plan.value_metas()
     for i, node in enumerate(plan.nodes):
         if plan_packet(node.op) == "scaled_dot_product_attention":
+            found = tactics.offer(node, metas, plan.weights)
+            if "sdpa_math" not in found.impls:  # its matmuls in a type this CPU only emulates
+                assert "no native" in found.left_out["sdpa_math"]
+                assert not capability.current().aten_native(dtype_name(dtype))
+                return
             plan.nodes[i] = replace(node, tactic=node.tactic.replace("sdpa_fused", "sdpa_math"))
             assert plan.nodes[i].tactic.startswith("sdpa_math[")
     merged, alone = CpuEngine(plan), CpuEngine(plan, regions=False)

@@ -142,6 +142,8 @@ class PlanBuilder:
         self.timed: set[str] = set()  # keys of the layers this build timed (not from the cache)
         # key -> the record of a layer this build timed, whose choice a later pass overrides
         self.forced: dict[str, LayerTiming] = {}
+        # why a tactic is not offered here -> (those tactics, the layers), each in first-seen order
+        self.left_out: dict[str, tuple[dict[str, None], dict[str, None]]] = {}
 
     def build(self, gm: torch.fx.GraphModule, example_inputs: Sequence[torch.Tensor]) -> Plan:
         graph, self.messages = lower(gm, self.config.mode)
@@ -151,6 +153,7 @@ class PlanBuilder:
             self._choose_precisions(graph, example_inputs)
         self._choose_regions()
         self._choose_primitives()
+        self.messages += [_left_out_note(reason, *found) for reason, found in self.left_out.items()]
         if self.untimed:
             self.warnings.append(_untimed_note(self.untimed))
             self.messages.append(self.warnings[-1])
@@ -208,9 +211,11 @@ class PlanBuilder:
         entry = self.added.get(key) or (self.cache.query(key) if self.cache is not None else None)
         if entry is not None:
             if entry.tactic not in names:
+                why = next((reason for reason, (left, _) in self.left_out.items() if entry.tactic in left), None)
                 raise HarnessError(
                     f"timing cache entry for layer {node.name!r} (key {key}) selects tactic {entry.tactic!r}, "
-                    f"which this layer does not have; valid tactics: {', '.join(names)}"
+                    + (f"which this CPU does not offer ({why})" if why else "which this layer does not have")
+                    + f"; valid tactics: {', '.join(names)}"
                 )
             index = names.index(entry.tactic)
             if entry.candidates and not entry.pinned:
@@ -317,9 +322,12 @@ class PlanBuilder:
     def _variant(self, node: Node, casts: tuple[str | None, ...]) -> _Variant:
         metas = self._typed_metas(node, casts)
         precision = _compute_precision(node, [metas[r.name] for r in node.refs()])
-        return _Variant(
-            precision, node, casts, tuple(tactics.impl_names(node, metas, self.plan.weights))
-        )
+        found = tactics.offer(node, metas, self.plan.weights)
+        for impl, reason in found.left_out.items():
+            left_out = self.left_out.setdefault(reason, ({}, {}))
+            left_out[0][tactics.tactic_name(impl, precision)] = None
+            left_out[1][node.name] = None
+        return _Variant(precision, node, casts, found.impls)
 
     def _typed_metas(self, node: Node, casts: tuple[str | None, ...]) -> dict[str, TensorMeta]:
         """Metas of the node's inputs as the chosen variant receives them (after casts)."""
@@ -664,6 +672,15 @@ class PlanBuilder:
 def run_ms(plans: Sequence[Plan], inputs: Sequence[torch.Tensor], timing: TimingOptions) -> list[float]:
     """Median time of a whole run of each plan, timed as candidates are (alternating rounds)."""
     return median_ms([compile_plan(plan).run for plan in plans], inputs, timing)
+
+
+def _left_out_note(reason: str, impls: Mapping[str, None], layers: Mapping[str, None]) -> str:
+    """Say which tactics this CPU did not offer, for how many layers, and why."""
+    names = list(layers)
+    return (
+        f"not offered on this CPU: {', '.join(impls)} for {len(names)} layer(s) (e.g. {names[0]!r}): "
+        f"{reason}, so not worth timing"
+    )
 
 
 def _untimed_note(untimed: dict[str, list[str]]) -> str:

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from harness.dtypes import dtype_from_name, dtype_name
+from harness.dtypes import dtype_name
 from harness.engines.cpu.onednn_primitive import (
     ARG_DST,
     ARG_POST_OP_0,
@@ -51,7 +51,7 @@ from harness.engines.cpu.onednn_primitive import (
     BinaryPostOp,
     Eltwise,
     ThreadRuns,
-    available,
+    describing,
     free_owned,
     layout_tag,
     library,
@@ -95,6 +95,7 @@ class Attention:
     """
 
     tactic = "sdpa_dnnl"
+    kind = "attention"
 
     def __init__(
         self,
@@ -135,7 +136,8 @@ class Attention:
         weakref.finalize(self, free_owned, lib, self._owned)
         if self._mask is not None and self._mask.shape != self._scores and self._reference_kernel(self._split_key()):
             self._mask = self._mask.expand(self._scores).contiguous()
-        self._thread_call(self._split_key())
+        if not describing():
+            self._thread_call(self._split_key())
 
     def impl(self) -> str:
         """oneDNN's implementations of the three steps, for heads split from ``[B, S, H, D]``
@@ -374,18 +376,3 @@ def split_heads_strides(shape: Sequence[int]) -> Strides:
 
 def _contiguous_strides(shape: Sequence[int]) -> Strides:
     return tuple(torch.empty(tuple(shape), device="meta").stride())
-
-
-def attention_available(precision: str) -> bool:
-    """Whether an attention of ``precision`` gets optimized oneDNN kernels for all three steps here."""
-    return available(precision) and _fast_kernels(precision)
-
-
-@functools.cache
-def _fast_kernels(precision: str) -> bool:
-    try:
-        impl = Attention(dtype_from_name(precision), (1, 2, 16, 16), (1, 2, 16, 16), (1, 2, 16, 16)).impl()
-    except HarnessError:
-        return False
-    return not any(part.startswith("ref") for part in impl.split(", "))
-

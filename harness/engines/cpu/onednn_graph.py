@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from harness.dtypes import dtype_from_name
+from harness.engines import capability
 from harness.errors import first_line
 from harness.globalstate import onednn_fusion_enabled
 
@@ -49,12 +50,14 @@ Fixer = Callable[[torch.Tensor], torch.Tensor]
 
 
 def available(precision: str) -> bool:
-    """Whether this PyTorch can compile a layer of ``precision`` into a oneDNN Graph partition."""
+    """Whether this PyTorch can compile a layer of ``precision`` into a oneDNN Graph partition
+    with native kernels: fp32, and bf16 where torch has native bf16 kernels (the current
+    capability, :mod:`harness.engines.capability`)."""
     if precision not in ("fp32", "bf16") or not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
         return False
     if not hasattr(torch._C, "_jit_llga_enabled") or not hasattr(torch.jit, "trace"):
         return False
-    return precision == "fp32" or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return capability.current().aten_native(precision)
 
 
 @contextmanager

@@ -50,7 +50,7 @@ from typing import Any
 
 import torch
 
-from harness.dtypes import dtype_from_name, dtype_name
+from harness.dtypes import dtype_name
 from harness.errors import HarnessError
 from harness.extras import install_command
 
@@ -132,6 +132,9 @@ class _Library:
                 f"{path} brought its own OpenMP runtime ({', '.join(sorted(self.openmp_added))}): "
                 "its threads would not follow torch.set_num_threads"
             )
+        lib.dnnl_get_effective_cpu_isa.restype = ctypes.c_int
+        # The dnnl_cpu_isa_t value of the kernels oneDNN generates here (ONEDNN_MAX_CPU_ISA lowers it).
+        self.isa = int(lib.dnnl_get_effective_cpu_isa())
         lib.dnnl_primitive_desc_query_md.restype = VOID
         lib.dnnl_primitive_desc_query_md.argtypes = [VOID, ctypes.c_int, ctypes.c_int]
         lib.dnnl_memory_desc_get_size.restype = ctypes.c_size_t
@@ -311,77 +314,33 @@ def library() -> _Library | None:
         return None
 
 
-@functools.cache
-def available(precision: str) -> bool:
-    """Whether a linear layer of ``precision`` gets an optimized (not reference) oneDNN kernel here.
+# Set while :func:`kernel_of` makes an object that only describes its primitive.
+_describing = threading.local()
 
-    oneDNN falls back to reference C++ loops where the CPU lacks the ISA
-    (fp16 without AVX-512 FP16): correct, but tens of times slower, so never a
-    sensible candidate to time.
+
+def kernel_of(make: Callable[..., Any], *args: Any, **kwargs: Any) -> str | None:
+    """The implementation oneDNN picks (``brg:avx512_core``, ``ref:any``) for the primitive(s)
+    ``make(*args, **kwargs)`` would create, at the current thread count, asked of the
+    descriptors alone: nothing is created or JIT-compiled. None where oneDNN has no kernel
+    for it, or the arguments make no primitive (the reason is logged at debug level).
+
+    ``make`` is a primitive class of this module or of
+    :mod:`harness.engines.cpu.onednn_attention`: one whose constructor creates nothing
+    while :func:`describing` and whose ``impl()`` names the implementation.
     """
-    if library() is None or precision not in _DNNL_TYPES:
-        return False
-    return _fast(
-        lambda dtype: Matmul(torch.zeros(16, 16, dtype=dtype), torch.zeros(16, dtype=dtype), (16, 16), None, None),
-        precision,
-    )
-
-
-# Each availability check below asks :func:`available` on every call and caches only its own
-# kernel probe: a test (or a caller) that turns ``available`` off turns every primitive off.
-def pooling_available(precision: str) -> bool:
-    """Whether an average pooling of ``precision`` gets an optimized oneDNN kernel here (the
-    matmul's kernels, :func:`available`, do not vouch for the pooling's)."""
-    return available(precision) and _probe_fast("pooling", precision)
-
-
-def binary_available(precision: str) -> bool:
-    """Whether a per-channel multiplication of ``precision`` gets an optimized oneDNN kernel here."""
-    return available(precision) and _probe_fast("binary", precision)
-
-
-def layernorm_available(precision: str) -> bool:
-    """Whether a layer normalization of ``precision`` gets an optimized oneDNN kernel here."""
-    return available(precision) and _probe_fast("layernorm", precision)
-
-
-def cast_available(source: str, target: str) -> bool:
-    """Whether a conversion from ``source`` to ``target`` gets a JIT-compiled oneDNN reorder here
-    (not its generic C++ loop), both types ones its other primitives compute in here."""
-    return source != target and available(source) and available(target) and _cast_jit(source, target)
-
-
-@functools.cache
-def _cast_jit(source: str, target: str) -> bool:
+    _describing.on = True
     try:
-        impl = Cast(dtype_from_name(source), dtype_from_name(target), (4, 64)).impl()
+        return str(make(*args, **kwargs).impl())
     except HarnessError as exc:
-        log.debug("oneDNN reorder from %s to %s: %s", source, target, exc)
-        return False
-    return impl.startswith("jit")
+        log.debug("%s: %s", getattr(make, "tactic", make), exc)
+        return None
+    finally:
+        _describing.on = False
 
 
-# The smallest primitive of each kind whose kernel shows what oneDNN runs for that kind here.
-_PROBES: dict[str, Callable[[torch.dtype], _Primitive]] = {
-    "pooling": lambda dtype: Pooling(dtype, (1, 16, 4, 4), (4, 4)),
-    "binary": lambda dtype: Binary("binary_mul", dtype, (1, 16, 4, 4), (1, 16, 1, 1)),
-    "layernorm": lambda dtype: LayerNorm(dtype, (4, 64), torch.ones(64), torch.zeros(64), 1e-5),
-}
-
-
-@functools.cache
-def _probe_fast(kind: str, precision: str) -> bool:
-    return _fast(_PROBES[kind], precision)
-
-
-def _fast(make: Callable[[torch.dtype], _Primitive], precision: str) -> bool:
-    """Whether the primitive ``make`` gives in ``precision`` runs an optimized kernel, not a reference loop."""
-    try:
-        impl = make(dtype_from_name(precision)).impl()
-    except HarnessError as exc:
-        log.debug("oneDNN in %s: %s", precision, exc)
-        return False
-    return not impl.startswith("ref")
+def describing() -> bool:
+    """Whether the object being made only describes its primitive (see :func:`kernel_of`)."""
+    return bool(getattr(_describing, "on", False))
 
 
 class _Primitive:
@@ -406,6 +365,7 @@ class _Primitive:
     """
 
     tactic = ""  # the engine's name of the tactic running it
+    kind = ""  # the primitive, as harness.engines.capability names it
     layout = torch.contiguous_format  # of the result and the second input
     input_layout = torch.contiguous_format
     # The second input (given as ``residual``): oneDNN's argument for it, and what errors call it.
@@ -447,7 +407,8 @@ class _Primitive:
         # Created now, not on the first call: that call would pay the kernel's JIT generation
         # (milliseconds), which the builder's whole-run timing must not see, and an engine
         # that cannot create its primitive fails where it is built or loaded.
-        self._state()
+        if not describing():
+            self._state()
 
     def impl(self) -> str:
         """The implementation oneDNN chose at the current thread count (``brg:avx512_core``)."""
@@ -731,6 +692,7 @@ class Matmul(_Primitive):
     """
 
     tactic = "gemm_dnnl"
+    kind = "matmul"
 
     def __init__(
         self,
@@ -795,6 +757,7 @@ class Convolution(_Primitive):
     """
 
     tactic = "conv_dnnl"
+    kind = "convolution"
     layout = input_layout = torch.channels_last
 
     def __init__(
@@ -889,6 +852,7 @@ class Pooling(_Primitive):
     pooling between its producer's and its reader's primitives."""
 
     tactic = "pool_dnnl"
+    kind = "pooling"
     layout = input_layout = torch.channels_last
 
     def __init__(
@@ -944,6 +908,7 @@ class Binary(_Primitive):
     """
 
     tactic = "binary_dnnl"
+    kind = "binary"
     layout = input_layout = torch.channels_last
     second_arg = ARG_SRC_1
     second_name = "second operand"
@@ -1012,6 +977,7 @@ class Cast(_Primitive):
     """
 
     tactic = "cast_dnnl"
+    kind = "reorder"
 
     def __init__(
         self, input_dtype: torch.dtype, dtype: torch.dtype, shape: Sequence[int], result: ResultSlot | None = None
@@ -1046,6 +1012,7 @@ class LayerNorm(_Primitive):
     """
 
     tactic = "layernorm_dnnl"
+    kind = "layernorm"
 
     def __init__(
         self,

@@ -40,7 +40,8 @@ from typing import Any
 import torch
 
 from harness.dtypes import LOW_DTYPES, dtype_from_name, dtype_name
-from harness.engines.cpu import onednn_attention, onednn_graph, onednn_primitive
+from harness.engines import capability
+from harness.engines.cpu import kernels, onednn_attention, onednn_graph, onednn_primitive
 from harness.engines.cpu.onednn_primitive import Eltwise
 from harness.engines.cpu.plan import (
     GETITEM,
@@ -150,10 +151,36 @@ def tactic_hash(name: str) -> str:
     return "0x" + hashlib.sha256(name.encode()).hexdigest()[:16]
 
 
+@dataclass(frozen=True)
+class Offer:
+    """The implementations that can run a layer on this CPU, and those it leaves out, with why."""
+
+    impls: tuple[str, ...]
+    left_out: Mapping[str, str]  # implementation -> why this CPU does not offer it
+
+
 def impl_names(
     node: Node, metas: Mapping[str, TensorMeta], weights: Mapping[str, torch.Tensor]
 ) -> list[str]:
-    """Implementations that can run ``node``; the first is the plain ATen call."""
+    """The implementations :func:`offer` offers for ``node``."""
+    return list(offer(node, metas, weights).impls)
+
+
+def offer(node: Node, metas: Mapping[str, TensorMeta], weights: Mapping[str, torch.Tensor]) -> Offer:
+    """Implementations that can run ``node`` here; the first is the plain ATen call unless
+    this CPU leaves it out.
+
+    A tactic whose kernel here is a reference or emulated fallback for the
+    layer's shape and type is left out, with its reason, as the current
+    capability (:mod:`harness.engines.capability`) answers: a oneDNN
+    primitive whose descriptor names a reference loop or no kernel; torch's
+    oneDNN ops and Graph partitions in a type torch has no native kernels
+    for; and, in such a type, ATen's own matmuls, convolutions and explicit
+    attention, which convert every element in software (the ``*_widened``
+    tactics then compute the same products, exactly, on fp32 kernels and
+    round once). An emulated ATen call stays where nothing else can run the
+    layer.
+    """
     packet = plan_packet(node.op)
     named = _named(node)
     if node.epilogue and not epilogue_ok(node, node.epilogue):
@@ -167,68 +194,146 @@ def impl_names(
             f"layer {node.name!r} ({node.op}) cannot add a residual; only convolutions and linear "
             "layers with constant weights can"
         )
+    found = _Found(node, metas, weights)
     if packet in ("view", "_unsafe_view"):
         # A view of a channels-last tensor may be impossible; a reshape gives
         # the same values whatever the layout the producer's tactic chose.
-        return ["reshape"]
-    if packet in ("conv2d", "convolution") and _conv_ok(node, named):
+        found.add("reshape")
+    elif packet in ("conv2d", "convolution") and _conv_ok(node, named):
         precision = node.out().dtype
-        impls = ["conv_nchw", "conv_channels_last"]
+        found.add("conv_nchw", "conv_channels_last")
         # Without oneDNN, reduced-precision convolution falls back to a naive
         # loop 50-100x slower: never a sensible candidate, so never timed.
         if precision == "fp32" and not isinstance(named["padding"], str):
-            impls.append("conv_no_mkldnn")
+            found.add("conv_no_mkldnn")
         if packet == "conv2d" and not isinstance(named["padding"], str):
-            if _onednn_ok(precision):
-                impls.append("conv_onednn")
-            impls += _graph_variants("conv", node, precision)
-            if _dnnl_ok(node, named, metas, weights):
-                impls.append(PRIMITIVE_CONV)
+            found.aten_onednn("conv_onednn", precision)
+            found.graph_variants("conv", precision)
+            if _dnnl_fits(node, named, metas, weights):
+                found.primitive(PRIMITIVE_CONV)
         if _pointwise_conv(packet, named, weights):
-            impls += ["conv1x1_gemm", *_gemm_variants("conv1x1", precision)]
-        return impls
-    if packet in _GEMM_OPERANDS:
+            found.add("conv1x1_gemm")
+            found.gemm_variants("conv1x1", precision)
+        found.emulation(precision, "conv_widened")
+    elif packet in _GEMM_OPERANDS:
         k = _reduction_size(packet, named, metas, weights)
-        impls = ["gemm_direct"] + [f"gemm_splitk{n}" for n in (2, 4) if k // n >= _MIN_SPLIT_CHUNK]
+        found.add("gemm_direct", *(f"gemm_splitk{n}" for n in (2, 4) if k // n >= _MIN_SPLIT_CHUNK))
+        precision = node.out().dtype
         if packet == "linear" and _linear_ok(named):
-            impls += ["gemm_nn", *_gemm_variants("gemm", node.out().dtype)]
-            impls += _graph_variants("gemm", node, node.out().dtype)
-            if _dnnl_ok(node, named, metas, weights):
-                impls.append(PRIMITIVE_GEMM)
-        return impls
-    if avg_pool_window(node, metas) is not None:
+            found.add("gemm_nn")
+            found.gemm_variants("gemm", precision)
+            found.graph_variants("gemm", precision)
+            if _dnnl_fits(node, named, metas, weights):
+                found.primitive(PRIMITIVE_GEMM)
+        found.emulation(precision, "gemm_widened")
+    elif avg_pool_window(node, metas) is not None:
         precision = node.out().dtype
         in_meta = metas[node.refs()[0].name]
-        dnnl = len(in_meta.shape) == 4 and in_meta.dtype == precision and onednn_primitive.pooling_available(precision)
-        return ["direct", "pool_window", *([PRIMITIVE_POOL] if dnnl else [])]
-    if packet in _BINARY_ALGORITHMS and _binary_ok(node, named, metas):
-        return ["direct", PRIMITIVE_BINARY]
-    if packet == "_to_copy" and _cast_ok(node, named, metas):
-        return ["direct", PRIMITIVE_CAST]
-    if packet in _SOFTMAX_LOG:
+        found.add("direct", "pool_window")
+        if len(in_meta.shape) == 4 and in_meta.dtype == precision:
+            found.primitive(PRIMITIVE_POOL)
+    elif packet in _BINARY_ALGORITHMS and _binary_fits(node, named, metas):
+        found.add("direct")
+        found.primitive(PRIMITIVE_BINARY)
+    elif packet == "_to_copy" and _cast_fits(node, named, metas):
+        found.add("direct")
+        found.primitive(PRIMITIVE_CAST)
+    elif packet in _SOFTMAX_LOG:
         undecomposable = named.get("dtype") is not None or named.get("half_to_float", False)
-        return ["softmax_fused"] + ([] if undecomposable else ["softmax_decomposed"])
-    if packet == "layer_norm" and not any(isinstance(named[a], Ref) for a in ("weight", "bias")):
-        dnnl = _layernorm_dnnl_ok(node, named, metas)
-        return ["layernorm_fused", "layernorm_decomposed", *([PRIMITIVE_LNORM] if dnnl else [])]
-    if (
+        found.add("softmax_fused", *([] if undecomposable else ["softmax_decomposed"]))
+    elif packet == "layer_norm" and not any(isinstance(named[a], Ref) for a in ("weight", "bias")):
+        found.add("layernorm_fused", "layernorm_decomposed")
+        if _layernorm_fits(node, named, metas):
+            found.primitive(PRIMITIVE_LNORM)
+    elif (
         packet == "scaled_dot_product_attention"
         and all(isinstance(named[a], Ref) for a in ("query", "key", "value"))
         and named["dropout_p"] == 0.0
         and not named["enable_gqa"]
     ):
-        return ["sdpa_fused", "sdpa_math", *([SDPA_DNNL] if _sdpa_dnnl_ok(node, named, metas, weights) else [])]
-    return ["direct"]
+        found.add("sdpa_fused", "sdpa_math")
+        if _sdpa_fits(node, named, metas, weights):
+            found.primitive(SDPA_DNNL)
+        found.emulation(node.out().dtype)
+    else:
+        found.add("direct")
+    return Offer(tuple(found.impls), dict(found.left_out))
 
 
-def _gemm_variants(family: str, precision: str) -> list[str]:
-    """``family``'s widened and oneDNN tactics, where ``precision`` has them."""
-    variants = []
-    if precision in _WIDENABLE:
-        variants.append(f"{family}_widened")
-    if _onednn_ok(precision):
-        variants.append(f"{family}_onednn")
-    return variants
+# ATen's own kernels that compute a layer's matmuls or convolutions in its type: where torch has
+# no native kernels for that type, generic loops that convert every element in software.
+_ATEN_LOW = frozenset(
+    {"conv_nchw", "conv_channels_last", "conv1x1_gemm", "gemm_direct", "gemm_nn", "gemm_splitk2", "gemm_splitk4", "sdpa_math"}
+)
+
+
+class _Found:
+    """The implementations found for one layer so far, and those left out with their reasons."""
+
+    def __init__(self, node: Node, metas: Mapping[str, TensorMeta], weights: Mapping[str, torch.Tensor]) -> None:
+        self.node, self.metas, self.weights = node, metas, weights
+        self.impls: list[str] = []
+        self.left_out: dict[str, str] = {}
+        self.capability = capability.current()
+
+    def add(self, *impls: str) -> None:
+        self.impls += impls
+
+    def aten_onednn(self, impl: str, precision: str) -> None:
+        """``impl``, one of torch's own oneDNN ops, where torch has native kernels for ``precision``."""
+        if self.capability.aten_native(precision):
+            self.add(impl)
+        else:
+            self.left_out[impl] = _no_native_aten(precision)
+
+    def gemm_variants(self, family: str, precision: str) -> None:
+        """``family``'s widened and oneDNN tactics, where ``precision`` has them."""
+        if precision in _WIDENABLE:
+            self.add(f"{family}_widened")
+        self.aten_onednn(f"{family}_onednn", precision)
+
+    def graph_variants(self, family: str, precision: str) -> None:
+        """``family``'s oneDNN Graph tactic: in ``precision`` where the bridge has its kernels, else
+        widened to fp32 (an fp16 layer, or bf16 without native kernels; see
+        :mod:`harness.engines.cpu.onednn_graph`)."""
+        if not _EPILOGUES[self.node.epilogue].graph:
+            return
+        if onednn_graph.available(precision):
+            self.add(f"{family}_onednn_graph")
+            return
+        if precision == "bf16":
+            self.left_out[f"{family}_onednn_graph"] = _no_native_aten(precision)
+        if precision in _WIDENABLE and onednn_graph.available("fp32"):
+            self.add(f"{family}_onednn_graph_widened")
+
+    def primitive(self, impl: str) -> None:
+        """The primitive tactic ``impl``, where the primitive the layer would create gets a native kernel."""
+        call = _PRIMITIVE_CALLS[impl](_context(self.node, self.metas, self.weights))
+        reason = kernels.missing(call.make.kind, call.precision, call.make, *call.args, **call.kwargs)
+        if reason is None:
+            self.add(impl)
+        else:
+            self.left_out[impl] = reason
+
+    def emulation(self, precision: str, widened: str | None = None) -> None:
+        """In a ``precision`` ATen has no native kernels for: ``widened`` (the layer on fp32
+        kernels) offered, and ATen's own low-precision kernels (:data:`_ATEN_LOW`) left out
+        where anything else remains."""
+        if precision not in _WIDENABLE or self.capability.aten_native(precision):
+            return
+        if widened is not None and widened not in self.impls:
+            self.add(widened)
+        emulated = [impl for impl in self.impls if impl in _ATEN_LOW]
+        if len(emulated) == len(self.impls):
+            return
+        reason = _no_native_aten(precision) + "; ATen converts every element in software"
+        for impl in emulated:
+            self.impls.remove(impl)
+            self.left_out[impl] = reason
+
+
+def _no_native_aten(precision: str) -> str:
+    return f"torch has no native {precision} matmul or convolution kernels here"
 
 
 def epilogue_ok(node: Node, epilogue: str) -> bool:
@@ -268,11 +373,23 @@ def bind(
     dead (the oneDNN primitives do: see
     :class:`harness.engines.cpu.onednn_primitive.Matmul`); other tactics ignore it.
     """
-    valid = impl_names(node, metas, weights)
-    if impl not in valid:
+    found = offer(node, metas, weights)
+    if impl not in found.impls:
+        why = f" ({found.left_out[impl]})" if impl in found.left_out else ""
         raise HarnessError(
-            f"layer {node.name!r} ({node.op}) has no implementation {impl!r}; valid: {', '.join(valid)}"
+            f"layer {node.name!r} ({node.op}) has no implementation {impl!r} here{why}; "
+            f"valid: {', '.join(found.impls)}"
         )
+    return _BINDERS[impl](_context(node, metas, weights, result))
+
+
+def _context(
+    node: Node,
+    metas: Mapping[str, TensorMeta],
+    weights: Mapping[str, torch.Tensor],
+    result: onednn_primitive.ResultSlot | None = None,
+) -> _Ctx:
+    """What a binder needs of ``node``: its arguments with dynamic inputs as slots and weights as tensors."""
     fn = runnable_op(node.op, f"layer {node.name!r}")
     counter = iter(range(len(node.refs())))
 
@@ -288,10 +405,11 @@ def bind(
     inputs = tuple(metas[r.name] for r in node.refs())
     first = node.outputs[0] if node.outputs else None
     output = () if first is None else first.shape
-    ctx = _Ctx(
-        node.name, fn, named, plan_packet(node.op), node.epilogue, node.residual is not None, inputs, output, result
-    )
-    return _BINDERS[impl](ctx)
+    dtype = "" if first is None else first.dtype
+    return _Ctx(
+        node.name, fn, named, plan_packet(node.op), node.epilogue, node.residual is not None, inputs, output, dtype,
+        result,
+    )  # fmt: skip
 
 
 @contextmanager
@@ -357,6 +475,7 @@ class _Ctx:
     residual: bool  # the layer adds its last dynamic input to its result (before the epilogue)
     inputs: tuple[TensorMeta, ...]  # of the dynamic inputs, in slot order
     output: tuple[int, ...]  # the shape of the first result
+    dtype: str  # the first result's ("" without one)
     result: onednn_primitive.ResultSlot | None  # see bind()
 
     @property
@@ -369,7 +488,7 @@ class _Ctx:
         """The first dynamic input's."""
         return self.inputs[0].shape if self.inputs else ()
 
-    def call(self, **changes: Any) -> Bound:
+    def call(self, /, **changes: Any) -> Bound:
         """The node's op on the node's arguments, some replaced (e.g. a prepared weight)."""
         named = {**self.named, **changes}
         args, kwargs = [], {}
@@ -381,6 +500,20 @@ class _Ctx:
             else:
                 args.append(named[arg.name])
         return make_call(self.fn, args, kwargs)
+
+
+class _PrimitiveCall:
+    """The primitive a tactic on oneDNN's primitives creates for a layer, not yet created: its
+    class, its precision as :mod:`harness.engines.capability` names it, and its arguments."""
+
+    def __init__(self, make: _PrimitiveClass, precision: str, *args: Any, **kwargs: Any) -> None:
+        self.make, self.precision, self.args, self.kwargs = make, precision, args, kwargs
+
+    def make_it(self) -> Bound:
+        return self.make(*self.args, **self.kwargs)
+
+
+_PrimitiveClass = type[onednn_primitive._Primitive] | type[onednn_attention.Attention]
 
 
 def _direct(ctx: _Ctx) -> Bound:
@@ -632,10 +765,12 @@ def _gemm_onednn(ctx: _Ctx) -> Bound:
     return lambda x: linear(x, packed, bias, attr, [], algorithm)
 
 
-def _gemm_dnnl(ctx: _Ctx) -> Bound:
+def _gemm_dnnl(ctx: _Ctx) -> _PrimitiveCall:
     """oneDNN's matmul primitive through its C API (:mod:`harness.engines.cpu.onednn_primitive`):
     weight prepacked, bias, residual and activation fused, one rounding."""
-    return onednn_primitive.Matmul(
+    return _PrimitiveCall(
+        onednn_primitive.Matmul,
+        ctx.dtype,
         ctx.named["weight"],
         ctx.named["bias"],
         ctx.input_shape,
@@ -645,12 +780,14 @@ def _gemm_dnnl(ctx: _Ctx) -> Bound:
     )
 
 
-def _conv_dnnl(ctx: _Ctx) -> Bound:
+def _conv_dnnl(ctx: _Ctx) -> _PrimitiveCall:
     """oneDNN's convolution primitive through its C API, channels-last in and out: weight
     prepacked, bias, residual and activation fused, one rounding."""
     named = ctx.named
     stride, padding, dilation = (_pair(named[k]) for k in ("stride", "padding", "dilation"))
-    return onednn_primitive.Convolution(
+    return _PrimitiveCall(
+        onednn_primitive.Convolution,
+        ctx.dtype,
         named["weight"],
         named["bias"],
         ctx.input_shape,
@@ -662,6 +799,34 @@ def _conv_dnnl(ctx: _Ctx) -> Bound:
         dtype_from_name(ctx.inputs[-1].dtype) if ctx.residual else None,
         ctx.result,
     )
+
+
+def _widened(ctx: _Ctx) -> Bound:
+    """The layer's op on its fp16/bf16 operands widened exactly to fp32 (constants once), the
+    residual and activation added in fp32, the result rounded once to the layer's type: what a
+    native low-precision kernel computes (exact products, fp32 accumulation), on fp32 kernels."""
+    wide = {k: v.float() for k, v in ctx.named.items() if isinstance(v, torch.Tensor) and v.dtype in _LOW_TORCH}
+    base = ctx.call(**wide)
+    post = _EPILOGUES[ctx.epilogue].in_place
+    dtype = dtype_from_name(ctx.dtype)
+    operands = len(ctx.inputs) - ctx.residual
+
+    def widened(*d: Any) -> Any:
+        y = base(*(t.float() if t.dtype in _LOW_TORCH else t for t in d[:operands]))
+        if ctx.residual:
+            y = y.add_(d[operands])
+        if post is not None:
+            y = post(y)
+        return y.to(dtype)
+
+    return widened
+
+
+def _gemm_widened(ctx: _Ctx) -> Bound:
+    """A linear layer as one widened row GEMM (:func:`_row_gemm`); any other matmul widened whole."""
+    if ctx.packet == "linear" and isinstance(ctx.named["weight"], torch.Tensor):
+        return _gemm_rows("widen")(ctx)
+    return _widened(ctx)
 
 
 def _with_epilogue(fn: Bound, epilogue: str, residual: bool = False) -> Bound:
@@ -778,21 +943,23 @@ def _pool_window(ctx: _Ctx) -> Bound:
     return window_pool(_ctx_window(ctx))
 
 
-def _pool_dnnl(ctx: _Ctx) -> Bound:
+def _pool_dnnl(ctx: _Ctx) -> _PrimitiveCall:
     """oneDNN's pooling primitive through its C API, channels-last in and out: from a
     convolution's result into the next one's input without leaving oneDNN's layout (a
     1x16x56x56 global pooling: 6.9 µs against 13.7 µs for ATen's, an AMD EPYC, one thread)."""
     dtype = dtype_from_name(ctx.inputs[0].dtype)
-    return onednn_primitive.Pooling(dtype, ctx.input_shape, _ctx_window(ctx), ctx.result)
+    return _PrimitiveCall(onednn_primitive.Pooling, ctx.dtype, dtype, ctx.input_shape, _ctx_window(ctx), ctx.result)
 
 
-def _binary_dnnl(ctx: _Ctx) -> Bound:
+def _binary_dnnl(ctx: _Ctx) -> _PrimitiveCall:
     """oneDNN's binary primitive through its C API, channels-last in and out (see
     :class:`harness.engines.cpu.onednn_primitive.Binary`): the operand of the result's shape
     first, whichever the layer lists first."""
     first, second = (meta.shape for meta in ctx.inputs)
     scale_first = tuple(first) != tuple(ctx.output)
-    return onednn_primitive.Binary(
+    return _PrimitiveCall(
+        onednn_primitive.Binary,
+        ctx.dtype,
         _BINARY_ALGORITHMS[ctx.packet],
         dtype_from_name(ctx.inputs[0].dtype),
         ctx.output,
@@ -802,29 +969,47 @@ def _binary_dnnl(ctx: _Ctx) -> Bound:
     )
 
 
-def _cast_dnnl(ctx: _Ctx) -> Bound:
+def _cast_dnnl(ctx: _Ctx) -> _PrimitiveCall:
     """oneDNN's reorder between float types through its C API, plain layout in and out (see
     :class:`harness.engines.cpu.onednn_primitive.Cast`)."""
-    source = dtype_from_name(ctx.inputs[0].dtype)
-    return onednn_primitive.Cast(source, ctx.named["dtype"], ctx.input_shape, ctx.result)
-
-
-def _layernorm_dnnl(ctx: _Ctx) -> Bound:
-    """oneDNN's layer normalization through its C API, plain layout in and out (see
-    :class:`harness.engines.cpu.onednn_primitive.LayerNorm`)."""
-    named = ctx.named
-    return onednn_primitive.LayerNorm(
-        dtype_from_name(ctx.inputs[0].dtype), ctx.input_shape, named["weight"], named["bias"], named["eps"], ctx.result
+    source = ctx.inputs[0].dtype
+    conversion = f"{source}>{dtype_name(ctx.named['dtype'])}"
+    return _PrimitiveCall(
+        onednn_primitive.Cast, conversion, dtype_from_name(source), ctx.named["dtype"], ctx.input_shape, ctx.result
     )
 
 
-def _sdpa_dnnl(ctx: _Ctx) -> Bound:
+def _layernorm_dnnl(ctx: _Ctx) -> _PrimitiveCall:
+    """oneDNN's layer normalization through its C API, plain layout in and out (see
+    :class:`harness.engines.cpu.onednn_primitive.LayerNorm`)."""
+    named = ctx.named
+    return _PrimitiveCall(
+        onednn_primitive.LayerNorm,
+        ctx.dtype,
+        dtype_from_name(ctx.inputs[0].dtype),
+        ctx.input_shape,
+        named["weight"],
+        named["bias"],
+        named["eps"],
+        ctx.result,
+    )
+
+
+def _sdpa_dnnl(ctx: _Ctx) -> _PrimitiveCall:
     """Attention on three oneDNN primitives through its C API, on the operands' strides (see
     :class:`harness.engines.cpu.onednn_attention.Attention`)."""
     q, k, v = (meta.shape for meta in ctx.inputs)
     dtype, named = dtype_from_name(ctx.inputs[0].dtype), ctx.named
-    return onednn_attention.Attention(
-        dtype, q, k, v, named["scale"], mask=named["attn_mask"], causal=bool(named["is_causal"])
+    return _PrimitiveCall(
+        onednn_attention.Attention,
+        ctx.dtype,
+        dtype,
+        q,
+        k,
+        v,
+        named["scale"],
+        mask=named["attn_mask"],
+        causal=bool(named["is_causal"]),
     )
 
 
@@ -908,59 +1093,36 @@ def _pair(value: Any) -> list[int]:
     return values * 2 if len(values) == 1 else values
 
 
-def _onednn_ok(precision: str) -> bool:
-    if not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
-        return False
-    if precision == "bf16":
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    if precision == "fp16":
-        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
-    return precision == "fp32"
-
-
-def _graph_variants(family: str, node: Node, precision: str) -> list[str]:
-    """``family``'s oneDNN Graph tactic: in ``precision`` where the bridge has its kernels,
-    else widened to fp32 (an fp16 layer; see :mod:`harness.engines.cpu.onednn_graph`)."""
-    if not _EPILOGUES[node.epilogue].graph:
-        return []
-    if onednn_graph.available(precision):
-        return [f"{family}_onednn_graph"]
-    if precision in _WIDENABLE and onednn_graph.available("fp32"):
-        return [f"{family}_onednn_graph_widened"]
-    return []
-
-
-def _dnnl_ok(
+def _dnnl_fits(
     node: Node, named: Mapping[str, Any], metas: Mapping[str, TensorMeta], weights: Mapping[str, torch.Tensor]
 ) -> bool:
-    """A linear layer or convolution whose input, weight and result share a precision oneDNN
-    has fast kernels for."""
+    """A linear layer or convolution whose input, weight and result share a precision oneDNN computes in."""
     precision = node.out().dtype
-    if metas[named["input"].name].dtype != precision or dtype_name(weights[named["weight"].name].dtype) != precision:
-        return False
-    return onednn_primitive.available(precision)
+    return (
+        precision in _DNNL_PRECISIONS
+        and metas[named["input"].name].dtype == precision
+        and dtype_name(weights[named["weight"].name].dtype) == precision
+    )
 
 
-def _binary_ok(node: Node, named: Mapping[str, Any], metas: Mapping[str, TensorMeta]) -> bool:
+def _binary_fits(node: Node, named: Mapping[str, Any], metas: Mapping[str, TensorMeta]) -> bool:
     """Two computed 4-D operands of the result's precision, one of the result's shape and the
-    other broadcast over it, in a precision oneDNN's binary primitive has fast kernels for."""
+    other broadcast over it."""
     operands = [named["self"], named["other"]]
     if node.multi or not all(isinstance(o, Ref) for o in operands):
         return False
     out = node.out()
     first, second = (metas[o.name] for o in operands)
-    if first.dtype != out.dtype or second.dtype != out.dtype:
+    if out.dtype not in _DNNL_PRECISIONS or first.dtype != out.dtype or second.dtype != out.dtype:
         return False
     shape = tuple(out.shape)
-    fits = (tuple(first.shape) == shape and onednn_primitive.broadcasts(shape, second.shape)) or (
+    return (tuple(first.shape) == shape and onednn_primitive.broadcasts(shape, second.shape)) or (
         tuple(second.shape) == shape and onednn_primitive.broadcasts(shape, first.shape)
     )
-    return fits and onednn_primitive.binary_available(out.dtype)
 
 
-def _layernorm_dnnl_ok(node: Node, named: Mapping[str, Any], metas: Mapping[str, TensorMeta]) -> bool:
-    """A computed input normalized over its last dimension alone, into its own type, in a
-    precision oneDNN has a fast layer normalization for."""
+def _layernorm_fits(node: Node, named: Mapping[str, Any], metas: Mapping[str, TensorMeta]) -> bool:
+    """A computed input normalized over its last dimension alone, into its own type."""
     source = named["input"]
     if node.multi or not isinstance(source, Ref) or len(named["normalized_shape"]) != 1:
         return False
@@ -968,13 +1130,13 @@ def _layernorm_dnnl_ok(node: Node, named: Mapping[str, Any], metas: Mapping[str,
     return (
         2 <= len(meta.shape) <= onednn_primitive.MAX_DIMS
         and meta.dtype == node.out().dtype
-        and onednn_primitive.layernorm_available(meta.dtype)
+        and meta.dtype in _DNNL_PRECISIONS
     )
 
 
-def _cast_ok(node: Node, named: Mapping[str, Any], metas: Mapping[str, TensorMeta]) -> bool:
+def _cast_fits(node: Node, named: Mapping[str, Any], metas: Mapping[str, TensorMeta]) -> bool:
     """A computed float tensor converted to another float type and nothing else (no device,
-    layout or memory format asked for), in types oneDNN's reorder converts between here."""
+    layout or memory format asked for)."""
     source = named["self"]
     if node.multi or not isinstance(source, Ref) or not isinstance(named["dtype"], torch.dtype):
         return False
@@ -983,28 +1145,39 @@ def _cast_ok(node: Node, named: Mapping[str, Any], metas: Mapping[str, TensorMet
     ):
         return False
     meta = metas[source.name]
-    return 1 <= len(meta.shape) <= onednn_primitive.MAX_DIMS and onednn_primitive.cast_available(meta.dtype, dtype_name(named["dtype"]))
+    target = dtype_name(named["dtype"])
+    return (
+        1 <= len(meta.shape) <= onednn_primitive.MAX_DIMS
+        and meta.dtype in _DNNL_PRECISIONS
+        and target in _DNNL_PRECISIONS
+        and meta.dtype != target
+    )
 
 
-def _sdpa_dnnl_ok(
+def _sdpa_fits(
     node: Node, named: Mapping[str, Any], metas: Mapping[str, TensorMeta], weights: Mapping[str, torch.Tensor]
 ) -> bool:
     """An attention with a constant mask or none, its three inputs and result of one precision
-    and of shapes :class:`~harness.engines.cpu.onednn_attention.Attention` takes, in a
-    precision oneDNN has fast kernels for all three steps in."""
+    and of shapes :class:`~harness.engines.cpu.onednn_attention.Attention` takes."""
     mask = named["attn_mask"]
     if isinstance(mask, Ref) or node.multi:
         return False
     q, k, v = (metas[named[a].name] for a in ("query", "key", "value"))
     precision = node.out().dtype
-    if not (q.dtype == k.dtype == v.dtype == precision and onednn_attention.fits(q.shape, k.shape, v.shape)):
+    if precision not in _DNNL_PRECISIONS or not (
+        q.dtype == k.dtype == v.dtype == precision and onednn_attention.fits(q.shape, k.shape, v.shape)
+    ):
         return False
     scores = (*q.shape[:-1], k.shape[-2])
     try:
         onednn_attention.additive_mask(scores, None if mask is None else weights[mask.name], named["is_causal"])
     except HarnessError:
         return False
-    return onednn_attention.attention_available(precision)
+    return True
+
+
+# The types oneDNN's primitives compute in.
+_DNNL_PRECISIONS = frozenset(capability.PRECISIONS)
 
 
 def _linear_ok(named: Mapping[str, Any]) -> bool:
@@ -1077,6 +1250,7 @@ _PRODUCT_FNS: dict[str, Callable[..., Any]] = {
 _SOFTMAX_LOG = ("softmax", "_softmax", "log_softmax", "_log_softmax")
 # Precisions whose products are exact in fp32, so a widened GEMM keeps their numbers.
 _WIDENABLE = frozenset(LOW_DTYPES)
+_LOW_TORCH = frozenset(dtype_from_name(name) for name in LOW_DTYPES)
 
 
 @dataclass(frozen=True)
@@ -1128,28 +1302,41 @@ _BINDERS: dict[str, Callable[[_Ctx], Bound]] = {
     "conv1x1_widened": _conv1x1("widen"),
     "conv1x1_onednn": _conv1x1("onednn"),
     "gemm_nn": _gemm_rows("mm"),
-    "gemm_widened": _gemm_rows("widen"),
+    "gemm_widened": _gemm_widened,
+    "conv_widened": _widened,
     "gemm_direct": _gemm_direct,
     "gemm_onednn": _gemm_onednn,
-    PRIMITIVE_GEMM: _gemm_dnnl,
-    PRIMITIVE_CONV: _conv_dnnl,
+
     "gemm_onednn_graph": _onednn_graph(_F.linear, _GRAPH_LAYOUTS["gemm"], ()),
     "gemm_onednn_graph_widened": _onednn_graph(_F.linear, _GRAPH_LAYOUTS["gemm"], (), widened=True),
     "gemm_splitk2": _split_k(2),
     "gemm_splitk4": _split_k(4),
     "pool_window": _pool_window,
-    PRIMITIVE_POOL: _pool_dnnl,
-    PRIMITIVE_BINARY: _binary_dnnl,
-    PRIMITIVE_CAST: _cast_dnnl,
-    PRIMITIVE_LNORM: _layernorm_dnnl,
+
     "softmax_fused": _direct,
     "softmax_decomposed": _softmax,
     "layernorm_fused": _direct,
     "layernorm_decomposed": _layer_norm,
     "sdpa_fused": _direct,
     "sdpa_math": _sdpa_math,
+}
+# The tactics on oneDNN's primitives: the primitive each layer's tactic creates.
+_PRIMITIVE_CALLS: dict[str, Callable[[_Ctx], _PrimitiveCall]] = {
+    PRIMITIVE_GEMM: _gemm_dnnl,
+    PRIMITIVE_CONV: _conv_dnnl,
+    PRIMITIVE_POOL: _pool_dnnl,
+    PRIMITIVE_BINARY: _binary_dnnl,
+    PRIMITIVE_CAST: _cast_dnnl,
+    PRIMITIVE_LNORM: _layernorm_dnnl,
     SDPA_DNNL: _sdpa_dnnl,
 }
+
+
+def _made(call: Callable[[_Ctx], _PrimitiveCall]) -> Callable[[_Ctx], Bound]:
+    return lambda ctx: call(ctx).make_it()
+
+
+_BINDERS.update({impl: _made(call) for impl, call in _PRIMITIVE_CALLS.items()})
 
 
 def _named(node: Node) -> dict[str, Any]:

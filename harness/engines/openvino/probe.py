@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from harness.engines import capability
 from harness.engines.openvino.runtime import (
     DEVICE,
     OV_ERRORS,
@@ -54,15 +55,24 @@ class Probe:
         return f"OpenVINO {VERSION} ran {self.dtype} MatMul under INFERENCE_PRECISION_HINT={self.hint} in {self.ran_in}"
 
 
-@functools.cache
 def probe(dtype: str, hint: str) -> Probe:
     """Compile Parameter(f32) -> Convert(dtype) -> MatMul(dtype weights) -> Convert(f32) under ``hint``.
 
     ``dtype`` "fp32" with a low ``hint`` asks the weak-typing question (does
     OpenVINO lower an fp32 MatMul to the hint?); a low ``dtype`` with hint
-    "f32" the strong one (does it keep the graph's type?). Cached per
-    process: the answer is a property of this machine and OpenVINO build.
+    "f32" the strong one (does it keep the graph's type?). A forced CPU kind
+    (:func:`harness.engines.capability.forced`) answers for itself;
+    otherwise OpenVINO is asked, once per process: the answer is a property
+    of this machine and OpenVINO build.
     """
+    ran_in = capability.current().openvino_runs_in(dtype, hint)
+    if ran_in is not None:
+        return Probe(dtype, hint, ran_in)
+    return _asked(dtype, hint)
+
+
+@functools.cache
+def _asked(dtype: str, hint: str) -> Probe:
     import openvino as ov
     from openvino import opset13 as ops
 
