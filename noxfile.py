@@ -1,4 +1,4 @@
-"""Sessions: ``tests``, ``lint``, ``bench`` (posargs go to ``harness bench``), ``gate``.
+"""Sessions: ``tests``, ``lint``, ``bench`` (posargs go to ``harness bench``), ``gate``, ``gpu``.
 
 torch is installed before the project so that pip never resolves a bare
 ``torch`` requirement on a CPU-only machine (that would pull a multi-GB CUDA
@@ -149,12 +149,10 @@ def _write_fixed_trt_stubs(site_packages: Path, dest: Path) -> None:
 @nox.session
 def lint(session: nox.Session) -> None:
     """ruff and mypy; the TensorRT backend is type-checked against tensorrt-stubs."""
-    # Not the "lint" extra: tensorrt-stubs depends on the tensorrt wheel, whose
-    # native libraries only download from NVIDIA's host, so pip cannot install
-    # the extra as a whole. Take the stubs alone. The extras whose packages the code
+    # tensorrt-stubs depends on the tensorrt wheel, whose native libraries only download
+    # from NVIDIA's host: the stubs alone, without it. The extras whose packages the code
     # imports are installed so that mypy checks the calls into them.
-    _install(session, "onnx", "plots", "digits")
-    session.install("ruff>=0.5", "mypy>=1.10")
+    _install(session, "onnx", "plots", "digits", "lint")
     session.install("--no-deps", "tensorrt-stubs>=10.8")
     session.run("ruff", "check", "harness", "models", "tests", "noxfile.py")
     purelib = session.run(
@@ -178,6 +176,33 @@ def bench(session: nox.Session) -> None:
     """
     _install(session, "onednn", "plots", "digits", *(("onnx",) if _is_gpu_machine() else ()))
     session.run("harness", "bench", *session.posargs)
+
+
+@nox.session
+def gpu(session: nox.Session) -> None:
+    """The GPU smoke check (``python -m harness.smoke``, posargs go to it): build, pinned rebuild,
+    a pin that moves a kernel, bench with telemetry, promote and gate, ``pytest -m gpu``, each
+    once on a small model, with a table of the checks. Fails, saying so, without a GPU.
+
+    Installs a CUDA build of torch (``HARNESS_TORCH`` overrides it) and the TensorRT extra for
+    its CUDA major (``tensorrt-cu12`` or ``tensorrt-cu13``, :func:`harness.extras.tensorrt_extra`),
+    or the TensorRT requirement ``HARNESS_TENSORRT`` names (a release of the CI matrix).
+    """
+    if not _is_gpu_machine():
+        session.error("nox -s gpu: no GPU here (nvidia-smi is not on PATH); nothing was checked")
+    torch_req = os.environ.get("HARNESS_TORCH") or GPU_TORCH
+    session.install(torch_req)
+    # harness.extras needs nothing but the standard library: it runs before the project is installed.
+    extra = session.run(
+        "python", "-c", "import torch; from harness.extras import tensorrt_extra; print(tensorrt_extra(torch.version.cuda))",
+        silent=True,
+    )
+    pinned = os.environ.get("HARNESS_TENSORRT")  # a TensorRT release of the CI matrix, e.g. tensorrt-cu12==10.*
+    if pinned:
+        session.install("-e", ".[test]", pinned)
+    elif isinstance(extra, str):  # None with --install-only: no command runs
+        session.install("-e", f".[test,{extra.strip()}]")
+    session.run("python", "-m", "harness.smoke", *session.posargs)
 
 
 @nox.session

@@ -14,7 +14,11 @@ path needs (compile, build, bench, cache, gate). The rest comes with extras:
 * ``plots``: matplotlib (the PNGs of ``bench``, ``report`` and ``debug``);
 * ``digits``: scikit-learn (the zoo's ``digits`` model and its data);
 * ``hf``: transformers (the zoo's ``hf-*`` models);
-* ``all``: every one of them.
+* ``all``: every one of them;
+* ``tensorrt-cu12``, ``tensorrt-cu13``: TensorRT for the ``tensorrt`` backend on a
+  GPU machine, and its ONNX hand-off: the one for the CUDA major of the
+  installed torch (:func:`tensorrt_extra`); TensorRT's native libraries come
+  from NVIDIA's package host.
 
 :func:`require` is where such a module enters: it returns the module, or
 raises :class:`MissingExtra` (a :class:`HarnessError`, exit code 2) whose
@@ -41,6 +45,29 @@ PACKAGES = {
     "sklearn": "scikit-learn",
     "transformers": "transformers",
 }
+
+
+# The CUDA major of the installed torch -> the extra with the TensorRT built for it.
+TENSORRT_EXTRAS = {"12": "tensorrt-cu12", "13": "tensorrt-cu13"}
+
+
+def tensorrt_extra(cuda: str | None) -> str:
+    """The extra that installs TensorRT for a torch built with CUDA ``cuda`` (``torch.version.cuda``).
+
+    Raises HarnessError for a CPU build of torch (None) or a CUDA with no extra here.
+    """
+    if cuda is None:
+        raise HarnessError(
+            "the installed torch is a CPU build (torch.version.cuda is None): TensorRT needs a CUDA build of "
+            f"torch first, then {' or '.join(install_command(e) for e in TENSORRT_EXTRAS.values())} for its CUDA"
+        )
+    major = cuda.split(".")[0]
+    if major not in TENSORRT_EXTRAS:
+        raise HarnessError(
+            f"the installed torch is built with CUDA {cuda}; TensorRT comes as an extra for CUDA "
+            f"{', '.join(TENSORRT_EXTRAS)} only: {', '.join(TENSORRT_EXTRAS.values())}"
+        )
+    return TENSORRT_EXTRAS[major]
 
 
 def install_command(extra: str) -> str:

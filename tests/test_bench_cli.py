@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import numpy as np
+import pynvml
 import pytest
 
 from harness.bench import runner as runner_mod
@@ -14,6 +16,7 @@ from harness.cache.operations import pin
 from harness.cache.timing_cache import TimingCache
 from harness.cli import main as cli_main
 from harness.engines.protocol import BuildConfig
+from tests.test_telemetry_gpus import B, NvmlDouble, cuda_double, gpus
 
 MACHINE = "test-machine"
 
@@ -318,6 +321,7 @@ def test_bad_input_exits_2_with_a_message(capsys, tmp_path, argv, message):
         (("bench", "--spread-threshold", "25"), "read as the fraction 25, i.e. 2500%; write 25% for 25 percent"),
         (("bench", "--threads", "0"), "argument --threads: 0 is out of range; valid: 1..1024"),
         (("gate", "--cosine-drop", "-1"), "argument --cosine-drop: '-1': expected a finite number >= 0"),
+        (("bench", "--lock-clocks", "fast"), "argument --lock-clocks: 'fast': expected base, max or a clock in MHz"),
     ],
 )
 def test_bad_flag_values_are_usage_errors(capsys, argv, message):
@@ -411,6 +415,8 @@ def test_spread_threshold_decides_the_unstable_flag(capsys, tmp_path):
         (("--summary-md", "{a_dir}"), "--summary-md"),
         (("--disable-cache", "--cache-dir", "{a_dir}"), "--disable-cache and --cache-dir contradict"),
         (("--disable-cache", "--ignore-mismatch"), "--disable-cache and --ignore-mismatch contradict"),
+        (("--lock-clocks", "max"), "--lock-clocks max: the cpu backend runs on the CPU"),
+        (("--cuda-graph",), "--cuda-graph: the cpu backend runs on the CPU"),
     ],
 )
 def test_what_would_fail_is_refused_before_anything_is_written(capsys, tmp_path, extra, message):
@@ -535,3 +541,53 @@ def test_report_and_compare_read_a_schema1_run_and_the_gate_refuses_it(capsys, t
     code, out, err = run(capsys, "gate", "--baseline", a, "--current", b)
     assert code == 2 and f"results file {a}: schema_version 1 is an old results format" in err
     assert a.read_bytes() == old.read_bytes()  # reading never rewrites the file
+
+
+def gpu_machine(monkeypatch) -> NvmlDouble:
+    """NvmlDouble's GPUs, CUDA's device 0 on the second, and the cpu backend taken for a GPU backend.
+
+    No GPU backend runs here; this exercises what ``--lock-clocks`` adds around
+    a run (the lock, its record in every case, the unlock) on a real CPU run.
+    """
+    monkeypatch.setattr(runner_mod, "GPU_BACKENDS", frozenset({"cpu"}))
+    cuda_double(monkeypatch, B)
+    nvml = gpus()
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)  # what `import pynvml` finds
+    return nvml
+
+
+def test_lock_clocks_holds_the_lock_for_the_run_and_every_case_records_it(capsys, tmp_path, monkeypatch):
+    nvml = gpu_machine(monkeypatch)
+    code, _, err = bench(capsys, tmp_path, tmp_path / "r.json", "--models", "digits", "--modes", "fp32,bf16", "--lock-clocks", "base")
+    assert code == 0, err
+    doc = load_results(tmp_path / "r.json")
+    assert doc["settings"]["lock_clocks"] == "base"
+    assert [d["uuid"] for d in doc["machine"]["gpu"]["devices"]] == [g.uuid for g in nvml.gpus]
+    for case in doc["cases"]:
+        gpu = case["telemetry"]["gpu"]
+        assert gpu["uuid"] == f"GPU-{B}" and gpu["clocks"]["locked_graphics_mhz"] == 1410
+    assert nvml.calls == [("lock", f"GPU-{B}", 1410, 1410), ("reset", f"GPU-{B}")]
+    assert [g.locked for g in nvml.gpus] == [None, None, None]
+
+
+def test_lock_clocks_unlocks_after_ctrl_c(capsys, tmp_path, monkeypatch):
+    nvml = gpu_machine(monkeypatch)
+
+    def interrupt(*args, **kwargs):
+        assert nvml.gpus[1].locked == 1980
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(runner_mod, "measure_latency", interrupt)
+    code, _, err = bench(capsys, tmp_path, tmp_path / "r.json", "--models", "digits", "--modes", "fp32", "--lock-clocks", "max")
+    assert code == 130 and "interrupted" in err
+    assert nvml.calls[-1] == ("reset", f"GPU-{B}") and nvml.gpus[1].locked is None
+
+
+def test_lock_clocks_without_permission_writes_nothing(capsys, tmp_path, monkeypatch):
+    nvml = gpu_machine(monkeypatch)
+    nvml.gpus[1].lock_error = nvml.gpus[1].reset_error = pynvml.NVML_ERROR_NO_PERMISSION
+    output = tmp_path / "out" / "r.json"
+    code, _, err = bench(capsys, tmp_path, output, "--models", "digits", "--modes", "fp32", "--lock-clocks", "1410")
+    assert code == 2 and err.count("\n") == 1
+    assert err.startswith("error: --lock-clocks 1410: NVML refused") and "needs root" in err
+    assert not output.exists() and nvml.gpus[1].locked is None

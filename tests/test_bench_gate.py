@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import Any
 
@@ -10,13 +11,17 @@ import pytest
 import torch
 
 from harness.bench.accuracy import compare_outputs, output_digest
+from harness.bench.clocks import locked_clocks
 from harness.bench.compare import compare, tactic_diffs
 from harness.bench.gate import AccuracyTolerances, GateSettings, gate
-from harness.bench.latency import LatencyResult
-from harness.bench.results import SCHEMA_VERSION, CaseResult, sealed
+from harness.bench.latency import LatencyResult, Timer
+from harness.bench.results import SCHEMA_VERSION, CaseResult, sealed, write_results
 from harness.bench.stats import Summary, slow_phase
 from harness.bench.tables import compare_table, gate_table
+from harness.bench.telemetry import TelemetrySampler
+from harness.cli.main import main
 from harness.errors import HarnessError
+from tests.test_telemetry_gpus import A, B, cuda_double, gpus
 
 WEIGHTS = "sha256:" + "a" * 64
 
@@ -42,7 +47,9 @@ def make_doc(
     )
 
 
-def latency_from(samples: np.ndarray | list[int], spread_threshold: float = 0.05) -> LatencyResult:
+def latency_from(
+    samples: np.ndarray | list[int], spread_threshold: float = 0.05, timer: Timer = "cpu"
+) -> LatencyResult:
     summary = Summary.from_samples([int(s) for s in samples])
     return LatencyResult(
         summary=summary,
@@ -50,7 +57,7 @@ def latency_from(samples: np.ndarray | list[int], spread_threshold: float = 0.05
         duration_s=sum(summary.samples) / 1e9,
         warmup_iterations=1,
         warmup_s=0.0,
-        timer="cpu",
+        timer=timer,
         batch_size=1,
         spread_threshold=spread_threshold,
         slow_phase=slow_phase(summary.samples),
@@ -60,7 +67,13 @@ def latency_from(samples: np.ndarray | list[int], spread_threshold: float = 0.05
 
 
 def case(
-    samples: np.ndarray | list[int], *, mode: str = "fp16", model: str = "mlp", out_shift: float = 0.01, **fields: Any
+    samples: np.ndarray | list[int],
+    *,
+    mode: str = "fp16",
+    model: str = "mlp",
+    out_shift: float = 0.01,
+    timer: Timer = "cpu",
+    **fields: Any,
 ) -> dict[str, Any]:
     ref = torch.tensor([[1.0, 2.0, 3.0], [3.0, 1.0, 0.5]])
     out = ref + out_shift
@@ -68,7 +81,7 @@ def case(
         model=model,
         mode=mode,
         backend="cpu",
-        latency=latency_from(samples),
+        latency=latency_from(samples, timer=timer),
         accuracy=compare_outputs(out, ref, logits=True),
         engine_fingerprint="sha256:engine-1",
         output_digest=output_digest(out),
@@ -316,3 +329,58 @@ def test_a_slowdown_within_the_runs_own_spread_is_reported_not_judged() -> None:
     # stable runs: the threshold alone decides, as before
     (stable,) = gate(base, make_doc([case(lognormal(2000, 1.08, seed=23))])).cases
     assert stable.verdict == "regression"
+
+
+def gpu_run(
+    monkeypatch: pytest.MonkeyPatch, gpu: str, lock: str | int | None = None, timer: Timer = "cuda"
+) -> dict[str, Any]:
+    """A run of one case timed on the GPU (CUDA's device 0 is NVML's ``gpu``), its telemetry sampled
+    under ``harness bench --lock-clocks lock`` (None: unlocked), as the bench records it.
+    ``timer="cpu"``: a CPU case of a GPU machine, whose telemetry samples the GPU all the same."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    cuda_double(monkeypatch, gpu)
+    nvml = gpus()
+    with locked_clocks(lock, module=nvml) if lock is not None else contextlib.nullcontext():
+        with TelemetrySampler(interval_s=0.01, nvml_module=nvml) as sampler:
+            pass
+    entry = case(lognormal(300, 1.0, seed=5), timer=timer, telemetry=sampler.summary())
+    return make_doc([entry], **({} if lock is None else {"lock_clocks": lock}))
+
+
+def test_runs_at_other_clocks_or_on_other_gpus_get_a_note_naming_both(monkeypatch: pytest.MonkeyPatch) -> None:
+    unlocked, base = gpu_run(monkeypatch, B), gpu_run(monkeypatch, B, "base")
+    report = gate(unlocked, base)
+    assert report.exit_code == 0 and [c.verdict for c in report.cases] == ["ok"]  # a note, not a failure
+    assert report.notes == [
+        "settings differ: lock_clocks",
+        "clock settings differ: baseline graphics clock not locked, current graphics clock locked at 1410 MHz "
+        "(--lock-clocks base); latency differences may come from the clocks, not the code",
+    ]
+    assert gate(base, gpu_run(monkeypatch, B, 1980)).notes[1:] == [
+        "clock settings differ: baseline graphics clock locked at 1410 MHz (--lock-clocks base), current "
+        "graphics clock locked at 1980 MHz (--lock-clocks 1980); latency differences may come from the clocks, not the code"
+    ]
+    assert gate(unlocked, gpu_run(monkeypatch, A)).notes == [
+        f"GPUs differ: baseline on GPU-{B}, current on GPU-{A} (one machine id, other physical GPUs); "
+        "latency differences may come from the GPU, not the code"
+    ]
+    assert gate(base, gpu_run(monkeypatch, B, 1410)).notes == ["settings differ: lock_clocks"]  # the same clock
+    assert gate(unlocked, gpu_run(monkeypatch, B)).notes == []
+    # CPU cases did not run on the GPU their telemetry sampled: nothing to note
+    assert gate(gpu_run(monkeypatch, B, timer="cpu"), gpu_run(monkeypatch, A, timer="cpu")).notes == []
+
+
+def test_an_older_gpu_baseline_without_clock_records_counts_as_unlocked(monkeypatch: pytest.MonkeyPatch) -> None:
+    older = make_doc([case(lognormal(300, 1.0, seed=5), timer="cuda", telemetry=None)])
+    assert gate(older, gpu_run(monkeypatch, B)).notes == []  # nothing to tell apart, no GPU named in the older run
+    (note,) = [n for n in gate(older, gpu_run(monkeypatch, B, "max")).notes if n.startswith("clock")]
+    assert note.startswith("clock settings differ: baseline graphics clock not locked, current graphics clock locked at 1980 MHz")
+
+
+def test_the_gate_command_prints_the_clock_note(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Any) -> None:
+    for name, doc in (("b.json", gpu_run(monkeypatch, B, "max")), ("c.json", gpu_run(monkeypatch, B))):
+        write_results(tmp_path / name, doc)
+    assert main(["gate", "--baseline", str(tmp_path / "b.json"), "--current", str(tmp_path / "c.json")]) == 0
+    out = capsys.readouterr().out
+    assert "gate PASS" in out
+    assert "\nnote: clock settings differ: baseline graphics clock locked at 1980 MHz (--lock-clocks max), current graphics clock not locked;" in out

@@ -8,7 +8,13 @@ import numpy as np
 import pytest
 import torch
 
-from harness.bench.latency import DEFAULT_SPREAD_THRESHOLD, measure_latency, measure_overhead
+from harness.bench.latency import (
+    DEFAULT_SPREAD_THRESHOLD,
+    QUERIES_IN_FLIGHT,
+    measure_device_latency,
+    measure_latency,
+    measure_overhead,
+)
 from harness.bench.memory import MemoryReport, measure_memory
 from harness.bench.stats import Summary
 from harness.errors import HarnessError
@@ -121,7 +127,6 @@ def test_overhead_of_empty_call() -> None:
         {"min_iters": 10, "max_iters": 5},
         {"warmup_s": -1.0},
         {"batch_size": 0},
-        {"timer": "wallclock"},
     ],
 )
 def test_invalid_settings_are_harness_errors(kwargs: dict) -> None:  # type: ignore[type-arg]
@@ -129,43 +134,103 @@ def test_invalid_settings_are_harness_errors(kwargs: dict) -> None:  # type: ign
         measure_latency(lambda: None, **kwargs)
 
 
-def test_cuda_timer_without_cuda_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with pytest.raises(HarnessError, match="timer 'cuda' needs a CUDA device"):
-        measure_latency(lambda: None, timer="cuda")
+class FakeQuery:
+    """A GPU query double: one in-order stream on which each queued step takes a fixed device
+    time. Events take the device clock of the work queued before them; every call is logged."""
+
+    cuda_graph = False
+
+    def __init__(self, h2d_ns: int = 1_000_000, compute_ns: int = 2_000_000, d2h_ns: int = 500_000) -> None:
+        self.durations = {"h2d": h2d_ns, "enqueue": compute_ns, "d2h": d2h_ns}
+        self.queued_ns = 0  # device time when everything queued so far has run
+        self.log: list[str] = []
+        self.issued = self.completed = self.most_in_flight = 0
+
+    def _step(self, name: str) -> None:
+        self.log.append(name)
+        self.queued_ns += self.durations[name]
+        if name == "h2d":
+            self.issued += 1
+            self.most_in_flight = max(self.most_in_flight, self.issued - self.completed)
+
+    def h2d(self) -> None:
+        self._step("h2d")
+
+    def enqueue(self) -> None:
+        self._step("enqueue")
+
+    def d2h(self) -> None:
+        self._step("d2h")
+
+    def synchronize(self) -> None:
+        self.log.append("sync")
+        self.completed = self.issued
+
+    def event(self) -> FakeEvent:
+        return FakeEvent(self)
+
+    def outputs(self) -> tuple[torch.Tensor, ...]:
+        return ()
 
 
 class FakeEvent:
-    """A CUDA event double: each pair of records is 2 ms apart on the fake device."""
-
-    recorded = 0
-
-    def __init__(self, enable_timing: bool = False) -> None:
-        assert enable_timing
-        self.at = 0
+    def __init__(self, query: FakeQuery) -> None:
+        self.query, self.at, self.query_number = query, None, None
 
     def record(self) -> None:
-        FakeEvent.recorded += 1
-        self.at = FakeEvent.recorded
+        self.query.log.append("record")
+        self.at, self.query_number = self.query.queued_ns, self.query.issued
 
-    def elapsed_time(self, end: FakeEvent) -> float:
-        return 2.0 * (end.at - self.at)
+    def synchronize(self) -> None:
+        self.query.completed = max(self.query.completed, self.query_number)
+
+    def elapsed_ns(self, end: FakeEvent) -> int:
+        return end.at - self.at
 
 
-def test_cuda_timer_reads_one_event_pair_per_call(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The device loop stops by the host loop's rule and reports the events' times, not the host's."""
-    synchronized = []
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda: synchronized.append(True))
-    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
-    fn, sync = Counter(), Counter()
-    r = measure_latency(
-        fn, warmup_s=0.0, min_iters=7, min_duration_s=0.0, max_iters=7, sync=sync, timer="cuda",
-        overhead=Summary.from_samples([1], unit="ns"),
-    )  # fmt: skip
-    assert r.iterations == 7 and r.samples_ns == (2_000_000,) * 7
-    assert fn.calls == sync.calls == 7 + r.warmup_iterations
-    assert len(synchronized) == 2  # before the first sample, before reading the events
+def _device_run(query: FakeQuery, **kwargs):  # type: ignore[no-untyped-def]
+    return measure_device_latency(query, warmup_s=0.0, min_iters=9, min_duration_s=0.0, max_iters=9, **kwargs)
+
+
+def test_the_gpu_compute_time_brackets_the_enqueue_alone_never_a_copy() -> None:
+    """Per query: event, input copies, event; event, enqueue, event; event, output copies, event.
+    A copy between the compute events would add its device time to every compute sample."""
+    query = FakeQuery()
+    r = _device_run(query)
+    assert r.samples_ns == (2_000_000,) * 9  # the enqueue's device time exactly
+    timed = query.log[query.log.index("sync", 4) + 1 :]  # after the warm-up's query and the loop's first sync
+    one = ["record", "h2d", "record", "record", "enqueue", "record", "record", "d2h", "record"]
+    assert timed == one * 9 + ["sync"]
+
+
+def test_a_gpu_query_reports_trtexecs_figures_each_from_its_clock() -> None:
+    query = FakeQuery(h2d_ns=1_000_000, compute_ns=3_000_000, d2h_ns=250_000)
+    r = _device_run(query, batch_size=4)
+    assert r.timer == "cuda" and r.overhead is None and r.device is not None
+    assert r.device.h2d.samples == (1_000_000,) * 9 and r.device.d2h.samples == (250_000,) * 9
+    assert r.device.end_to_end.samples == (4_250_000,) * 9
+    assert all(s >= 0 for s in r.device.enqueue.samples) and r.device.enqueue.count == 9
+    assert r.throughput_per_s == pytest.approx(9 * 4 / r.duration_s)
+    d = r.to_dict()
+    assert d["clocks"] == {
+        "summary": "cuda-event", "h2d": "cuda-event", "d2h": "cuda-event", "end_to_end": "cuda-event",
+        "enqueue": "host", "throughput_per_s": "host",
+    }  # fmt: skip
+    assert d["device"]["end_to_end"]["median"] == 4_250_000 and d["device"]["queries_in_flight"] == QUERIES_IN_FLIGHT
+    assert d["summary"]["median"] == 3_000_000 and d["spread_threshold"] == DEFAULT_SPREAD_THRESHOLD["cuda"]
+
+
+def test_a_gpu_loop_keeps_at_most_its_queries_in_flight_and_warms_up_whole_queries() -> None:
+    query = FakeQuery()
+    r = measure_device_latency(query, warmup_s=0.0, min_iters=30, min_duration_s=0.0, max_iters=30)
+    assert r.iterations == 30 and 1 < query.most_in_flight <= QUERIES_IN_FLIGHT
+    warm = query.log[: query.log.index("sync") + 1]
+    assert warm == ["h2d", "enqueue", "d2h", "sync"] * r.warmup_iterations
+
+
+def test_host_timed_results_say_their_clock() -> None:
+    r = measure_latency(lambda: None, warmup_s=0.0, min_iters=3, min_duration_s=0.0, max_iters=3)
+    assert r.to_dict()["clocks"] == {"summary": "host", "throughput_per_s": "host"} and "device" not in r.to_dict()
 
 
 def test_peak_rss_measures_the_run() -> None:

@@ -14,11 +14,13 @@ import pytest
 import torch
 
 from harness.bench.accuracy import TaskAccuracy, compare_outputs, output_digest
+from harness.bench.clocks import locked_clocks
 from harness.bench.latency import measure_latency
 from harness.bench.machine import (
     MACHINE_ID_ENV,
     cpu_info,
     git_info,
+    gpu_info,
     machine_id,
     machine_info,
     slug,
@@ -41,6 +43,7 @@ from harness.bench.stats import Summary
 from harness.bench.tables import format_bytes, format_ns, results_table
 from harness.bench.telemetry import TelemetrySampler
 from harness.errors import HarnessError
+from tests.test_telemetry_gpus import B, Gpu, NvmlDouble, cuda_double, gpus
 
 MACHINE: dict[str, Any] = {"id": "test-machine-2c", "cpu": {"model": "test", "isa_flags": []}, "gpu": {"devices": []}}
 GIT = {"commit": "0" * 40, "dirty": False}
@@ -586,3 +589,58 @@ def test_a_corrupt_schema1_field_is_one_clear_error_when_upgrading(tmp_path: Pat
                     assert "corrupt.json" in str(exc)
                 tried += 1
     assert tried > 150
+
+
+def test_gpu_uuids_are_recorded_and_the_machine_id_ignores_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(MACHINE_ID_ENV, raising=False)
+    nvml = gpus()
+    info = gpu_info(nvml)
+    assert info["status"] == "ok" and nvml.inits == nvml.shutdowns == 1
+    assert [d["uuid"] for d in info["devices"]] == [g.uuid for g in nvml.gpus]  # NVML's order
+    assert info["devices"][0] == {"name": "NVIDIA H100 80GB HBM3", "uuid": nvml.gpus[0].uuid, "capability": "9.0",
+                                  "memory_bytes": 80 << 30}  # fmt: skip
+    # Another runner of the type: other GPUs, one baseline.
+    other = gpu_info(NvmlDouble([Gpu(f"GPU-{i}" * 4, mem_used=0) for i in range(3)]))
+    cpu = {"model": "AMD EPYC 9654", "logical_cores": 8, "isa_flags": []}
+    assert machine_id(cpu, info) == machine_id(cpu, other) == "nvidia-h100-80gb-hbm3-x3"
+
+
+def _gpu_run(path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """A run on NvmlDouble's second GPU with its clocks locked at base, written as the bench writes it."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    cuda_double(monkeypatch, B)
+    nvml = gpus()
+    with locked_clocks("base", module=nvml), TelemetrySampler(interval_s=0.01, nvml_module=nvml) as tel:
+        pass
+    case = replace(real_case("mlp", "fp32"), telemetry=tel.summary())
+    machine = {**MACHINE, "gpu": gpu_info(nvml)}
+    with new_writer(path, settings={**SETTINGS, "lock_clocks": "base"}, machine=machine) as w:
+        w.add(case)
+    return load_results(path)
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        (lambda d: d["cases"][0]["telemetry"]["gpu"]["clocks"].update(locked_graphics_mhz="1410"),
+         "invalid at cases/0/telemetry/gpu"),
+        (lambda d: d["cases"][0]["telemetry"]["gpu"]["clocks"].update(boost=True), "invalid at cases/0/telemetry/gpu"),
+        (lambda d: d["cases"][0]["telemetry"]["gpu"].update(uuid=7), "invalid at cases/0/telemetry/gpu"),
+        (lambda d: d["machine"]["gpu"]["devices"][0].update(uuid=None), "invalid at machine/gpu/devices/0/uuid"),
+        (lambda d: d["settings"].update(lock_clocks="fastest"), "invalid at settings/lock_clocks"),
+        (lambda d: d["settings"].update(lock_clocks=0), "invalid at settings/lock_clocks"),
+    ],
+)
+def test_the_gpu_and_clock_fields_are_checked_and_optional(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, change: Any, match: str
+) -> None:
+    doc = _gpu_run(tmp_path / "gpu.json", monkeypatch)
+    gpu = doc["cases"][0]["telemetry"]["gpu"]
+    assert gpu["uuid"] == f"GPU-{B}" and gpu["clocks"]["locked_graphics_mhz"] == 1410
+    assert doc["machine"]["gpu"]["devices"][1]["uuid"] == f"GPU-{B}" and doc["settings"]["lock_clocks"] == "base"
+    # older files have none of them and still load
+    assert "uuid" not in json.dumps(_finished_run(tmp_path / "older.json"))
+    change(doc)
+    (tmp_path / "bad.json").write_text(json.dumps(resealed(doc)))
+    with pytest.raises(HarnessError, match=match):
+        load_results(tmp_path / "bad.json")

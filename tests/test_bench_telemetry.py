@@ -91,8 +91,10 @@ class FakeNvml:
     NVML_CLOCK_MEM = pynvml.NVML_CLOCK_MEM
 
     def __getattr__(self, name: str) -> Any:
-        if name.startswith("nvmlClocksEventReason"):
+        if name.startswith(("nvmlClocksEventReason", "NVML_")):
             return getattr(pynvml, name)
+        if name.startswith("nvmlDevice"):  # a query this fake does not model: its GPU does not support it
+            raise self.NVMLError("Not Supported")
         raise AttributeError(name)
 
     def __init__(self, *, unsupported: tuple[str, ...] = (), init_error: bool = False) -> None:

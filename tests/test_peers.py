@@ -270,12 +270,24 @@ def test_peer_cases_are_sharded_like_the_matrix():
 
 
 def test_unknown_and_repeated_peers_are_refused_naming_the_valid_ones():
-    with pytest.raises(HarnessError, match=r"--peers: unknown peer\(s\) 'tvm'; valid peers: eager, inductor, onnxruntime, openvino"):
+    with pytest.raises(HarnessError, match=r"--peers: unknown peer\(s\) 'tvm'; valid peers: eager, inductor, onnxruntime, openvino, eager-cuda"):
         resolve_peers(["eager", "tvm"])
     with pytest.raises(HarnessError, match="named twice"):
         resolve_peers(["eager", "eager"])
     assert [p.name for p in resolve_peers(["eager", "onnxruntime"])] == ["eager", "onnxruntime"]
-    assert set(PEER_NAMES) == {"eager", "inductor", "onnxruntime", "openvino"}
+    assert set(PEER_NAMES) == {"eager", "inductor", "onnxruntime", "openvino", "eager-cuda"}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+def test_the_eager_cuda_peer_without_a_gpu_is_refused_or_left_out_with_the_reason():
+    with pytest.raises(HarnessError, match=r"--peers: peer 'eager-cuda' needs a CUDA GPU, and PyTorch sees none"):
+        resolve_peers(["eager", "eager-cuda"])
+    skipped: list[str] = []
+    assert [p.name for p in resolve_peers(["eager", "eager-cuda"], skipped=skipped)] == ["eager"]
+    assert skipped == [
+        "peer eager-cuda skipped: peer 'eager-cuda' needs a CUDA GPU, and PyTorch sees none "
+        "(torch.cuda.is_available() is False)"
+    ]
 
 
 def _without_openvino(monkeypatch):
@@ -303,9 +315,9 @@ def bench(capsys, tmp_path, *argv: object) -> tuple[int, str, str]:
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (("--peers", "eager,tvm"), "--peers: unknown peer(s) 'tvm'; valid peers: eager, inductor, onnxruntime, openvino"),
+        (("--peers", "eager,tvm"), "--peers: unknown peer(s) 'tvm'; valid peers: eager, inductor, onnxruntime, openvino, eager-cuda"),
         (("--peers", "eager,eager"), "--peers 'eager,eager': a name appears twice"),
-        (("--config", "{project}"), "'tvm' is not one of ['eager', 'inductor', 'onnxruntime', 'openvino']"),
+        (("--config", "{project}"), "'tvm' is not one of ['eager', 'inductor', 'onnxruntime', 'openvino', 'eager-cuda']"),
     ],
 )
 def test_unknown_peers_exit_2_before_any_work(capsys, tmp_path, monkeypatch, argv, message):

@@ -54,7 +54,7 @@ from harness.engines.tensorrt.builder import (
     run_builder,
     set_builder_flags,
 )
-from harness.engines.tensorrt.cache_bridge import UNKNOWN_LAYER
+from harness.engines.tensorrt.cache_bridge import INVALID_TACTIC_HASH, UNKNOWN_LAYER
 from harness.engines.tensorrt.inspector import (
     oneline_document,
     parse_engine_information,
@@ -64,7 +64,7 @@ from harness.engines.tensorrt.join import join_ops, layer_keys
 from harness.engines.tensorrt.log_parser import ParsedLog, parse_log
 from harness.engines.tensorrt.versions import TrtVersion, load_tensorrt
 from harness.errors import HarnessError
-from tests.test_trt_bridge import cookbook_11x
+from tests.test_trt_bridge import REAL_11, cookbook_11x
 
 DATA = Path(__file__).parent / "data" / "trt"
 EDITABLE = DATA / "editable_10.8_sample_readme.log"
@@ -515,18 +515,25 @@ def test_keyed_ops_cache_hits_and_unlogged_keys_become_timings():
 
 
 class TimingCacheDouble:
-    """ITimingCache's documented semantics: update() refuses an absent key, NaN deletes."""
+    """ITimingCache's documented semantics (NvInfer.h): update() refuses an absent key, NaN
+    deletes, query() answers an absent key with the invalid hash. ``calls`` records which
+    methods were called (``queryKeys`` is unconfirmed on a cache that is not editable)."""
 
     def __init__(self, values):
         self.values = dict(values)
+        self.calls: list[str] = []
 
     def queryKeys(self):  # noqa: N802 - TensorRT's spelling
+        self.calls.append("queryKeys")
         return list(self.values)
 
     def query(self, key):
-        return SimpleNamespace(tacticHash=self.values[key][0], timingMSec=self.values[key][1])
+        self.calls.append("query")
+        tactic_hash, time_ms = self.values.get(key, (INVALID_TACTIC_HASH, 0.0))
+        return SimpleNamespace(tacticHash=tactic_hash, timingMSec=time_ms)
 
     def update(self, key, value):
+        self.calls.append("update")
         if key not in self.values:
             return False
         if math.isnan(value.timingMSec):
@@ -551,10 +558,11 @@ def builder_trt(
 ):
     """TensorRT 11.0 where a GPU would be: a builder that logs through the logger it was given
     (the recorded ``build_log`` replayed as TensorRT would log it, else one line), starts
-    from ``cache`` (default: the sample's two keys) and re-times ``retime`` as TensorRT 11.0
-    did despite ERROR_ON_TIMING_CACHE_MISS; a runtime whose engine has the parsed ONNX
-    model's I/O tensors and answers the inspector with ``layers``. Each member only returns
-    what the test gave it; flag enums and the logger base are :func:`fake_trt`'s."""
+    from ``cache`` (default: the sample's two keys; every cache created is kept in
+    ``trt.caches``) and re-times ``retime`` as TensorRT 11.0 did despite
+    ERROR_ON_TIMING_CACHE_MISS; a runtime whose engine has the parsed ONNX model's I/O
+    tensors and answers the inspector with ``layers``. Each member only returns what the
+    test gave it; flag enums and the logger base are :func:`fake_trt`'s."""
     trt = fake_trt("11.0.0")
     loggers = []
     parsed: dict[str, bytes] = {}
@@ -566,6 +574,7 @@ def builder_trt(
 
         def create_timing_cache(self, data):
             self.cache = TimingCacheDouble(SAMPLE_CACHE if cache is None else cache)
+            trt.caches.append(self.cache)
             return self.cache
 
         def set_timing_cache(self, cache, ignore_mismatch):
@@ -639,6 +648,7 @@ def builder_trt(
     trt.LayerInformationFormat = SimpleNamespace(JSON="json")
     trt.Dims = tuple
     trt.profiles = []  # the shapes of every optimization profile a build added
+    trt.caches = []  # every timing cache a build created
     return trt, loggers
 
 
@@ -738,8 +748,92 @@ def test_a_build_from_a_cache_is_checked_against_the_kernel_the_engine_runs(gpu_
         "TensorRT did not keep the timing cache's tactics (fp16); the engine is discarded:\n"
         f"  layer 'matMul1_myl0_0' (key {KEY_MATMUL1}): the cache selects sm80_xmma_gemm_f32f32_tf32f32_f32_nn_n_"
         "tilesize64x32x64_stage4_warpsize2x1x2_tensor16x8x8 (0x393e4ef8ad243), the engine runs "
-        "sm80_xmma_gemm_f32f32_tf32f32_f32_nn_n_tilesize32x32x64_stage3_warpsize2x1x2_tensor16x8x8"
+        "sm80_xmma_gemm_f32f32_tf32f32_f32_nn_n_tilesize32x32x64_stage3_warpsize2x1x2_tensor16x8x8 (0x665ded9abbf88)"
     )
+
+
+def real_11x_engine_layers() -> str:
+    """The real TensorRT 11.0 build's ONELINE layers (``node_linear_myl0_7``, ...) as inspector JSON."""
+    return json.dumps({**oneline_document((DATA / REAL_11).read_text(), "11.0 build"), "I/O Tensors": []})
+
+
+def real_11x_pins(linear_hash: str, conv_hash: str) -> TimingCache:
+    """Selections for the real 11.0 ops node_linear (key KEY_MATMUL1) and node_conv2d (KEY_MATMUL2),
+    with the candidates the log measured (the real build had no editable cache, so no keys)."""
+    ops = {op.layer: op for op in parse_log((DATA / REAL_11).read_text()).layers}
+    entries = []
+    for key, name, tactic_hash in ((KEY_MATMUL1, "node_linear", linear_hash), (KEY_MATMUL2, "node_conv2d", conv_hash)):
+        (chosen,) = [c for c in ops[name].candidates if c.tactic_hash == tactic_hash]
+        entries.append(CacheEntry(key, name, chosen.tactic, chosen.tactic_hash, chosen.time_ms, ops[name].candidates))
+    return TimingCache(PROV, entries)
+
+
+def test_a_pinned_11x_build_reports_layers_it_cannot_tie_to_a_candidate_and_fails_on_a_move(gpu_double):
+    """The real 11.0 engine built from pins (its real log replayed): TensorRT's cache after the
+    build holds every selection, ``node_conv2d_myl0_2`` runs the one candidate of its kernel name,
+    and ``node_linear``'s layers run the pinned kernel's name, which two candidates share. Those
+    are reported as unverifiable in the build log, not as kept; when node_conv2d is pinned to another candidate
+    that TensorRT's cache holds while the engine runs the first, the build fails naming both
+    profiles' layers."""
+    pins = real_11x_pins("0x4754af3ee6112", "0x447797f84b244")  # both ops' fastest
+    stored = {e.key: (int(e.tactic_hash, 16), e.time_ms) for e in pins.entries()}
+    trt, _ = builder_trt(build_log=(DATA / REAL_11), cache=stored, layers=real_11x_engine_layers())
+    engine, log = TensorRTBackend(trt).build(lenet_fp16(), BuildConfig("fp16", error_on_cache_miss=True), pins)
+    assert {layer.name: layer.key for layer in engine.layers() if layer.key} == {
+        "node_conv2d_myl0_2": KEY_MATMUL2, "node_linear_myl0_7": KEY_MATMUL1,
+        "node_conv2d [profile 1]_myl1_2": KEY_MATMUL2, "node_linear [profile 1]_myl1_7": KEY_MATMUL1,
+    }  # fmt: skip
+    unverifiable = [m for m in log.messages if ": unverifiable: " in m]
+    kernel = "sm80_xmma_gemm_f32f32_tf32f32_f32_tn_n_tilesize32x32x64_stage3_warpsize2x1x2_tensor16x8x8"
+    assert unverifiable == [
+        f"layer {name!r} (key {KEY_MATMUL1}): unverifiable: 2 candidates its key measured are kernel {kernel} "
+        f"(0x4754af3ee6112, 0x2c80ce2f5c4a6), and the engine does not say which one it runs; the cache selects {kernel} "
+        "(0x4754af3ee6112)"
+        for name in ("node_linear_myl0_7", "node_linear [profile 1]_myl1_7")
+    ]
+    # Every selected key was queried in TensorRT's cache after the build.
+    assert trt.caches[-1].calls.count("query") >= len(pins)
+
+    moved = real_11x_pins("0x4754af3ee6112", "0x61203a5779dda")
+    stored = {e.key: (int(e.tactic_hash, 16), e.time_ms) for e in moved.entries()}
+    trt, _ = builder_trt(build_log=(DATA / REAL_11), cache=stored, layers=real_11x_engine_layers())
+    with pytest.raises(HarnessError) as exc:
+        TensorRTBackend(trt).build(lenet_fp16(), BuildConfig("fp16", error_on_cache_miss=True), moved)
+    lines = str(exc.value).splitlines()
+    assert lines[0] == "TensorRT did not keep the timing cache's tactics (fp16); the engine is discarded:"
+    assert [line.split(":")[0].strip() for line in lines[1:]] == [
+        f"layer 'node_conv2d_myl0_2' (key {KEY_MATMUL2})", f"layer 'node_conv2d [profile 1]_myl1_2' (key {KEY_MATMUL2})"
+    ]
+    assert lines[1].endswith("_aligna4_alignc4 (0x61203a5779dda), the engine runs sm80_xmma_fprop_implicit_gemm_indexed_wo_smem"
+                             "_f32f32_tf32f32_f32_nhwckrsc_nhwc_tilesize128x16x32_stage1_warpsize4x1x1_g1_tensor16x8x8_aligna4"
+                             "_alignc8 (0x447797f84b244)")  # fmt: skip
+
+
+def test_a_build_without_the_editable_cache_never_lists_the_caches_keys(gpu_double):
+    """``queryKeys`` is unconfirmed on a timing cache that is not editable: a build with a cache
+    but without EDITABLE_TIMING_CACHE touches it not at all and records no keys, where the
+    editable build of the same graph lists and exports them."""
+    graph = lenet_fp16()
+    trt, _ = builder_trt()
+    backend = TensorRTBackend(trt)
+    config = BuildConfig("fp16", editable_cache=False)
+    assert "EDITABLE_TIMING_CACHE" not in backend.settings(config).builder_flags
+    engine, log = backend.build(graph, config, TimingCache(PROV))
+    assert [cache.calls for cache in trt.caches] == [[]]
+    assert engine.plan_json()["cache_entries"] == [] and log.new_entries == []
+    editable_trt, _ = builder_trt()
+    engine, log = TensorRTBackend(editable_trt).build(graph, BuildConfig("fp16"), TimingCache(PROV))
+    assert "queryKeys" in editable_trt.caches[-1].calls
+    assert {e["key"] for e in engine.plan_json()["cache_entries"]} == {KEY_MATMUL1, KEY_MATMUL2}
+
+
+def test_enforcing_selections_without_the_editable_cache_is_refused_before_building():
+    settings = build_settings(TrtVersion(11, 0), "fp16", {}, timing_cache=True, editable=False, error_on_cache_miss=False)
+    assert not settings.editable_cache
+    trt, loggers = builder_trt()
+    with pytest.raises(HarnessError, match="enforcing a timing cache's tactic selections needs BuilderFlag.EDITABLE_TIMING_CACHE"):
+        run_builder(trt, b"onnx", settings, base_cache=b"", enforced=pins(), ignore_mismatch=False)
+    assert trt.caches == [] and loggers == []
 
 
 def test_harness_build_prints_the_build_messages_as_notes(gpu_double, monkeypatch, tmp_path, capsys):
@@ -924,3 +1018,34 @@ def test_a_batch_sweep_builds_one_engine_with_an_optimization_profile(gpu_double
     assert static_trt.profiles == [] and static.plan_json()["inputs"][0]["shape"] == [8, 1, 28, 28]
     assert static.fingerprint() != engine.fingerprint()
     assert "batch_profile" not in backend.provenance(BuildConfig("autocast-fp16")).builder_options
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cuda_graph", [False, True], ids=["enqueue", "cuda-graph"])
+def test_a_staged_engine_times_its_compute_apart_from_its_copies_on_its_own_stream(gpu, cuda_graph):
+    """trtexec's figures on a real engine: the query runs on a stream of the engine's own (never
+    the legacy default stream, on which TensorRT warns), its compute events bracket the enqueue
+    alone, and its outputs are the engine's outputs."""
+    from harness.bench.latency import measure_device_latency
+
+    spec = models.load("lenet")
+    compiled = compile_for_mode(spec, "fp16", None)
+    backend = TensorRTBackend()
+    engine, _ = backend.build(compiled, BuildConfig("fp16"), None)
+    query = engine.stage(*spec.example_inputs, cuda_graph=cuda_graph)
+    assert query.stream.cuda_stream != 0 and query.stream != torch.cuda.default_stream()
+    result = measure_device_latency(query, warmup_s=0.05, min_iters=20, min_duration_s=0.1)
+    device = result.device
+    assert device is not None and device.cuda_graph is cuda_graph
+    for compute, h2d, d2h, total in zip(
+        result.samples_ns, device.h2d.samples, device.d2h.samples, device.end_to_end.samples, strict=True
+    ):
+        assert total == compute + h2d + d2h and min(compute, h2d, d2h) > 0
+    query.h2d()
+    query.enqueue()
+    query.d2h()
+    query.synchronize()
+    (staged,) = query.outputs()
+    (direct,) = engine.run(*spec.example_inputs)
+    assert torch.equal(staged, direct.cpu())
+    assert not [w for w in engine.run_warnings if "default stream" in w], engine.run_warnings

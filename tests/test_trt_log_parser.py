@@ -14,6 +14,7 @@ import pytest
 from harness.cache.timing_cache import Candidate
 from harness.engines.tensorrt.log_parser import onnx_layers, parse_log, parse_log_file
 from harness.errors import HarnessError
+from tests.test_trt_bridge import REAL_11
 
 DATA = Path(__file__).parent / "data" / "trt"
 EDITABLE = DATA / "editable_10.8_sample_readme.log"
@@ -164,6 +165,37 @@ def test_cask_ops_gather_every_format_combination_and_cached_results():
         "0x10383a0781d24dde",
     ]
     assert cached.candidates[1].tactic.startswith("sm80_xmma_fprop_implicit_gemm_indexed_wo_smem_f32f32")
+
+
+def test_a_real_11x_build_autotunes_every_layer_as_a_myelin_op():
+    """TensorRT 11.0 (sm_100), no editable cache: convolutions and poolings are Myelin ops too,
+    named after their first ONNX node; convolution tables add the ``conv_w2c_input_fold`` column
+    and cutlass rows a ``cga={...} `` tunable parameter, which holds no comma. Profile 1 autotunes
+    no op of its own. The recording cuts each table after six rows."""
+    log = parse_log_file(DATA / REAL_11)
+    assert [(p.layer, p.key, p.onnx_layers, len(p.candidates), p.selected_hash) for p in log.layers] == [
+        ("node_conv2d", None, ("node_conv2d", "node_relu"), 6, None),
+        ("node_max_pool2d", None, ("node_max_pool2d",), 6, None),
+        ("node_conv2d_1", None, ("node_conv2d_1", "node_relu_1"), 6, None),
+        ("node_max_pool2d_1", None, ("node_max_pool2d_1",), 6, None),
+        ("node_linear", None, ("node_linear", "node_relu_2"), 6, None),
+        ("node_linear_1_2", None, ("node_linear_1",), 6, None),
+    ]
+    ops = {p.layer: p for p in log.layers}
+    assert ops["node_conv2d"].fastest == Candidate(
+        "sm80_xmma_fprop_implicit_gemm_indexed_wo_smem_f32f32_tf32f32_f32_nhwckrsc_nhwc_tilesize128x16x32_stage1_warpsize4x1x1"
+        "_g1_tensor16x8x8_aligna4_alignc8",
+        "0x447797f84b244",
+        0.0039936,
+    )
+    cutlass = ops["node_conv2d_1"].candidates
+    assert {c.tactic for c in cutlass} == {
+        "cutlass3x_sm100_tensorop_s128x128x8tf32implicit_gemm_fprop_f32_f32_f32_f32_f32_f32_128x128x32_dyn_cga_ndhwc_ndhwc"
+        "_ndhwc_align4_2sm_relu_valpha_vbeta"
+    }
+    assert [c.tactic_hash for c in cutlass][:2] == ["0x338b9af98fb76", "0x285cce0d4d43f"]
+    (problem,) = log.problems
+    assert problem.startswith("none of the log's 6 autotuned op(s) carries a timing-cache key")
 
 
 def test_trtexec_10_4_log_cask_autotuning():

@@ -15,7 +15,8 @@ and that every class and method the backend calls exists.
 What it does not exercise: the stand-in creates no builder, runtime or parser
 (each returns NULL), so nothing is built, timed, serialized, deserialized,
 inspected or run, no timing cache exists (a recording double stands in for
-``ITimingCache``, fed real keys and values), and TensorRT itself logs nothing.
+``ITimingCache``, fed real keys and values: the probe's, and :data:`PIN_CHECK`'s
+for the check of a build's selections), and TensorRT itself logs nothing.
 Those need a GPU: the ``gpu`` tests in test_tensorrt_backend.py.
 
 No skipping: if the wheels cannot be downloaded or the stand-in cannot be
@@ -23,6 +24,11 @@ compiled, these tests fail and say why.
 """
 
 from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
 
 import pytest
 import trt_bindings
@@ -34,15 +40,95 @@ CACHE_FLAGS = ["EDITABLE_TIMING_CACHE", "DISABLE_COMPILATION_CACHE", "ERROR_ON_T
 WEAK = ("weak-fp16", "weak-bf16")
 
 
-@pytest.fixture(scope="module")
-def reports(tmp_path_factory) -> dict[str, dict]:
+def _wheels(tmp_path_factory):
+    """The bindings' cache directory and each version's wheel, fetched once."""
     # Beside pytest's numbered temporary directories, so that later runs reuse the download.
     cache = trt_bindings.cache_dir(tmp_path_factory.getbasetemp().parent / "trt-bindings")
     try:
-        wheels = trt_bindings.fetch_wheels(cache)
+        return cache, trt_bindings.fetch_wheels(cache)
     except trt_bindings.Unavailable as exc:
         pytest.fail(f"the real-bindings tests need the {trt_bindings.PACKAGE} wheels and a C compiler: {exc}")
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory) -> dict[str, dict]:
+    cache, wheels = _wheels(tmp_path_factory)
     return {version: trt_bindings.run_probe(cache, version, wheel) for version, wheel in wheels.items()}
+
+
+# Run under each version's real bindings: TensorRT's cache after a build, as
+# harness.engines.tensorrt.cache_bridge.moved_selections reads it (a ``query`` per selected
+# key), holding real TimingCacheKey/TimingCacheValue objects and answering a key it lacks with a
+# real TimingCacheValue of the invalid hash, as NvInfer.h documents.
+PIN_CHECK = r"""
+import json, sys
+import tensorrt_bindings
+sys.modules["tensorrt"] = tensorrt_bindings
+import tensorrt as trt
+from harness.cache.operations import pin
+from harness.cache.timing_cache import Provenance
+from harness.engines.tensorrt.cache_bridge import INVALID_TACTIC_HASH, export_trt_cache, moved_selections, selected_hash
+from harness.engines.tensorrt.log_parser import parse_log_file
+
+KEY = "0x1814870c44ff0f8574df6e3dda04cbd7"
+OTHER = "0xb222b0832016f1115ff61116c094875a"
+
+
+class BuiltCache:
+    def __init__(self, values):
+        self.values = {str(trt.TimingCacheKey.parse(k)): v for k, v in values.items()}
+        self.queried = []
+
+    def queryKeys(self):
+        return [trt.TimingCacheKey.parse(k) for k in self.values]
+
+    def query(self, key):
+        self.queried.append(type(key).__name__)
+        return self.values.get(str(key), trt.TimingCacheValue(INVALID_TACTIC_HASH, 0.0))
+
+
+log = parse_log_file(sys.argv[1])
+pins = export_trt_cache(BuiltCache({KEY: trt.TimingCacheValue(0x665DED9ABBF88, 0.011264)}), log, Provenance("tensorrt", trt.__version__, "p"))
+kept = BuiltCache({KEY: trt.TimingCacheValue(0x665DED9ABBF88, 0.011264)})
+moved = BuiltCache({KEY: trt.TimingCacheValue(0x393E4EF8AD243, 0.0118784), OTHER: trt.TimingCacheValue(0x1, 0.5)})
+report = {
+    "invalid_value_hash": trt.TimingCacheValue(INVALID_TACTIC_HASH, 0.0).tacticHash == INVALID_TACTIC_HASH,
+    "upper_case_key": selected_hash(kept, KEY.upper().replace("0X", "0x"), trt),
+    "absent_key": selected_hash(kept, OTHER, trt),
+    "kept": moved_selections(kept, pins, trt, error_on_miss=True),
+    "moved": moved_selections(moved, pins, trt, error_on_miss=True),
+    "query_key_types": sorted(set(kept.queried + moved.queried)),
+}
+pin(pins, "matMul1", "0x393e4ef8ad243")
+report["never_applied"] = moved_selections(BuiltCache({}), pins, trt, error_on_miss=False)
+print(json.dumps(report))
+"""
+
+
+def run_under_bindings(cache, version: str, wheel, code: str, *args: str) -> dict:
+    """Run ``code`` in a subprocess under the real bindings of ``version`` (as the probe runs);
+    the JSON object it prints last."""
+    major = int(version.split(".")[0])
+    env = {
+        **os.environ,
+        "LD_LIBRARY_PATH": os.pathsep.join(
+            p for p in (str(trt_bindings.standin(cache, major)), os.environ.get("LD_LIBRARY_PATH")) if p
+        ),
+        "PYTHONPATH": os.pathsep.join((str(trt_bindings.extracted(wheel)), str(trt_bindings.REPO))),
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, cwd=trt_bindings.REPO, timeout=300
+    )
+    if done.returncode != 0:
+        raise AssertionError(f"under {wheel.name}:\n{done.stdout}\n{done.stderr}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def pin_checks(tmp_path_factory) -> dict[str, dict]:
+    cache, wheels = _wheels(tmp_path_factory)
+    log = trt_bindings.REPO / "tests" / "data" / "trt" / "editable_10.8_sample_readme.log"
+    return {version: run_under_bindings(cache, version, wheel, PIN_CHECK, str(log)) for version, wheel in wheels.items()}
 
 
 @pytest.fixture(params=trt_bindings.VERSIONS)
@@ -76,7 +162,8 @@ def test_version_parsing_and_gates(report):
         else:
             assert "error" not in modes[mode], modes[mode]
     deprecated = [w for mode in WEAK if "warnings" in modes[mode] for w in modes[mode]["warnings"]]
-    if report["version"].startswith("10.13"):
+    # Weak typing warns from 10.12 (deprecated) to the last 10.x; 11 removed it (an error above).
+    if (10, 12) <= tuple(int(p) for p in report["version"].split(".")[:2]) < (11, 0):
         assert len(deprecated) == 2 and "deprecated since TensorRT 10.12" in deprecated[0]
     else:
         assert deprecated == []
@@ -159,3 +246,22 @@ def test_a_batch_sweeps_optimization_profile_is_made_of_the_real_dims(report):
     assert seen["refused"].startswith("TensorRT refused the optimization profile {'x': [[1, 3, 32, 32]")
     assert seen["other_dim"].startswith("input 'x' of shape [2, -1] has dynamic dimension(s) [1]")
     assert "no input has a dynamic batch dimension" in seen["static"]
+
+
+@pytest.mark.parametrize("version", trt_bindings.VERSIONS)
+def test_a_builds_selections_are_checked_key_by_key_with_the_real_types(pin_checks, version):
+    """Each selected key is parsed into a real TimingCacheKey and queried; the real
+    TimingCacheValue keeps the invalid hash (UINT64_MAX) that answers a key the cache lacks."""
+    seen = pin_checks[version]
+    assert seen["invalid_value_hash"] and seen["query_key_types"] == ["TimingCacheKey"]
+    assert (seen["upper_case_key"], seen["absent_key"]) == ("0x665ded9abbf88", None)
+    assert seen["kept"] == []
+    kernel = "sm80_xmma_gemm_f32f32_tf32f32_f32_nn_n_tilesize32x32x64_stage3_warpsize2x1x2_tensor16x8x8"
+    assert seen["moved"] == [
+        f"layer 'matMul1' (key {KEY}): the cache selects {kernel} (0x665ded9abbf88), built 0x393e4ef8ad243",
+        "key 0xb222b0832016f1115ff61116c094875a: not in the timing cache, yet the build timed and kept tactic 0x1",
+    ]
+    assert seen["never_applied"] == [
+        f"layer 'matMul1' (key {KEY}): the cache selects sm80_xmma_gemm_f32f32_tf32f32_f32_nn_n_tilesize64x32x64_stage4"
+        "_warpsize2x1x2_tensor16x8x8 (0x393e4ef8ad243), but the built cache has no such key, so the selection was never applied"
+    ]

@@ -1,5 +1,6 @@
 """``harness inspect --trt-log --trt-layers``: builds made elsewhere with trtexec, read from real
-recorded artifacts (tests/data/trt/README.md), and compared with ``harness cache diff``."""
+recorded artifacts (tests/data/trt/README.md), and compared
+with ``harness cache diff``."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from harness.cache.operations import diff
 from harness.cache.timing_cache import UNKNOWN_HASH, CacheEntry, Candidate, Provenance, TimingCache
 from harness.cli.main import main
 from harness.errors import HarnessError
-from tests.test_trt_bridge import cookbook_11x
+from tests.test_trt_bridge import REAL_11, cookbook_11x
 
 DATA = Path(__file__).parent / "data" / "trt"
 COOKBOOK = DATA / "cookbook_10.16.2_detailed_build.log"  # the log holds its own ONELINE layer list
@@ -162,6 +163,38 @@ def test_an_11x_engine_of_a_real_build_is_read_joined_and_cached(capsys, tmp_pat
     a, b = TimingCache.load(tmp_path / "10.json"), TimingCache.load(tmp_path / "11.json")
     assert [(e.key, e.tactic, e.tactic_hash) for e in b.entries()] == [(e.key, e.tactic, e.tactic_hash) for e in a.entries()]
     assert ten["problems"] == eleven["problems"]
+
+
+def test_a_real_11x_build_joins_every_op_to_its_layers_in_both_profiles(capsys, tmp_path):
+    """The real TensorRT 11.0 verbose build and its own ONELINE layers (``Constants`` between
+    Inputs and Outputs): every Myelin op joins its ``_myl`` layer of each profile by the ONNX
+    nodes both list. A layer whose kernel several measured candidates share is cached under the
+    kernel's name with the hash unknown."""
+    real = (DATA / REAL_11)
+    assert main(["inspect", "--trt-log", str(real), "--trt-layers", str(real)]) == 0
+    assert capsys.readouterr().out.startswith(
+        "trtexec build: TensorRT 11.0.0 on unknown (sm_100); 24 layers (11.x inspector layout), 6 autotuned ops, "
+        "all joined to layers\n"
+    )
+    report = inspect_json(capsys, real, real, "--save-cache", str(tmp_path / "11.json"))
+    assert (report["inspector_layout"], report["autotuned_ops"], report["unjoined_ops"]) == ("11.x", 6, [])
+    ops = {layer["name"]: [(op["op"], op["joined_by"]) for op in layer["ops"]] for layer in report["layers"]}
+    joined = {name: op for name, found in ops.items() for op in found}
+    assert joined == {
+        **{f"{op}_myl0_{i}": (op, "onnx-layers") for op, i in OPS_11},
+        **{f"{op} [profile 1]_myl1_{i}": (op, "onnx-layers") for op, i in OPS_11},
+    }
+    assert all(len(found) <= 1 for found in ops.values())
+    cache = TimingCache.load(tmp_path / "11.json")
+    assert {e.key: e.tactic_hash for e in cache.entries()} == {
+        "op:node_conv2d": "0x447797f84b244", "op:node_max_pool2d": "0x66f0f7054b2a5", "op:node_conv2d_1": UNKNOWN_HASH,
+        "op:node_max_pool2d_1": "0x3dd9bff0e8c14", "op:node_linear": UNKNOWN_HASH, "op:node_linear_1_2": UNKNOWN_HASH,
+    }  # fmt: skip
+
+
+# The real 11.0 build's autotuned ops and the index of their engine layer in each profile.
+OPS_11 = (("node_conv2d", 2), ("node_max_pool2d", 3), ("node_conv2d_1", 4), ("node_max_pool2d_1", 5),
+          ("node_linear", 7), ("node_linear_1_2", 8))  # fmt: skip
 
 
 @pytest.mark.parametrize(

@@ -34,6 +34,11 @@ gated, in either run: they time other software (eager PyTorch, ONNX
 Runtime, ...), not the commit's engines, so a new PyTorch must not fail a
 pull request that changed nothing, and a run without ``--peers`` must not
 miss them. The report notes how many were left out.
+
+Two runs whose GPU cases ran at other clock settings (locked against
+unlocked, or at other locked clocks) or on other GPUs of the model get a note
+naming both sides (:func:`gpu_notes`): a reason for a latency change that is
+not the code's, said, never failed on.
 """
 
 from __future__ import annotations
@@ -365,6 +370,7 @@ def gate(
     )
     if changed:
         notes.append("settings differ: " + ", ".join(changed))
+    notes += gpu_notes(baseline_doc, current_doc)
     commits = (baseline_doc["git"]["commit"], current_doc["git"]["commit"])
     verdicts = [
         _check_case(base_cases[key], cur, s, commits) if key in base_cases
@@ -378,6 +384,61 @@ def gate(
     ]
     verdicts.sort(key=lambda v: case_order(v.key))
     return GateReport(cases=verdicts, notes=notes, problems=problems, settings={**asdict(s)})
+
+
+def gpu_notes(baseline_doc: Mapping[str, Any], current_doc: Mapping[str, Any]) -> list[str]:
+    """A note, naming both sides, when the runs' GPU cases ran at other clock settings or on other GPUs.
+
+    Clocks: the graphics clock a run locked (``--lock-clocks``) or none; GPUs:
+    their UUIDs (one machine id can be many GPUs of a model, each a little
+    faster or slower). Both change latency without a change of the code, so
+    the reader is told; neither fails the gate.
+    """
+    base, cur = _gpu_setup(baseline_doc), _gpu_setup(current_doc)
+    notes = []
+    if base.clocks and cur.clocks and base.clocks != cur.clocks:
+        notes.append(
+            f"clock settings differ: baseline {base.describe_clocks()}, current {cur.describe_clocks()}; "
+            "latency differences may come from the clocks, not the code"
+        )
+    if base.gpus and cur.gpus and base.gpus != cur.gpus:
+        notes.append(
+            f"GPUs differ: baseline on {', '.join(sorted(base.gpus))}, current on {', '.join(sorted(cur.gpus))} "
+            "(one machine id, other physical GPUs); latency differences may come from the GPU, not the code"
+        )
+    return notes
+
+
+@dataclass(frozen=True)
+class _GpuSetup:
+    """What the GPU cases (timed with CUDA events) of a run ran on: clocks locked (MHz) or None, GPU UUIDs."""
+
+    clocks: frozenset[int | None]
+    gpus: frozenset[str]
+    request: str | int | None  # the run's --lock-clocks
+
+    def describe_clocks(self) -> str:
+        described = sorted(
+            "graphics clock not locked" if mhz is None else f"graphics clock locked at {mhz} MHz"
+            for mhz in self.clocks
+        )
+        flag = "" if self.request is None else f" (--lock-clocks {self.request})"
+        return " and ".join(described) + flag
+
+
+def _gpu_setup(doc: Mapping[str, Any]) -> _GpuSetup:
+    """A case without a clock record (an older file, or no NVML) counts as not locked: nothing could lock it."""
+    clocks: set[int | None] = set()
+    gpus: set[str] = set()
+    for case in doc["cases"]:
+        if is_peer(case) or case.get("latency") is None or case["latency"]["timer"] != "cuda":
+            continue
+        gpu = (case.get("telemetry") or {}).get("gpu")
+        record = gpu if isinstance(gpu, Mapping) else {}
+        clocks.add((record.get("clocks") or {}).get("locked_graphics_mhz"))
+        if record.get("uuid") is not None:
+            gpus.add(record["uuid"])
+    return _GpuSetup(frozenset(clocks), frozenset(gpus), doc["settings"].get("lock_clocks"))
 
 
 def _has_gpu(doc: Mapping[str, Any]) -> bool:

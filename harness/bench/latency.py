@@ -1,4 +1,4 @@
-"""Latency of a callable: warm-up by time, then a bounded timing loop.
+"""Latency: of a callable on the host clock, or of a staged GPU query as trtexec measures it.
 
 The loop is kept as small as Python allows (two clock reads, the call, one
 ``list.append`` of an int) so that its own cost, reported as ``overhead``
@@ -7,6 +7,16 @@ the latencies it measures. The garbage collector is paused during the loop,
 as ``timeit`` does, so a collection triggered by someone else's garbage does
 not land in a sample. Reported samples are *not* corrected for the overhead;
 the overhead is stored next to them so a reader can judge.
+
+A GPU query (:class:`~harness.engines.device.DeviceQuery`: inputs staged on
+the device once, the engine on a stream of its own) is timed as trtexec
+times it (:func:`measure_device_latency`): per query, CUDA events on that
+stream bracket the input copies, the inference and the output copies apart.
+The headline figure is the **GPU compute time**: the events around the
+enqueue alone, never a copy. Beside it: the host-to-device and
+device-to-host transfer times, the end-to-end latency (their sum with the
+compute time), the enqueue time (the host clock around the enqueue call) and
+the throughput (queries over the loop's host wall time).
 
 A run is *unstable* when its spread (IQR/median) exceeds a threshold or it
 holds a slow phase (a sustained stretch of slow calls: the machine was busy
@@ -22,12 +32,20 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from harness.bench.stats import SlowPhase, Summary, slow_phase
 from harness.errors import HarnessError
 
+if TYPE_CHECKING:  # the gate reads results without torch, which harness.engines.device imports
+    from harness.engines.device import DeviceEvent, DeviceQuery
+
 Timer = Literal["cpu", "cuda"]
+# The clock each figure of a result comes from: the host's perf_counter, or CUDA events on the query's stream.
+Clock = Literal["host", "cuda-event"]
+# Queries a GPU loop keeps queued at once: the next one's copies and enqueue are issued while the
+# device still runs the last, as trtexec keeps its stream busy; more would only add host waiting.
+QUERIES_IN_FLIGHT = 2
 
 # Largest IQR/median of a stable run. trtexec warns at 2.5% spread on GPU; a
 # CPU shared with other processes is noisier, so it gets twice the tolerance.
@@ -49,6 +67,7 @@ class LatencyResult:
     slow_phase: SlowPhase | None
     remeasured: bool  # the first run had a slow phase, so the loop ran again
     overhead: Summary | None
+    device: DeviceFigures | None = None  # a GPU query's other figures (timer "cuda")
 
     @property
     def samples_ns(self) -> tuple[float, ...]:
@@ -57,6 +76,27 @@ class LatencyResult:
     @property
     def unstable(self) -> bool:
         return self.summary.spread > self.spread_threshold or self.slow_phase is not None
+
+    @property
+    def throughput_per_s(self) -> float | None:
+        """Items per second: a GPU query's over the loop's host wall time, as trtexec counts it;
+        on the host clock, from the mean latency."""
+        if self.device is not None:
+            return self.iterations * self.batch_size / self.duration_s if self.duration_s > 0 else None
+        return self.summary.throughput(self.batch_size)
+
+    def clocks(self) -> dict[str, Clock]:
+        """Which clock each figure of :meth:`to_dict` came from."""
+        if self.device is None:
+            return {"summary": "host", "throughput_per_s": "host"}
+        return {
+            "summary": "cuda-event",
+            "h2d": "cuda-event",
+            "d2h": "cuda-event",
+            "end_to_end": "cuda-event",
+            "enqueue": "host",
+            "throughput_per_s": "host",
+        }
 
     def to_dict(self) -> dict[str, Any]:
         """The ``latency`` field of a results case (see :mod:`harness.bench.results`)."""
@@ -69,12 +109,37 @@ class LatencyResult:
             "warmup_s": self.warmup_s,
             "summary": self.summary.stats_dict(),
             "samples_ns": [int(s) for s in self.summary.samples],
-            "throughput_per_s": self.summary.throughput(self.batch_size),
+            "throughput_per_s": self.throughput_per_s,
             "spread_threshold": self.spread_threshold,
             "unstable": self.unstable,
             "slow_phase": dataclasses.asdict(self.slow_phase) if self.slow_phase is not None else None,
             "remeasured": self.remeasured,
             "overhead": self.overhead.stats_dict() if self.overhead is not None else None,
+            "clocks": self.clocks(),
+            **({} if self.device is None else {"device": self.device.to_dict()}),
+        }
+
+
+@dataclass(frozen=True)
+class DeviceFigures:
+    """A GPU query's figures beside its compute time, per query, in nanoseconds (trtexec's names:
+    H2D Latency, D2H Latency, Latency, Enqueue Time)."""
+
+    h2d: Summary
+    d2h: Summary
+    end_to_end: Summary  # h2d + compute + d2h of each query
+    enqueue: Summary  # host clock around the enqueue call
+    cuda_graph: bool
+    queries_in_flight: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "h2d": self.h2d.stats_dict(),
+            "d2h": self.d2h.stats_dict(),
+            "end_to_end": self.end_to_end.stats_dict(),
+            "enqueue": self.enqueue.stats_dict(),
+            "cuda_graph": self.cuda_graph,
+            "queries_in_flight": self.queries_in_flight,
         }
 
 
@@ -103,11 +168,6 @@ class _LoopBounds:
     max_iters: int | None
 
 
-# (fn, sync, bounds) -> (samples in ns, the loop's duration in ns)
-_Loop = Callable[
-    [Callable[[], object], Callable[[], object] | None, _LoopBounds], tuple[list[int], int]
-]
-
 
 def _cpu_loop(
     fn: Callable[[], object], sync: Callable[[], object] | None, bounds: _LoopBounds
@@ -133,67 +193,14 @@ def _cpu_loop(
             return samples, t1 - begin
 
 
-def _cuda_loop(
-    fn: Callable[[], object], sync: Callable[[], object] | None, bounds: _LoopBounds
-) -> tuple[list[int], int]:
-    """Time on the device with one event pair per iteration.
-
-    The host only enqueues; events are read after one final synchronize, so
-    host jitter does not enter the samples. ``sync`` (if given) runs after
-    the end event, outside the timed interval, to bound the queue depth. The
-    iterations are those of :func:`_cpu_loop` (whose host samples are not
-    kept), so both timers stop by the same rule.
-    """
-    import torch
-
-    torch.cuda.synchronize()  # warm-up work still queued must not overlap the first samples
-    pairs: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
-
-    def timing_event() -> torch.cuda.Event:
-        return torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]  # torch leaves it unannotated
-
-    def enqueue() -> None:  # events are created per iteration: cheap next to any GPU kernel
-        start, end = timing_event(), timing_event()
-        start.record()
-        fn()
-        end.record()
-        if sync is not None:
-            sync()
-        pairs.append((start, end))
-
-    begin = time.perf_counter_ns()
-    _cpu_loop(enqueue, None, bounds)
-    torch.cuda.synchronize()
-    elapsed = time.perf_counter_ns() - begin
-    return [round(s.elapsed_time(e) * 1e6) for s, e in pairs], elapsed
-
-
-def _loop_for(timer: str) -> _Loop:
-    if timer == "cpu":
-        return _cpu_loop
-    if timer == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            raise HarnessError(
-                "timer 'cuda' needs a CUDA device but torch.cuda.is_available() is False; "
-                "use timer 'cpu'"
-            )
-        return _cuda_loop
-    raise HarnessError(f"timer {timer!r} is not valid; use 'cpu' or 'cuda'")
-
-
-def measure_overhead(
-    *, timer: Timer = "cpu", min_iters: int = 10_000, min_duration_s: float = 0.0
-) -> Summary:
-    """Per-iteration cost of the timing loop itself, around an empty call (ns).
+def measure_overhead(*, min_iters: int = 10_000, min_duration_s: float = 0.0) -> Summary:
+    """Per-iteration cost of the host timing loop itself, around an empty call (ns).
 
     By count, not duration: an empty call takes tens of nanoseconds, so any
     useful duration would mean millions of stored samples.
     """
-    loop = _loop_for(timer)
     with _gc_paused():
-        samples, _ = loop(_noop, None, _LoopBounds(min_iters, int(min_duration_s * 1e9), None))
+        samples, _ = _cpu_loop(_noop, None, _LoopBounds(min_iters, int(min_duration_s * 1e9), None))
     return Summary.from_samples(samples, unit="ns")
 
 
@@ -205,20 +212,106 @@ def measure_latency(
     min_duration_s: float = 1.0,
     max_iters: int | None = None,
     sync: Callable[[], object] | None = None,
-    timer: Timer = "cpu",
     batch_size: int = 1,
     spread_threshold: float | None = None,
     overhead: Summary | None = None,
 ) -> LatencyResult:
-    """Warm up for ``warmup_s`` (at least one call), then time ``fn``.
+    """Warm up for ``warmup_s`` (at least one call), then time ``fn`` on the host clock.
 
     The loop runs until it has at least ``min_iters`` samples *and* has
     lasted ``min_duration_s``; ``max_iters`` caps it regardless of duration.
-    ``sync`` waits for asynchronous work (e.g. ``torch.cuda.synchronize``)
-    and is inside the timed interval on the CPU timer. ``overhead`` may be
-    passed in to share one :func:`measure_overhead` across many cases;
-    otherwise it is measured after the run.
+    ``sync`` waits for asynchronous work and is inside the timed interval.
+    ``overhead`` may be passed in to share one :func:`measure_overhead`
+    across many cases; otherwise it is measured after the run.
     """
+    bounds = _bounds(min_iters, max_iters, warmup_s, min_duration_s, batch_size)
+    threshold = DEFAULT_SPREAD_THRESHOLD["cpu"] if spread_threshold is None else spread_threshold
+
+    def warm() -> None:
+        fn()
+        if sync is not None:
+            sync()
+
+    with _gc_paused():
+        warm_iters, warm_ns = _warm_up(warm, warmup_s)
+        run = _kept_run(lambda: _host_run(fn, sync, bounds))
+
+    return LatencyResult(
+        summary=Summary.from_samples(run.samples, unit="ns"),
+        iterations=len(run.samples),
+        duration_s=run.elapsed_ns / 1e9,
+        warmup_iterations=warm_iters,
+        warmup_s=warm_ns / 1e9,
+        timer="cpu",
+        batch_size=batch_size,
+        spread_threshold=threshold,
+        slow_phase=run.phase,
+        remeasured=run.remeasured,
+        overhead=overhead if overhead is not None else measure_overhead(),
+    )
+
+
+def measure_device_latency(
+    query: DeviceQuery,
+    *,
+    warmup_s: float = 0.5,
+    min_iters: int = 20,
+    min_duration_s: float = 1.0,
+    max_iters: int | None = None,
+    batch_size: int = 1,
+    spread_threshold: float | None = None,
+) -> LatencyResult:
+    """Warm up for ``warmup_s`` (at least one whole query), then time ``query`` as trtexec does.
+
+    Each timed query queues, on the query's stream: an event, the input
+    copies, an event; an event, the enqueue (its host time read around the
+    call), an event; an event, the output copies, an event. So the compute
+    events bracket the enqueue alone. At most :data:`QUERIES_IN_FLIGHT`
+    queries are queued at once (the host waits on the last event of the one
+    before them); the events are read after the loop. The loop stops by the
+    host loop's rule; the result's samples are the GPU compute times and its
+    ``device`` holds the other figures.
+    """
+    bounds = _bounds(min_iters, max_iters, warmup_s, min_duration_s, batch_size)
+    threshold = DEFAULT_SPREAD_THRESHOLD["cuda"] if spread_threshold is None else spread_threshold
+
+    def warm() -> None:
+        query.h2d()
+        query.enqueue()
+        query.d2h()
+        query.synchronize()
+
+    with _gc_paused():
+        warm_iters, warm_ns = _warm_up(warm, warmup_s)
+        run = _kept_run(lambda: _device_loop(query, bounds))
+
+    assert run.device is not None
+    return LatencyResult(
+        summary=Summary.from_samples(run.samples, unit="ns"),
+        iterations=len(run.samples),
+        duration_s=run.elapsed_ns / 1e9,
+        warmup_iterations=warm_iters,
+        warmup_s=warm_ns / 1e9,
+        timer="cuda",
+        batch_size=batch_size,
+        spread_threshold=threshold,
+        slow_phase=run.phase,
+        remeasured=run.remeasured,
+        overhead=None,
+        device=DeviceFigures(
+            h2d=Summary.from_samples(run.device["h2d"], unit="ns"),
+            d2h=Summary.from_samples(run.device["d2h"], unit="ns"),
+            end_to_end=Summary.from_samples(run.device["end_to_end"], unit="ns"),
+            enqueue=Summary.from_samples(run.device["enqueue"], unit="ns"),
+            cuda_graph=query.cuda_graph,
+            queries_in_flight=QUERIES_IN_FLIGHT,
+        ),
+    )
+
+
+def _bounds(
+    min_iters: int, max_iters: int | None, warmup_s: float, min_duration_s: float, batch_size: int
+) -> _LoopBounds:
     if min_iters < 1:
         raise HarnessError(f"min_iters must be at least 1, got {min_iters}")
     if max_iters is not None and max_iters < min_iters:
@@ -227,41 +320,82 @@ def measure_latency(
         raise HarnessError("warmup_s and min_duration_s must not be negative")
     if batch_size < 1:
         raise HarnessError(f"batch_size must be at least 1, got {batch_size}")
-    loop = _loop_for(timer)
-    bounds = _LoopBounds(min_iters, int(min_duration_s * 1e9), max_iters)
-    threshold = DEFAULT_SPREAD_THRESHOLD[timer] if spread_threshold is None else spread_threshold
+    return _LoopBounds(min_iters, int(min_duration_s * 1e9), max_iters)
 
-    with _gc_paused():
-        warm_begin = time.perf_counter_ns()
-        warm_deadline = warm_begin + int(warmup_s * 1e9)
-        warm_iters = 0
-        while True:
-            fn()
-            if sync is not None:
-                sync()
-            warm_iters += 1
-            warm_end = time.perf_counter_ns()
-            if warm_end >= warm_deadline:
-                break
-        samples, elapsed_ns = loop(fn, sync, bounds)
-        phase = slow_phase(samples)
-        remeasured = phase is not None
-        if phase is not None:  # the machine was busy for a while: once more, and keep a clean run
-            again, again_ns = loop(fn, sync, bounds)
-            again_phase = slow_phase(again)
-            if again_phase is None or again_phase.fraction < phase.fraction:
-                samples, elapsed_ns, phase = again, again_ns, again_phase
 
-    return LatencyResult(
-        summary=Summary.from_samples(samples, unit="ns"),
-        iterations=len(samples),
-        duration_s=elapsed_ns / 1e9,
-        warmup_iterations=warm_iters,
-        warmup_s=(warm_end - warm_begin) / 1e9,
-        timer=timer,
-        batch_size=batch_size,
-        spread_threshold=threshold,
-        slow_phase=phase,
-        remeasured=remeasured,
-        overhead=overhead if overhead is not None else measure_overhead(timer=timer),
-    )
+def _warm_up(call: Callable[[], None], seconds: float) -> tuple[int, int]:
+    """Call ``call`` until ``seconds`` have passed (at least once): (calls, nanoseconds)."""
+    begin = time.perf_counter_ns()
+    deadline = begin + int(seconds * 1e9)
+    calls = 0
+    while True:
+        call()
+        calls += 1
+        end = time.perf_counter_ns()
+        if end >= deadline:
+            return calls, end - begin
+
+
+@dataclass(frozen=True)
+class _Run:
+    samples: list[int]
+    elapsed_ns: int
+    phase: SlowPhase | None
+    remeasured: bool
+    device: dict[str, list[int]] | None = None  # a device loop's other figures, per query
+
+
+def _kept_run(loop: Callable[[], _Run]) -> _Run:
+    """A run of ``loop``; one with a slow phase (the machine was busy for a while) is run once
+    more, and the run with the smaller slow phase is kept."""
+    first = loop()
+    if first.phase is None:
+        return first
+    again = loop()
+    kept = again if again.phase is None or again.phase.fraction < first.phase.fraction else first
+    return dataclasses.replace(kept, remeasured=True)
+
+
+def _host_run(fn: Callable[[], object], sync: Callable[[], object] | None, bounds: _LoopBounds) -> _Run:
+    samples, elapsed_ns = _cpu_loop(fn, sync, bounds)
+    return _Run(samples, elapsed_ns, slow_phase(samples), False)
+
+
+def _device_loop(query: DeviceQuery, bounds: _LoopBounds) -> _Run:
+    """Timed queries until ``bounds`` say stop (see :func:`measure_device_latency`)."""
+    clock = time.perf_counter_ns
+    queued: list[tuple[DeviceEvent, ...]] = []
+    enqueue_ns: list[int] = []
+
+    def one_query() -> None:
+        if len(queued) >= QUERIES_IN_FLIGHT:
+            queued[-QUERIES_IN_FLIGHT][-1].synchronize()
+        events = tuple(query.event() for _ in range(6))
+        events[0].record()
+        query.h2d()
+        events[1].record()
+        events[2].record()
+        start = clock()
+        query.enqueue()
+        enqueue_ns.append(clock() - start)
+        events[3].record()
+        events[4].record()
+        query.d2h()
+        events[5].record()
+        queued.append(events)
+
+    query.synchronize()  # warm-up work still queued must not overlap the first query
+    begin = clock()
+    _cpu_loop(one_query, None, bounds)
+    query.synchronize()
+    elapsed_ns = max(clock() - begin, 1)
+    h2d = [e[0].elapsed_ns(e[1]) for e in queued]
+    compute = [e[2].elapsed_ns(e[3]) for e in queued]
+    d2h = [e[4].elapsed_ns(e[5]) for e in queued]
+    figures = {
+        "h2d": h2d,
+        "d2h": d2h,
+        "end_to_end": [a + b + c for a, b, c in zip(h2d, compute, d2h, strict=True)],
+        "enqueue": enqueue_ns,
+    }
+    return _Run(compute, elapsed_ns, slow_phase(compute), False, figures)

@@ -28,7 +28,7 @@ from typing import Any
 
 import psutil
 
-from harness.bench.telemetry import NvmlUnavailable, open_nvml
+from harness.bench.telemetry import NvmlUnavailable, init_nvml, nvml_text, shutdown_nvml
 from harness.errors import HarnessError
 
 MACHINE_ID_ENV = "HARNESS_MACHINE_ID"
@@ -60,23 +60,26 @@ def cpu_info(cpuinfo: str | os.PathLike[str] = "/proc/cpuinfo") -> dict[str, Any
     }
 
 
-def gpu_info() -> dict[str, Any]:
-    """GPUs as NVML sees them (also when PyTorch is a CPU build), plus the reason if none."""
+def gpu_info(module: Any = None) -> dict[str, Any]:
+    """Every GPU NVML lists (also when PyTorch is a CPU build), in NVML's order, or the reason for none.
+
+    Each with its UUID, which tells two GPUs of one model apart (the machine
+    id does not: it names the hardware class). ``module`` replaces ``pynvml``.
+    """
     try:
-        nvml = open_nvml(0)
+        mod = init_nvml(module)
     except NvmlUnavailable as exc:
         return {"status": f"unavailable ({exc})", "driver": None, "devices": []}
-    mod = nvml.module
     try:
         driver = mod.nvmlSystemGetDriverVersion()
         devices = []
         for i in range(mod.nvmlDeviceGetCount()):
             handle = mod.nvmlDeviceGetHandleByIndex(i)
-            name = mod.nvmlDeviceGetName(handle)
             major, minor = mod.nvmlDeviceGetCudaComputeCapability(handle)
             devices.append(
                 {
-                    "name": name.decode() if isinstance(name, bytes) else name,
+                    "name": nvml_text(mod.nvmlDeviceGetName(handle)),
+                    "uuid": nvml_text(mod.nvmlDeviceGetUUID(handle)),
                     "capability": f"{major}.{minor}",
                     "memory_bytes": int(mod.nvmlDeviceGetMemoryInfo(handle).total),
                 }
@@ -84,12 +87,8 @@ def gpu_info() -> dict[str, Any]:
     except mod.NVMLError as exc:
         return {"status": f"unavailable (NVML query failed: {exc})", "driver": None, "devices": []}
     finally:
-        nvml.close()
-    return {
-        "status": "ok",
-        "driver": driver.decode() if isinstance(driver, bytes) else driver,
-        "devices": devices,
-    }
+        shutdown_nvml(mod)
+    return {"status": "ok", "driver": nvml_text(driver), "devices": devices}
 
 
 def tensorrt_version() -> str | None:
@@ -179,7 +178,11 @@ def isa_tag(flags: list[str]) -> str:
 
 
 def machine_id(cpu: dict[str, Any], gpus: dict[str, Any]) -> str:
-    """Stable hardware-class id: first GPU's name (with count), else CPU model, cores and ISA."""
+    """Stable hardware-class id: first GPU's name (with count), else CPU model, cores and ISA.
+
+    Never a GPU's UUID: every runner of one type shares the baseline, and the
+    gate notes when two runs ran on different GPUs of the model.
+    """
     override = os.environ.get(MACHINE_ID_ENV)
     if override:
         return check_machine_id(override)

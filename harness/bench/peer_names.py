@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 PRECISIONS = ("fp32", "bf16", "fp16")
-PEER_NAMES = ("eager", "inductor", "onnxruntime", "openvino")
+PEER_NAMES = ("eager", "inductor", "onnxruntime", "openvino", "eager-cuda")
 
 
 def precision_of(mode: str) -> str | None:

@@ -17,7 +17,11 @@ each precision of the run's modes (:func:`~harness.bench.peer_names.run_precisio
 * ``openvino``: that ONNX compiled by OpenVINO's CPU plugin with
   ``INFERENCE_PRECISION_HINT`` f32, bf16 or f16 (a low hint only where this
   CPU's OpenVINO honours it, probed as the openvino backend probes its weak
-  modes) and the backend's other properties (its threads, one stream).
+  modes) and the backend's other properties (its threads, one stream);
+* ``eager-cuda``: the model in PyTorch on the GPU (fp32, or under
+  ``torch.autocast("cuda", dtype)``), its inputs resident, on a stream of its
+  own, timed with CUDA events as the GPU engines are: the harness's GPU
+  clock against a plain torch measurement of the same model.
 
 Each case is measured like an engine case (:meth:`BenchRunner.measured_case`,
 :meth:`BenchRunner.time_call`): same example inputs, same pinned threads,
@@ -33,6 +37,7 @@ tables and plots show them as reference rows and points.
 
 from __future__ import annotations
 
+import copy
 import os
 import tempfile
 import time
@@ -49,9 +54,10 @@ from harness.bench.accuracy import compare_outputs, output_digest
 from harness.bench.memory import MemoryReport
 from harness.bench.peer_names import PEER_NAMES
 from harness.bench.results import PEER_PREFIX, CaseKey, CaseResult
+from harness.engines.device import CudaQuery, DeviceQuery
 from harness.errors import HarnessError
 from harness.extras import ONNX_EXPORT_MODULES, ONNX_MODULES, require_all
-from harness.outputs import OutputSpec
+from harness.outputs import OutputSpec, flat_tensors
 from harness.weights import module_weights_digest
 
 if TYPE_CHECKING:
@@ -81,12 +87,15 @@ class PeerModel:
 
 @dataclass
 class PeerRun:
-    """A peer ready to time: ``call`` is one inference on the example inputs, as timed."""
+    """A peer ready to time: ``call`` is one inference on the example inputs, as timed on the host
+    clock; a peer on a GPU gives its inference staged on the device as ``query`` instead, timed
+    as the GPU engines are (:func:`~harness.bench.latency.measure_device_latency`)."""
 
     call: Callable[[], object]
     outputs: Callable[[], Any]  # the outputs in the model's structure, as torch tensors
     details: str  # what runs, for the results
     size_bytes: int | None = None  # the model file it runs, where there is one
+    query: DeviceQuery | None = None
 
 
 class Peer(Protocol):
@@ -210,6 +219,49 @@ class InductorPeer:
         )  # fmt: skip
 
 
+class EagerCudaPeer:
+    """The model in eager PyTorch on the GPU, fp32 or under ``torch.autocast("cuda", dtype)``,
+    its inputs resident on the device and its stream its own: a plain torch measurement of the
+    model on the GPU the engines run on, by the same CUDA-event clock."""
+
+    name = "eager-cuda"
+
+    def check_installed(self) -> None:
+        """A CUDA build of PyTorch that sees a GPU."""
+        if not torch.cuda.is_available():
+            raise HarnessError(
+                "peer 'eager-cuda' needs a CUDA GPU, and PyTorch sees none (torch.cuda.is_available() is False)"
+            )
+
+    def refusal(self, precision: str) -> str | None:
+        if precision == "bf16" and not torch.cuda.is_bf16_supported():
+            return f"{torch.cuda.get_device_name()} has no bf16 arithmetic"
+        return None
+
+    def prepare(self, model: PeerModel, precision: str, threads: int) -> PeerRun:
+        device = torch.device("cuda", torch.cuda.current_device())
+        module = copy.deepcopy(model.spec.module).to(device).eval()  # the reference stays on the host
+        dtype = _AUTOCAST_DTYPES.get(precision)
+
+        def run(stream: torch.cuda.Stream, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+            with torch.inference_mode(), torch.autocast("cuda", dtype=dtype or torch.float16, enabled=dtype is not None):
+                return flat_tensors(module(*inputs))
+
+        query = CudaQuery(model.inputs, run, device=device)
+
+        def once() -> Any:
+            query.h2d()
+            query.enqueue()
+            query.d2h()
+            query.synchronize()
+            return model.structure.unflatten(list(query.outputs()))
+
+        where = "fp32" if dtype is None else f"under torch.autocast('cuda', {dtype})"
+        return PeerRun(
+            once, once, f"torch {torch.__version__} eager on {torch.cuda.get_device_name(device)}, {where}", query=query
+        )
+
+
 def ort_session_options(threads: int) -> Any:
     """A plain ONNX Runtime session as a user makes one: all optimizations, the run's threads."""
     import onnxruntime as ort
@@ -313,6 +365,7 @@ PEERS: dict[str, type[Peer]] = {
     "inductor": InductorPeer,
     "onnxruntime": OnnxRuntimePeer,
     "openvino": OpenVinoPeer,
+    "eager-cuda": EagerCudaPeer,
 }
 assert tuple(PEERS) == PEER_NAMES, "harness.bench.peer_names lists the peers defined here"
 
@@ -416,7 +469,11 @@ class PeerCase:
         stage[0] = "accuracy"
         accuracy = compare_outputs(outputs, ref.outputs, logits=ref.logits)
         stage[0] = "latency"
-        latency, telemetry = runner.time_call(run.call, model.inputs, spec.batch_dim)
+        if run.query is not None:
+            gpu = torch.cuda.current_device()
+            latency, telemetry = runner.time_query(run.query, model.inputs, spec.batch_dim, gpu)
+        else:
+            latency, telemetry = runner.time_call(run.call, model.inputs, spec.batch_dim)
         case = CaseResult(
             model=spec.name,
             mode=self.precision,

@@ -37,10 +37,12 @@ from types import TracebackType
 from typing import Any, Literal
 
 from harness.bench.accuracy import AccuracyResult, TaskAccuracy
+from harness.bench.clocks import NAMED_CLOCKS
 from harness.bench.latency import DEFAULT_SPREAD_THRESHOLD, LatencyResult
 from harness.bench.machine import check_machine_id, git_info, machine_info
 from harness.bench.memory import MemoryReport
 from harness.bench.stats import SUMMARY_FIELDS, Summary, slow_phase
+from harness.bench.telemetry import CLOCK_SETTINGS
 from harness.errors import HarnessError
 from harness.fileio import (
     atomic_write_bytes,
@@ -107,7 +109,19 @@ _LATENCY = _object(
         },
         "remeasured": {"type": "boolean"},
         "overhead": {"anyOf": [_SUMMARY, {"type": "null"}]},
-    }
+        # Which clock each figure came from (harness.bench.latency.LatencyResult.clocks);
+        # absent from older files, whose figures are all the timer's.
+        "clocks": {"type": "object", "additionalProperties": {"enum": ["host", "cuda-event"]}},
+        # A GPU query's figures beside its compute time (harness.bench.latency.DeviceFigures).
+        "device": _object(
+            {
+                **{k: _SUMMARY for k in ("h2d", "d2h", "end_to_end", "enqueue")},
+                "cuda_graph": {"type": "boolean"},
+                "queries_in_flight": {"type": "integer", "minimum": 1},
+            }
+        ),
+    },
+    optional=("clocks", "device"),
 )
 
 _MEMORY = _object(
@@ -151,13 +165,24 @@ _TASK_ACCURACY = _object(
     {"name": {"type": "string"}, "value": _NUM, "samples": {"type": "integer", "minimum": 1}}
 )
 
+# The GPU a case ran on and its clock settings (harness.bench.telemetry); absent from older files.
+_GPU_TELEMETRY = {
+    "type": "object",
+    "properties": {
+        "uuid": _OPT_STR,
+        "clocks": {
+            "anyOf": [_object({k: _OPT_INT for k in CLOCK_SETTINGS}, optional=CLOCK_SETTINGS), {"type": "null"}]
+        },
+    },
+}
+
 _TELEMETRY = {
     "type": "object",
     "required": ["samples", "cpu", "gpu", "throttled"],
     "properties": {
         "samples": _COUNT,
         "cpu": {"type": "object"},
-        "gpu": {"type": ["object", "string"]},
+        "gpu": {"anyOf": [_GPU_TELEMETRY, {"type": "string"}]},
         "throttled": {"type": "boolean"},
         "error": _OPT_STR,
     },
@@ -251,7 +276,10 @@ _MACHINE: dict[str, Any] = {
         "gpu": {
             "type": "object",
             "required": ["devices"],
-            "properties": {"devices": {"type": "array", "items": {"type": "object"}}},
+            "properties": {
+                # uuid: absent from older files
+                "devices": {"type": "array", "items": {"type": "object", "properties": {"uuid": {"type": "string"}}}}
+            },
         },
     },
 }
@@ -272,7 +300,11 @@ RESULTS_SCHEMA: dict[str, Any] = {
             "required": ["commit", "dirty"],
             "properties": {"commit": _OPT_STR, "dirty": {"type": ["boolean", "null"]}},
         },
-        "settings": {"type": "object"},
+        "settings": {
+            "type": "object",
+            # set only by a run with --lock-clocks (harness.bench.clocks)
+            "properties": {"lock_clocks": {"anyOf": [{"enum": list(NAMED_CLOCKS)}, {"type": "integer", "minimum": 1}]}},
+        },
         "cases": {"type": "array", "items": _CASE},
         "digest": _DIGEST,
         # set only on a document upgraded on read from an older schema (see upgrade_results)

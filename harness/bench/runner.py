@@ -35,13 +35,14 @@ import torch
 
 from harness.autocast.settings import AutocastSettings
 from harness.bench.accuracy import TaskAccuracy, compare_outputs, output_digest
-from harness.bench.latency import Timer, measure_latency, measure_overhead
+from harness.bench.latency import measure_device_latency, measure_latency, measure_overhead
 from harness.bench.memory import MemoryReport, measure_memory
 from harness.bench.results import CaseKey, CaseResult, ResultsWriter, is_peer
 from harness.bench.stats import Summary
 from harness.bench.telemetry import TelemetrySampler
 from harness.build import BuildResult, build_engine
 from harness.cache.timing_cache import TimingCache
+from harness.engines.device import DeviceEngine, DeviceQuery
 from harness.engines.protocol import (
     Backend,
     BatchProfile,
@@ -93,6 +94,8 @@ class MeasureSettings:
     # Intra-op threads of every candidate (engines, the eager reference),
     # pinned for the whole case and restored afterwards.
     threads: int = DEFAULT_THREADS
+    # A GPU engine's enqueue captured once into a CUDA graph and replayed (trtexec --useCudaGraph).
+    cuda_graph: bool = False
 
     def __post_init__(self) -> None:
         """Refuse, before any case runs, what would hang a run or exhaust memory (harness.limits).
@@ -283,7 +286,7 @@ class BenchRunner:
         # The whole sweep (not a shard's part of it): a shared engine's profile covers it all,
         # so every shard builds the same engine and reads the same cache file.
         self.batch_sizes = tuple(batch_sizes)
-        self._overheads: dict[Timer, Summary] = {}
+        self._overhead: Summary | None = None
         self._references: dict[tuple[str, int | None], _Reference] = {}
         self._profiles: dict[str, BatchProfile | None] = {}
         self._shared: dict[tuple[str, str], _Shared] = {}
@@ -459,7 +462,7 @@ class BenchRunner:
             output_digest=output_digest(outputs),
             model_weights_digest=module_weights_digest(spec.module),
             layers=[layer.to_json() for layer in engine.layers()],
-            warnings=list(built.log.warnings),
+            warnings=[*built.log.warnings, *(engine.run_warnings if isinstance(engine, DeviceEngine) else ())],
         ), build
 
     def _build(self, model: str, mode: str, batch: int | None, spec: Any) -> tuple[BuildResult, dict[str, Any]]:
@@ -514,34 +517,31 @@ class BenchRunner:
             raise HarnessError(f"model {spec.name!r}: evaluate() never ran the engine")
         return TaskAccuracy(name="top1", value=value, samples=run.samples)
 
-    def overhead(self, timer: Timer) -> Summary:
-        """The timing loop's own cost, measured once per timer and stored with every case."""
-        if timer not in self._overheads:
-            self._overheads[timer] = measure_overhead(timer=timer)
-        return self._overheads[timer]
+    def overhead(self) -> Summary:
+        """The host timing loop's own cost, measured once and stored with every host-timed case."""
+        if self._overhead is None:
+            self._overhead = measure_overhead()
+        return self._overhead
 
     def _latency(
         self, engine: Engine, inputs: tuple[torch.Tensor, ...], batch_dim: int | None
     ) -> tuple[Any, Any]:
-        return self.time_call(lambda: engine(*inputs), inputs, batch_dim, gpu_index=self._gpu_index())
+        """An engine's latency: a GPU engine's as trtexec measures it (its inputs staged on the
+        device once, on its own stream), any other's on the host clock."""
+        gpu = self._gpu_index()
+        if gpu is not None and isinstance(engine, DeviceEngine):
+            query = engine.stage(*inputs, cuda_graph=self.settings.cuda_graph)
+            return self.time_query(query, inputs, batch_dim, gpu)
+        return self.time_call(lambda: engine(*inputs), inputs, batch_dim)
 
     def time_call(
-        self,
-        call: Callable[[], object],
-        inputs: tuple[torch.Tensor, ...],
-        batch_dim: int | None,
-        *,
-        gpu_index: int | None = None,
+        self, call: Callable[[], object], inputs: tuple[torch.Tensor, ...], batch_dim: int | None
     ) -> tuple[Any, Any]:
-        """Latency and telemetry of ``call`` (one inference on ``inputs``): every case's one timing procedure.
-
-        Engines and peers (:mod:`harness.bench.peers`) alike: the same
-        settings, loop overhead and telemetry, under ``torch.inference_mode``;
-        CUDA events for a GPU engine (``gpu_index``), the CPU clock otherwise.
-        """
+        """Latency and telemetry of ``call`` (one inference on ``inputs``) on the host clock:
+        every host-timed case's one procedure (engines and peers, :mod:`harness.bench.peers`),
+        with the same settings, loop overhead and telemetry, under ``torch.inference_mode``."""
         s = self.settings
-        timer: Timer = "cpu" if gpu_index is None else "cuda"
-        sampler = TelemetrySampler(interval_s=s.telemetry_interval_s, gpu_index=gpu_index or 0)
+        sampler = TelemetrySampler(interval_s=s.telemetry_interval_s)
         with torch.inference_mode(), sampler:
             latency = measure_latency(
                 call,
@@ -549,9 +549,27 @@ class BenchRunner:
                 min_iters=s.min_iters,
                 min_duration_s=s.min_duration_s,
                 max_iters=s.max_iters,
-                timer=timer,
                 batch_size=_batch_size(inputs, batch_dim),
-                overhead=self.overhead(timer),
+                overhead=self.overhead(),
+                spread_threshold=s.spread_threshold,
+            )
+        return latency, sampler.summary()
+
+    def time_query(
+        self, query: DeviceQuery, inputs: tuple[torch.Tensor, ...], batch_dim: int | None, gpu_index: int
+    ) -> tuple[Any, Any]:
+        """Latency and telemetry of a query staged on CUDA device ``gpu_index``, as trtexec measures
+        it (:func:`~harness.bench.latency.measure_device_latency`), with that GPU's telemetry."""
+        s = self.settings
+        sampler = TelemetrySampler(interval_s=s.telemetry_interval_s, gpu_index=gpu_index)
+        with torch.inference_mode(), sampler:
+            latency = measure_device_latency(
+                query,
+                warmup_s=s.warmup_s,
+                min_iters=s.min_iters,
+                min_duration_s=s.min_duration_s,
+                max_iters=s.max_iters,
+                batch_size=_batch_size(inputs, batch_dim),
                 spread_threshold=s.spread_threshold,
             )
         return latency, sampler.summary()

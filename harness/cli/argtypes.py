@@ -130,6 +130,23 @@ def shard(text: str) -> tuple[int, int]:
     return index, count
 
 
+# Far above any GPU's graphics clock; the GPU's own list of supported clocks decides (harness.bench.clocks).
+MAX_CLOCK_MHZ = 10_000
+
+
+def lock_clocks(text: str) -> str | int:
+    """``base``, ``max`` (harness.bench.clocks.NAMED_CLOCKS) or a clock in MHz (1..MAX_CLOCK_MHZ)."""
+    raw = text.strip().lower()
+    if raw in ("base", "max"):
+        return raw
+    try:
+        return _int(raw, 1, MAX_CLOCK_MHZ)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected base, max or a clock in MHz (1..{MAX_CLOCK_MHZ}), e.g. 1410"
+        ) from None
+
+
 def batch_sizes(text: str) -> list[int]:
     """``N,N,...``: distinct batch sizes, each within 1..MAX_BATCH_SIZE."""
     parts = [part.strip() for part in text.split(",") if part.strip()]

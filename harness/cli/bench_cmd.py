@@ -5,12 +5,14 @@ The commands on results files (``merge``, ``report``, ``baseline``,
 
 Exit codes: 0 success, 1 a case failed, 2 bad input (flags, files, models,
 modes; refused before any work), 130 interrupted (the finished cases are
-kept in a file marked incomplete).
+kept in a file marked incomplete), by Ctrl-C, or by SIGTERM while
+``--lock-clocks`` holds a lock (:mod:`harness.bench.clocks`).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import sys
 from pathlib import Path
@@ -65,6 +67,13 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    help="flag a case unstable above this IQR/median spread, e.g. 5%% or 0.05 "
                    "(default: 5%% on CPU, 2.5%% on GPU)")
     p.add_argument("--quick", action="store_true", help="tiny warm-up and timing windows: checks the pipeline, not the numbers")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="GPU backends: capture each engine's enqueue once in a CUDA graph and time its replays, "
+                   "as trtexec --useCudaGraph does (default: the enqueue itself)")
+    p.add_argument("--lock-clocks", type=argtypes.lock_clocks, default=None, metavar="base|max|MHZ",
+                   help="lock the GPU's graphics (SM) clock for the run, and unlock it when the run ends, fails or "
+                   "is interrupted (Ctrl-C, SIGTERM): base (its default applications clock), max, or a clock in "
+                   "MHz the GPU supports; needs root and a GPU backend (default: clocks as the driver sets them)")
     p.add_argument("-o", "--output", default=None, metavar="PATH",
                    help=f"results file, or a directory to write run-<timestamp>.json into "
                    f"(default: {DEFAULT_ROOT}/<machine>/run-<timestamp>.json)")
@@ -201,6 +210,30 @@ def _model_settings(ref: str, plan: Any, modes: list[str], runner: Any) -> dict[
     }
 
 
+def _clock_lock(request: str | int | None, backend: Any) -> contextlib.AbstractContextManager[object]:
+    """What ``--lock-clocks`` holds around the run (:mod:`harness.bench.clocks`): nothing without it.
+
+    Refused, before any work, for a backend that runs on the CPU.
+    """
+    if request is None:
+        return contextlib.nullcontext()
+    _require_gpu_backend(f"--lock-clocks {request}", "locks the clock of the GPU a GPU backend runs on", backend)
+    from harness.bench.clocks import locked_clocks
+
+    return locked_clocks(request)
+
+
+def _require_gpu_backend(flag: str, what: str, backend: Any) -> None:
+    """Refuse ``flag`` (which ``what``) for a backend that runs on the CPU."""
+    from harness.bench.runner import GPU_BACKENDS
+
+    if backend.name not in GPU_BACKENDS:
+        raise HarnessError(
+            f"{flag}: the {backend.name} backend runs on the CPU, and the flag {what} (--backend tensorrt, "
+            "which 'auto' picks where TensorRT imports and a GPU is visible); drop the flag"
+        )
+
+
 def run_bench(args: argparse.Namespace) -> int:
     from harness.bench.machine import machine_info
     from harness.bench.peer_names import run_precisions
@@ -240,6 +273,9 @@ def run_bench(args: argparse.Namespace) -> int:
         refs, left_out = default_models()
         notes += left_out
     backend = _backend(args.backend or project.get("backend") or "auto")
+    clock_lock = _clock_lock(args.lock_clocks, backend)
+    if args.cuda_graph:
+        _require_gpu_backend("--cuda-graph", "captures a GPU engine's enqueue in a CUDA graph", backend)
     plans = _plans(refs, project, args)
     with_explicit = [ref for ref, plan in plans.items() if plan.explicit is not None]
     modes_text = args.modes if args.modes is not None else (",".join(project.get("modes") or []) or None)
@@ -251,7 +287,9 @@ def run_bench(args: argparse.Namespace) -> int:
     spread = args.spread_threshold if args.spread_threshold is not None else timing.pop("spread_threshold", None)
     timing.pop("spread_threshold", None)
     try:
-        measure = dataclasses.replace(QUICK if args.quick else MeasureSettings(**timing), threads=threads)
+        measure = dataclasses.replace(
+            QUICK if args.quick else MeasureSettings(**timing), threads=threads, cuda_graph=args.cuda_graph
+        )
     except HarnessError as exc:  # the bounds of harness.limits; NaN passes the file's schema
         raise HarnessError(f"{project.where}: {exc}" if timing else str(exc)) from None
     if args.spread_threshold is not None:  # parsed with the command line
@@ -305,24 +343,27 @@ def run_bench(args: argparse.Namespace) -> int:
         "model_settings": {runner.name_of(ref): _model_settings(ref, plan, modes, runner) for ref, plan in plans.items()},
         "ignore_cache_mismatch": args.ignore_mismatch,
         "peers": peer_names,
+        **({} if args.lock_clocks is None else {"lock_clocks": args.lock_clocks}),
     }
     for note in peer_notes:
         print(f"note: {note}", file=sys.stderr)
-    if args.resume:
-        writer = ResultsWriter.resume(output, settings=settings, machine=machine)
-    else:
-        writer = ResultsWriter.create(output, settings=settings, machine=machine)
-    try:
-        doc = runner.run(matrix, writer, progress=not args.no_progress, extra=peer_matrix)
-    except KeyboardInterrupt:
-        doc = writer.doc
-        report_run(doc, output, args.no_plots, args.summary_md)
-        print(
-            f"interrupted: {len(doc['cases'])} of {len(matrix) + len(peer_matrix)} cases kept in {output} "
-            f"(marked incomplete; finish it by repeating the command with --resume -o {output})",
-            file=sys.stderr,
-        )
-        return 130
+    # Locked before the results file is written (a refused lock writes nothing), unlocked on every way out.
+    with clock_lock:
+        if args.resume:
+            writer = ResultsWriter.resume(output, settings=settings, machine=machine)
+        else:
+            writer = ResultsWriter.create(output, settings=settings, machine=machine)
+        try:
+            doc = runner.run(matrix, writer, progress=not args.no_progress, extra=peer_matrix)
+        except KeyboardInterrupt:
+            doc = writer.doc
+            report_run(doc, output, args.no_plots, args.summary_md)
+            print(
+                f"interrupted: {len(doc['cases'])} of {len(matrix) + len(peer_matrix)} cases kept in {output} "
+                f"(marked incomplete; finish it by repeating the command with --resume -o {output})",
+                file=sys.stderr,
+            )
+            return 130
     report_run(doc, output, args.no_plots, args.summary_md)
     failed = [
         f"{c['model']}/{c['mode']}" + (f" ({c['backend']})" if is_peer(c) else "")

@@ -21,7 +21,7 @@ from torch.export import ExportedProgram
 
 from harness.autocast import CompiledGraph, compile
 from harness.bench.accuracy import compare_outputs
-from harness.bench.latency import Timer, measure_latency, measure_overhead
+from harness.bench.latency import measure_device_latency, measure_latency, measure_overhead
 from harness.bench.runner import GPU_BACKENDS
 from harness.bench.stats import Summary
 from harness.cache.timing_cache import TimingCache
@@ -29,6 +29,7 @@ from harness.debug.inputs import Batch
 from harness.debug.metrics import TASK_METRIC, ErrorStats, Target
 from harness.debug.plan import FP32, PrecisionPlan
 from harness.dtypes import LOW_DTYPES
+from harness.engines.device import DeviceEngine
 from harness.engines.protocol import Backend, BuildConfig, Engine
 from harness.errors import HarnessError
 from harness.models import ModelSpec
@@ -39,27 +40,26 @@ LatencyMeter = Callable[[Engine, tuple[torch.Tensor, ...], float], Summary]
 
 
 def measured_latency(engine: Engine, inputs: tuple[torch.Tensor, ...], seconds: float) -> Summary:
-    """The bench's latency loop on ``engine(*inputs)`` for about ``seconds`` (samples in ns).
+    """The bench's latency loop on ``engine`` for about ``seconds`` (samples in ns).
 
-    Engines of GPU backends are timed with CUDA events, as ``harness bench`` times them.
+    An engine of a GPU backend is timed as ``harness bench`` times it: its
+    GPU compute time, its inputs staged on the device once
+    (:func:`~harness.bench.latency.measure_device_latency`); any other on the host clock.
     """
-    timer: Timer = "cuda" if engine.backend in GPU_BACKENDS and torch.cuda.is_available() else "cpu"
+    warmup_s = min(0.1, seconds / 4)
     with torch.inference_mode():
-        result = measure_latency(
-            lambda: engine(*inputs),
-            warmup_s=min(0.1, seconds / 4),
-            min_iters=5,
-            min_duration_s=seconds,
-            timer=timer,
-            overhead=_overhead(timer),
-        )
-    return result.summary
+        if engine.backend in GPU_BACKENDS and torch.cuda.is_available() and isinstance(engine, DeviceEngine):
+            query = engine.stage(*inputs)
+            return measure_device_latency(query, warmup_s=warmup_s, min_iters=5, min_duration_s=seconds).summary
+        return measure_latency(
+            lambda: engine(*inputs), warmup_s=warmup_s, min_iters=5, min_duration_s=seconds, overhead=_overhead()
+        ).summary
 
 
 @functools.cache
-def _overhead(timer: Timer) -> Summary:
-    """The timing loop's own cost, measured once per process and timer (stored, not subtracted)."""
-    return measure_overhead(timer=timer)
+def _overhead() -> Summary:
+    """The host timing loop's own cost, measured once per process (stored, not subtracted)."""
+    return measure_overhead()
 
 
 def require_labelled_data(spec: ModelSpec, target: Target) -> None:

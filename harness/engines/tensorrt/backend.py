@@ -22,12 +22,14 @@ cache of each build is remembered per network for the life of the backend
 object, so repeated builds (``harness rebuild``) discover keys once.
 Every cache entry is a selection the build must keep (not only the entries
 a user pinned with ``harness cache pin``: those are merely edited by hand).
-After a build with a non-empty cache every key's tactic in the built cache is
-compared with the cache's selection, a selected key the built cache lacks is
-an error, and every keyed layer's kernel (the inspector's ``TacticName``) is
-compared with the selected kernel where both are known; a build whose tactics moved fails
-(``ERROR_ON_TIMING_CACHE_MISS`` has not stopped re-timing on every TensorRT
-version, and whether a re-time shows in the built cache is unconfirmed). The
+After a build with a non-empty cache every selected key is looked up in the
+built cache (``query``) and compared with the cache's selection, a selected key
+the built cache lacks is an error, and every keyed layer is checked through the
+one measured candidate it runs: kept, moved, or unverifiable with the reason
+(a kernel no candidate or several candidates fit), which the build log reports;
+a build whose tactics moved fails (``ERROR_ON_TIMING_CACHE_MISS`` has not
+stopped re-timing on every TensorRT version). Only an editable cache has its
+keys listed (``queryKeys``): a build without one records no keys. The
 binary cache joined with the VERBOSE log (op names, candidates) then updates
 the JSON cache in place; entries whose tactic did not change are left
 untouched, so a rebuild from a complete cache leaves the file as it was. The log's ops
@@ -71,6 +73,7 @@ from harness.cache.timing_cache import (
     normalize_hash,
 )
 from harness.dtypes import dtype_from_name
+from harness.engines.device import CudaQuery
 from harness.engines.modes import check_mode_name, is_weak
 from harness.engines.onnx_export import (
     CastRecord,
@@ -109,8 +112,8 @@ from harness.engines.tensorrt.builder import (
 )
 from harness.engines.tensorrt.cache_bridge import (
     UNKNOWN_LAYER,
+    check_pinned_layers,
     export_trt_cache,
-    moved_kernels,
     selections_not_kept,
 )
 from harness.engines.tensorrt.inspector import (
@@ -293,6 +296,9 @@ class TensorRTEngine(EngineBase):
         if context is None:
             raise HarnessError("TensorRT could not create an execution context (out of GPU memory?)")
         self._context: tensorrt.IExecutionContext = context
+        self._stream: torch.cuda.Stream | None = None
+        # What TensorRT warned while running the engine (each message once), for the case's warnings.
+        self.run_warnings: list[str] = []
 
     def _check_io(self, trt: TrtModule) -> None:
         names = {self._engine.get_tensor_name(i) for i in range(self._engine.num_io_tensors)}
@@ -306,35 +312,65 @@ class TensorRTEngine(EngineBase):
                 raise HarnessError(f"engine tensor {spec.name!r} is not an input")
 
     def run(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Run on the current CUDA stream; inputs may live anywhere, outputs are CUDA tensors.
+        """Run once on the engine's own stream; inputs may live anywhere, outputs are CUDA tensors.
 
         An engine with a batch profile takes any batch size in its range: the
         inputs' shapes are set on the context, which then gives the outputs'.
         """
         check_inputs(inputs, self.record.inputs, "tensorrt engine")
-        device = torch.device("cuda", torch.cuda.current_device())
-        staged = [t.detach().to(device).contiguous() for t in inputs]
+        device = self._device()
+        stream = self._own_stream()
+        with torch.cuda.stream(stream):
+            staged = tuple(t.detach().to(device, non_blocking=False).contiguous() for t in inputs)
+            outputs = self._enqueue(stream, staged)
+        stream.synchronize()  # type: ignore[no-untyped-call]
+        return outputs
+
+    def stage(self, *inputs: torch.Tensor, cuda_graph: bool = False) -> CudaQuery:
+        """One inference on ``inputs`` staged on the GPU, for timing as trtexec times it
+        (:class:`harness.engines.device.CudaQuery`: its own stream, buffers fixed, optionally
+        a CUDA graph of the enqueue)."""
+        check_inputs(inputs, self.record.inputs, "tensorrt engine")
+        return CudaQuery(inputs, self._enqueue, device=self._device(), cuda_graph=cuda_graph)
+
+    def _device(self) -> torch.device:
+        return torch.device("cuda", torch.cuda.current_device())
+
+    def _own_stream(self) -> torch.cuda.Stream:
+        """The stream :meth:`run` enqueues on: the engine's own, never the legacy default stream."""
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self._device())  # type: ignore[no-untyped-call]
+        return self._stream
+
+    def _enqueue(self, stream: torch.cuda.Stream, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """Queue one inference on ``stream`` (never the default stream, handle 0), the inputs on the
+        device: outputs allocated, every address set, ``execute_async_v3``. What TensorRT warns
+        while queuing is kept in :attr:`run_warnings`; what it reports as an error fails the run."""
+        if stream.cuda_stream == 0:
+            raise HarnessError("the tensorrt engine runs on a stream of its own, not on the legacy default stream")
+        device = inputs[0].device if inputs else self._device()
         if self.record.batch_profile is not None:
-            self._set_input_shapes(staged, self.record.batch_profile)
+            self._set_input_shapes(list(inputs), self.record.batch_profile)
             shapes = [_shape_of(self._context.get_tensor_shape(spec.name)) for spec in self.record.outputs]
         else:
             shapes = [spec.shape for spec in self.record.outputs]
-        outputs = [
+        outputs = tuple(
             torch.empty(shape, dtype=dtype_from_name(spec.dtype), device=device)
             for spec, shape in zip(self.record.outputs, shapes, strict=True)
-        ]
-        for spec, tensor in zip((*self.record.inputs, *self.record.outputs), (*staged, *outputs), strict=True):
+        )
+        for spec, tensor in zip((*self.record.inputs, *self.record.outputs), (*inputs, *outputs), strict=True):
             if not self._context.set_tensor_address(spec.name, tensor.data_ptr()):
                 raise HarnessError(f"TensorRT refused the address of tensor {spec.name!r}")
-        stream = torch.cuda.current_stream(device)
         with capture_log(self._trt) as capture:
             ok = self._context.execute_async_v3(stream.cuda_stream)
+        for warning in capture.warnings:
+            if warning not in self.run_warnings:
+                self.run_warnings.append(warning)
         if not ok:
             raise HarnessError(
                 "TensorRT failed to run the engine: " + ("; ".join(capture.problems) or "no error logged")
             )
-        stream.synchronize()
-        return tuple(outputs)
+        return outputs
 
     def _set_input_shapes(self, inputs: list[torch.Tensor], profile: BatchProfile) -> None:
         for spec, tensor in zip(self.record.inputs, inputs, strict=True):
@@ -528,10 +564,7 @@ class TensorRTBackend:
         )
         engine = TensorRTEngine(run.plan, record, self._trt_module)
         if enforced is not None:
-            keyed_layers = [(layer.name, layer.key, layer.tactic) for layer in engine.layers() if layer.key]
-            moved = moved_kernels(enforced, keyed_layers)
-            if moved:
-                raise selections_not_kept(config.mode, moved)
+            messages += unverifiable_pins(config.mode, enforced, engine)
         joined, join_problems = join_ops(parsed.layers, engine.inspected_layers)
         messages = list(dict.fromkeys([*messages, *join_problems, *engine.join_problems]))
         known = {key.lower() for key in enforced.query_keys()} if enforced is not None else set()
@@ -580,6 +613,19 @@ class TensorRTBackend:
 
     def load(self, path: str | os.PathLike[str]) -> TensorRTEngine:
         return TensorRTEngine.load(path, self._trt_module)
+
+
+def unverifiable_pins(mode: str, enforced: TimingCache, engine: TensorRTEngine) -> list[str]:
+    """A line per keyed engine layer whose selected tactic cannot be confirmed from the engine;
+    a layer that runs another of its key's candidates fails the build (the engine is discarded)."""
+    keys = {layer.name: layer.key for layer in engine.layers() if layer.key}
+    checks = check_pinned_layers(
+        enforced, [(layer, keys[layer.name]) for layer in engine.inspected_layers if layer.name in keys]
+    )
+    moved = [check.line() for check in checks if check.verdict == "moved"]
+    if moved:
+        raise selections_not_kept(mode, moved)
+    return [check.line() for check in checks if check.verdict == "unverifiable"]
 
 
 def _without_error_on_miss(settings: BuildSettings) -> BuildSettings:

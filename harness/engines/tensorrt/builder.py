@@ -26,7 +26,6 @@ from harness.engines.onnx_export import TensorSpec
 from harness.engines.protocol import BatchProfile, LayerTiming
 from harness.engines.tensorrt.cache_bridge import (
     apply_selections,
-    built_tactics,
     moved_selections,
     selections_not_kept,
 )
@@ -126,6 +125,12 @@ class BuildSettings:
             options["batch_profile"] = self.batch_profile.to_json()
         return options
 
+    @property
+    def editable_cache(self) -> bool:
+        """Whether the build's timing cache is editable (``EDITABLE_TIMING_CACHE``): only such a
+        cache has its keys listed (``queryKeys``) and its selections written and checked."""
+        return EDITABLE_TIMING_CACHE in self.builder_flags
+
     def to_json(self) -> dict[str, Any]:
         return {
             "tensorrt_version": str(self.version),
@@ -188,12 +193,15 @@ class LogCapture:
     def __init__(self) -> None:
         self.lines: list[str] = []
         self.problems: list[str] = []
+        self.warnings: list[str] = []
 
     def record(self, severity: str, message: str) -> None:
         tag = _SEVERITY_TAGS.get(severity, "?")
         self.lines.append(f"[{tag}] [TRT] {message}")
         if severity in ("INTERNAL_ERROR", "ERROR"):
             self.problems.append(message)
+        elif severity == "WARNING":
+            self.warnings.append(message)
 
     @property
     def text(self) -> str:
@@ -318,7 +326,12 @@ def add_batch_profile(
 
 @dataclass
 class BuilderRun:
-    """The products of one builder invocation."""
+    """The products of one builder invocation.
+
+    ``cache`` is the build's timing cache when it is editable (None without a
+    cache or with a non-editable one, whose keys are never listed: ``queryKeys``
+    is unconfirmed there); ``cache_bytes`` is the serialized cache either way.
+    """
 
     plan: bytes
     cache: tensorrt.ITimingCache | None
@@ -347,12 +360,19 @@ def run_builder(
     to keep) then rewrites it so it says exactly what the
     JSON cache says: every JSON entry is pushed with ``update`` and every key
     the JSON lacks is deleted (a NaN time deletes), so such layers are timed
-    again, or fail the build under ``ERROR_ON_TIMING_CACHE_MISS``. After a
-    build every key's tactic is checked against the cache's selection, since the flag
-    has not stopped re-timing on every TensorRT version (:func:`moved_selections`);
-    the engine's kernels are checked too, once it is inspected
-    (:func:`~harness.engines.tensorrt.cache_bridge.moved_kernels`).
+    again, or fail the build under ``ERROR_ON_TIMING_CACHE_MISS``. Enforcing
+    needs the editable cache (``settings.editable_cache``); it is refused
+    otherwise. After a build every selected key is looked up in the config's
+    cache (``query``) and compared with the selection, since the flag has not
+    stopped re-timing on every TensorRT version (:func:`moved_selections`);
+    the engine's layers are checked too, once it is inspected
+    (:func:`~harness.engines.tensorrt.cache_bridge.check_pinned_layers`).
     """
+    if enforced is not None and not settings.editable_cache:
+        raise HarnessError(
+            f"enforcing a timing cache's tactic selections needs BuilderFlag.{EDITABLE_TIMING_CACHE}; "
+            f"the build's flags are {', '.join(settings.builder_flags) or 'none'}"
+        )
     with capture_log(trt) as capture:
         logger = process_logger(trt)
         builder = trt.Builder(logger)
@@ -386,12 +406,13 @@ def run_builder(
     final_cache = config.get_timing_cache() if use_cache else None
     if final_cache is not None and enforced is not None:
         moved = moved_selections(
-            built_tactics(final_cache), enforced, error_on_miss=ERROR_ON_TIMING_CACHE_MISS in settings.builder_flags
+            final_cache, enforced, trt, error_on_miss=ERROR_ON_TIMING_CACHE_MISS in settings.builder_flags
         )
         if moved:
             raise selections_not_kept(settings.mode, moved)
     cache_bytes = bytes(final_cache.serialize()) if final_cache is not None else b""
-    return BuilderRun(bytes(host_plan), final_cache, cache_bytes, capture, selection_messages)
+    editable = final_cache if settings.editable_cache else None
+    return BuilderRun(bytes(host_plan), editable, cache_bytes, capture, selection_messages)
 
 
 def _enforce(trt: TrtModule, cache: tensorrt.ITimingCache, enforced: TimingCache) -> list[str]:

@@ -6,16 +6,29 @@ those. Exporting joins the two. Importing goes through ``ITimingCache.update``,
 which only replaces existing entries (editable caches, TensorRT >= 10.8): the
 binary cache must come from a build of the same network with
 ``BuilderFlag.EDITABLE_TIMING_CACHE``, and a key it lacks is reported.
+
+After a build from such a cache, the selections are verified twice: key by key
+in TensorRT's cache (:func:`moved_selections`), and layer by layer in the
+engine (:func:`check_pinned_layers`), where a layer whose kernel cannot be tied
+to one measured candidate of its key is *unverifiable*, never kept or moved.
 """
 
 from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
 
-from harness.cache.timing_cache import CacheEntry, Provenance, TimingCache, normalize_hash
+from harness.cache.timing_cache import (
+    CacheEntry,
+    Candidate,
+    Provenance,
+    TimingCache,
+    normalize_hash,
+)
+from harness.engines.tensorrt.inspector import InspectedLayer
 from harness.engines.tensorrt.log_parser import ParsedLog
 from harness.engines.tensorrt.versions import TrtApi, load_tensorrt
 from harness.errors import HarnessError
@@ -44,13 +57,14 @@ def _valid_value(key: str, value: tensorrt.TimingCacheValue) -> tuple[str, float
     return f"0x{value.tacticHash:x}", value.timingMSec
 
 
-def built_tactics(trt_cache: tensorrt.ITimingCache) -> dict[str, str]:
-    """Lower-case key -> tactic hash of every entry of a binary cache (invalid values refused)."""
-    tactics = {}
-    for trt_key in trt_cache.queryKeys():
-        key = str(trt_key)
-        tactics[key.lower()] = _valid_value(key, trt_cache.query(trt_key))[0]
-    return tactics
+def selected_hash(trt_cache: tensorrt.ITimingCache, key: str, trt_module: TrtApi | None = None) -> str | None:
+    """The tactic hash ``trt_cache`` selects for ``key`` (``cache.query``), None when it holds no
+    such key (TensorRT answers an absent key with the invalid hash); an invalid time is refused."""
+    trt = load_tensorrt(trt_module)
+    value = trt_cache.query(trt.TimingCacheKey.parse(key))
+    if value.tacticHash == INVALID_TACTIC_HASH:
+        return None
+    return _valid_value(key, value)[0]
 
 
 def export_trt_cache(
@@ -117,73 +131,117 @@ def apply_selections(
     return errors
 
 
-def moved_selections(built: dict[str, str], cache: TimingCache, *, error_on_miss: bool) -> list[str]:
-    """One line per key of ``cache`` whose selected tactic the build changed or that the built
-    cache lacks, and (``error_on_miss``) per key ``cache`` lacks.
+def moved_selections(
+    trt_cache: tensorrt.ITimingCache, cache: TimingCache, trt_module: TrtApi | None = None, *, error_on_miss: bool
+) -> list[str]:
+    """One line per key of ``cache`` whose selection TensorRT's cache after the build does not
+    hold, and (``error_on_miss``) per key of TensorRT's cache that ``cache`` lacks.
 
-    ``built`` is :func:`built_tactics` of the cache after the build. TensorRT
+    ``trt_cache`` is the build's editable timing cache (``get_timing_cache()``
+    of its config); each selected key is looked up with ``query``. TensorRT
     11.0 re-timed layers despite ``ERROR_ON_TIMING_CACHE_MISS`` (NVIDIA's
-    TensorRT-Model-Connect, PR #449), so the flag alone proves nothing: the
-    tactics the build ended with are compared with the cache's selections, key by
-    key. A selected key the built cache lacks was never applied (``update`` refuses
-    a key TensorRT's cache does not hold), so nothing says the build used it.
-    Entries that are no TensorRT key (``op:`` entries of a trtexec build) can
-    never be applied and are reported by :func:`apply_selections` instead.
+    TensorRT-Model-Connect, PR #449, compares the cache after the build the
+    same way), so the flag alone proves nothing. A selected key the built cache
+    lacks was never applied (``update`` refuses a key TensorRT's cache does not
+    hold), so nothing says the build used it. Entries that are no TensorRT key
+    (``op:`` entries of a trtexec build) can never be applied and are reported
+    by :func:`apply_selections` instead.
     """
     lines = []
-    selected = {entry.key.lower(): entry for entry in cache.entries()}
-    for key, entry in selected.items():
-        actual = built.get(key)
+    for entry in cache.entries():
+        if not _KEY.match(entry.key):
+            continue
+        actual = selected_hash(trt_cache, entry.key, trt_module)
         where = f"layer {entry.layer!r} (key {entry.key}): the cache selects {entry.tactic} ({entry.tactic_hash})"
-        if actual is None and _KEY.match(key):
+        if actual is None:
             lines.append(f"{where}, but the built cache has no such key, so the selection was never applied")
-        elif actual is not None and normalize_hash(actual) != normalize_hash(entry.tactic_hash):
+        elif normalize_hash(actual) != normalize_hash(entry.tactic_hash):
             lines.append(f"{where}, built {actual}")
     if error_on_miss:
-        lines += [
-            f"key {key}: not in the timing cache, yet the build timed and kept tactic {tactic}"
-            for key, tactic in built.items()
-            if key not in selected
-        ]
+        selected = {entry.key.lower() for entry in cache.entries()}
+        for trt_key in trt_cache.queryKeys():
+            key = str(trt_key).lower()
+            if key not in selected:
+                tactic = _valid_value(key, trt_cache.query(trt_key))[0]
+                lines.append(f"key {key}: not in the timing cache, yet the build timed and kept tactic {tactic}")
     return lines
 
 
-def _selected_kernel(entry: CacheEntry) -> str | None:
-    """The kernel name an entry selects, when its candidates tell it (else it is a bare hash)."""
-    names = {c.tactic for c in entry.candidates}
-    if entry.tactic in names:
-        return entry.tactic
-    wanted = normalize_hash(entry.tactic_hash)
-    by_hash = {c.tactic for c in entry.candidates if normalize_hash(c.tactic_hash) == wanted}
-    return by_hash.pop() if len(by_hash) == 1 else None
+Verdict = Literal["kept", "moved", "unverifiable"]
 
 
-def moved_kernels(cache: TimingCache, keyed_layers: Iterable[tuple[str, str, str]]) -> list[str]:
-    """One line per engine layer whose kernel (the inspector's ``TacticName``) is not the one
-    its key's entry in ``cache`` selects.
+@dataclass(frozen=True)
+class PinCheck:
+    """What the engine says about one keyed layer's selected tactic; ``detail`` says why."""
 
-    ``keyed_layers`` are (layer, key, kernel) of the built engine's keyed
-    layers. This does not rely on the timing cache, which :func:`moved_selections`
-    does: whether a layer TensorRT re-timed shows up in ``get_timing_cache()``
-    is unconfirmed on TensorRT 11. A layer is compared only where both sides
-    are known: the entry names its kernel, and the layer's kernel is one of that
-    key's measured candidates (a layer joined to a key may also run kernels no
-    table lists, such as Myelin's generated ``__myl_*`` kernels). Variants that
-    share a kernel name cannot be told apart here.
+    layer: str
+    key: str
+    verdict: Verdict
+    detail: str
+
+    def line(self) -> str:
+        return f"layer {self.layer!r} (key {self.key}): {self.detail}"
+
+
+def check_pinned_layers(
+    cache: TimingCache, keyed_layers: Iterable[tuple[InspectedLayer, str]]
+) -> list[PinCheck]:
+    """Kept, moved or unverifiable, for every engine layer whose key ``cache`` selects a tactic for.
+
+    ``keyed_layers`` are the built engine's layers with the key each was joined
+    to; layers of keys ``cache`` lacks are not checked (:func:`moved_selections`
+    reports those keys). A layer is compared with its key's selection only
+    through the one measured candidate it runs: the candidate of its
+    ``TacticValue`` (Cask layers), else the one candidate of its kernel name
+    (Myelin layers, every TensorRT 11 layer). Where no candidate or several fit
+    (a kernel no table lists, a tactic the key did not time, variants that
+    share a kernel name) the layer is unverifiable, with the reason, never kept
+    and never moved: the key's selection is then checked in TensorRT's cache only.
     """
     selected = {entry.key.lower(): entry for entry in cache.entries()}
-    lines = []
-    for layer, key, kernel in keyed_layers:
-        entry = selected.get(key.lower())
-        if entry is None or not kernel:
-            continue
-        wanted = _selected_kernel(entry)
-        if wanted is not None and kernel != wanted and kernel in {c.tactic for c in entry.candidates}:
-            lines.append(
-                f"layer {layer!r} (key {entry.key}): the cache selects {wanted} ({entry.tactic_hash}), "
-                f"the engine runs {kernel}"
-            )
-    return lines
+    return [
+        _check_layer(layer, key, selected[key.lower()])
+        for layer, key in keyed_layers
+        if key.lower() in selected
+    ]
+
+
+def _check_layer(layer: InspectedLayer, key: str, entry: CacheEntry) -> PinCheck:
+    wanted = f"{entry.tactic} ({entry.tactic_hash or 'hash unknown'})"
+    runs = _run_candidate(layer, entry.candidates) if entry.hash_known else "the cache knows its tactic by name only"
+    if isinstance(runs, str):
+        return PinCheck(layer.name, key, "unverifiable", f"unverifiable: {runs}; the cache selects {wanted}")
+    if normalize_hash(runs.tactic_hash) == normalize_hash(entry.tactic_hash):
+        return PinCheck(layer.name, key, "kept", f"the engine runs the selected {wanted}")
+    return PinCheck(
+        layer.name, key, "moved", f"the cache selects {wanted}, the engine runs {runs.tactic} ({runs.tactic_hash})"
+    )
+
+
+def _run_candidate(layer: InspectedLayer, candidates: Sequence[Candidate]) -> Candidate | str:
+    """The measured candidate ``layer`` runs, or why no single one can be named."""
+    if not candidates:
+        return "the cache records no measured candidates for its key"
+    if layer.tactic_value:
+        wanted = normalize_hash(layer.tactic_value)
+        by_hash = [c for c in candidates if normalize_hash(c.tactic_hash) == wanted]
+        if by_hash:
+            return by_hash[0]
+        return (
+            f"its tactic {layer.tactic_value} ({layer.tactic_name or 'no kernel name'}) is none of the "
+            f"{len(candidates)} candidates its key measured"
+        )
+    if not layer.tactic_name:
+        return "the engine names no kernel for it"
+    named = [c for c in candidates if c.tactic == layer.tactic_name]
+    if len(named) == 1:
+        return named[0]
+    if not named:
+        return f"its kernel {layer.tactic_name} is none of the {len(candidates)} candidates its key measured"
+    return (
+        f"{len(named)} candidates its key measured are kernel {layer.tactic_name} "
+        f"({', '.join(c.tactic_hash for c in named)}), and the engine does not say which one it runs"
+    )
 
 
 def selections_not_kept(mode: str, lines: list[str]) -> HarnessError:

@@ -108,8 +108,8 @@ _ENUM_MEMBER = re.compile(r"k[A-Z0-9_]+")
 
 def _canonical_dtype(text: str) -> str:
     """"FP16", "Half", and the enum spellings "kHALF", "DataType.HALF" -> "fp16"; an
-    unknown spelling is kept as written. Which spelling TensorRT 11 writes in a layer
-    tensor's ``Datatype`` is unconfirmed (tests/data/trt/README.md), hence the latitude."""
+    unknown spelling is kept as written. TensorRT 11.0 writes the DataType names ("Float",
+    "Int32") in a layer tensor's ``Datatype``; the other spellings are read alike."""
     word = text.strip().rsplit("::", 1)[-1].rsplit(".", 1)[-1]
     if _ENUM_MEMBER.fullmatch(word):
         word = word[1:]
@@ -225,13 +225,14 @@ def parse_engine_information(
 # ONELINE layer information (trtexec --dumpLayerInfo, LayerInformationFormat.ONELINE), one
 # layer a line: "Name: N, LayerType: T, Inputs: [ { Name: a, Location: Device, Dimensions:
 # [1,3], Format/Datatype: Half }], Outputs: [...], ..., TacticName: K, TacticValue: 0x..,
-# StreamId: 0, Metadata: [ONNX Layer: ...]". Tensors hold no braces, so "{[^{}]*}" is one.
-_TENSORS = r"\[(?P<{}>(?:\s*\{{[^{{}}]*\}},?)*)\s*\]"
+# StreamId: 0, Metadata: [ONNX Layer: ...]". TensorRT 11 lists the layer's weights in a
+# "Constants: [...]" field between Inputs and Outputs; they are no inputs of the layer, so
+# they are skipped, as the JSON's "Constants" are. Tensors hold no braces, so "{[^{}]*}" is one.
+_TENSOR_ITEMS = r"(?:\s*\{[^{}]*\},?)*"
 _ONELINE = re.compile(
-    r"Name: (?P<name>.*?), LayerType: (?P<type>[^,]*), Inputs: "
-    + _TENSORS.format("inputs")
-    + ", Outputs: "
-    + _TENSORS.format("outputs")
+    rf"Name: (?P<name>.*?), LayerType: (?P<type>[^,]*), Inputs: \[(?P<inputs>{_TENSOR_ITEMS})\s*\]"
+    rf"(?:, Constants: \[{_TENSOR_ITEMS}\s*\])?"
+    rf", Outputs: \[(?P<outputs>{_TENSOR_ITEMS})\s*\]"
 )
 _ONELINE_TENSOR = re.compile(
     r"\{ Name: (?P<name>.*?), (?:Location: \w+, )?Dimensions: \[(?P<dims>[^\]]*)\], (?P<rest>[^{}]*?) \}"

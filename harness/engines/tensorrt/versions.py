@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Protocol, SupportsInt
 
 from harness.engines.modes import is_weak
 from harness.errors import HarnessError
+from harness.extras import install_command, tensorrt_extra
 
 if TYPE_CHECKING:
     import tensorrt
@@ -46,16 +47,25 @@ def load_tensorrt(trt_module: TrtApi | None = None) -> TrtApi:
     try:
         import tensorrt
     except ImportError:
-        raise HarnessError(
-            "the TensorRT backend needs the `tensorrt` Python package (GPU machines only)"
-        ) from None
+        raise HarnessError(f"the TensorRT backend needs the `tensorrt` Python package (GPU machines only): {_how()}") from None
     if not hasattr(tensorrt, "Builder"):
         raise HarnessError(
             "`import tensorrt` found only type stubs or an empty namespace package, not the "
-            "TensorRT bindings; install the `tensorrt` wheel matching your CUDA version"
+            f"TensorRT bindings: {_how()}"
         )
     api: TrtApi = tensorrt  # checked against the protocol where the stubs type the module
     return api
+
+
+def _how() -> str:
+    """How to install TensorRT for the installed torch."""
+    import torch
+
+    try:
+        extra = tensorrt_extra(torch.version.cuda)
+    except HarnessError as exc:
+        return str(exc)
+    return f"{install_command(extra)} (the extra for the CUDA {torch.version.cuda} of the installed torch)"
 
 
 _VERSION = re.compile(r"^(\d+)\.(\d+)(?:\.(\d+))?(?:\.(\d+))?")
