@@ -32,6 +32,7 @@ from typing import ParamSpec, TypeVar
 import torch
 
 from harness.errors import HarnessError
+from harness.limits import MAX_THREADS
 
 AUTOCAST_DEVICES = ("cpu", "cuda")
 
@@ -167,8 +168,8 @@ def pinned_threads(threads: int) -> Iterator[None]:
     builds) to run at one count: PyTorch's default (all cores) on a shared
     machine lets another process decide the latency for seconds at a time.
     """
-    if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= 1024:
-        raise HarnessError(f"threads {threads!r}: expected an integer from 1 to 1024")
+    if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= MAX_THREADS:
+        raise HarnessError(f"threads {threads!r}: expected an integer from 1 to {MAX_THREADS}")
     with preserved_global_state():
         torch.set_num_threads(threads)
         yield

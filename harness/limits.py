@@ -25,6 +25,8 @@ MAX_MIN_DURATION_S = 3600.0
 MAX_ITERS = 1_000_000
 # Batches of a calibration file: each is a run of the model during compilation.
 MAX_CALIBRATION_BATCHES = 10_000
+# Intra-op threads of a run (torch, ONNX Runtime, OpenVINO).
+MAX_THREADS = 1024
 
 
 def check_int(value: object, name: str, least: int, most: int) -> int:

@@ -47,13 +47,13 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, overload
 
 from harness.bench.peer_names import PEER_NAMES
 from harness.engines.registry import BACKEND_NAMES
 from harness.errors import HarnessError
 from harness.fileio import parse_toml_file, validate
-from harness.limits import MAX_BATCH_SIZE, MAX_ITERS, MAX_MIN_DURATION_S, MAX_WARMUP_S
+from harness.limits import MAX_BATCH_SIZE, MAX_ITERS, MAX_MIN_DURATION_S, MAX_THREADS, MAX_WARMUP_S
 
 if TYPE_CHECKING:
     from harness.autocast.settings import AutocastSettings
@@ -73,7 +73,7 @@ _SCHEMA: dict[str, Any] = {
         "models": {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1},
         "modes": {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1},
         "backend": {"enum": list(BACKEND_NAMES)},
-        "threads": {"type": "integer", "minimum": 1, "maximum": 1024},
+        "threads": {"type": "integer", "minimum": 1, "maximum": MAX_THREADS},
         "batch_sizes": {
             "type": "array",
             "items": {"type": "integer", "minimum": 1, "maximum": MAX_BATCH_SIZE},
@@ -170,6 +170,28 @@ class Project:
 
     def get(self, key: str) -> Any:
         return self.data.get(key)
+
+    def setting(self, key: str, given: Any, default: Any = None) -> Any:
+        """One setting, resolved as every command resolves it: the flag's value when given (not
+        None), else the project file's ``key``, else ``default``."""
+        if given is not None:
+            return given
+        found = self.data.get(key)
+        return default if found is None else found
+
+    @overload
+    def threads(self, given: int | None, default: int) -> int: ...
+
+    @overload
+    def threads(self, given: int | None, default: None) -> int | None: ...
+
+    def threads(self, given: int | None, default: int | None) -> int | None:
+        """``--threads`` or the file's ``threads`` (:meth:`setting`), within 1..MAX_THREADS (the file's
+        value named as the file's; a flag is checked where it is parsed)."""
+        threads = self.setting("threads", given, default)
+        if threads is not None and (isinstance(threads, bool) or not 1 <= threads <= MAX_THREADS):
+            raise HarnessError(f"{self.where}: threads {threads!r}: valid: 1..{MAX_THREADS}")
+        return None if threads is None else int(threads)
 
     def section(self, key: str) -> dict[str, Any]:
         return dict(self.data.get(key, {}))

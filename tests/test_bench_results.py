@@ -16,15 +16,7 @@ import torch
 from harness.bench.accuracy import TaskAccuracy, compare_outputs, output_digest
 from harness.bench.clocks import locked_clocks
 from harness.bench.latency import measure_latency
-from harness.bench.machine import (
-    MACHINE_ID_ENV,
-    cpu_info,
-    git_info,
-    gpu_info,
-    machine_id,
-    machine_info,
-    slug,
-)
+from harness.bench.machine import git_info, machine_info
 from harness.bench.memory import MemoryReport, measure_memory
 from harness.bench.results import (
     SCHEMA_VERSION,
@@ -43,6 +35,7 @@ from harness.bench.stats import Summary
 from harness.bench.tables import format_bytes, format_ns, results_table
 from harness.bench.telemetry import TelemetrySampler
 from harness.errors import HarnessError
+from harness.machine import MACHINE_ID_ENV, cpu_info, gpu_info, machine_id, slug
 from tests.test_telemetry_gpus import B, Gpu, NvmlDouble, cuda_double, gpus
 
 MACHINE: dict[str, Any] = {"id": "test-machine-2c", "cpu": {"model": "test", "isa_flags": []}, "gpu": {"devices": []}}

@@ -22,9 +22,9 @@ from harness.bench.runner import (
 )
 from harness.cache.timing_cache import TimingCache
 from harness.engines.cpu import CpuBackend
-from harness.engines.modes import is_weak
 from harness.engines.protocol import BatchProfile, BuildConfig, BuildLog, EngineBase
 from harness.errors import HarnessError, StaticBatchError
+from harness.precision import PrecisionMode
 
 TINY = MeasureSettings(warmup_s=0.01, min_iters=5, min_duration_s=0.02, max_iters=50, telemetry_interval_s=0.02)
 
@@ -46,13 +46,14 @@ def build():
 class NoWeakTypingBackend(CpuBackend):
     """The CPU engine refusing weak typing, as the TensorRT 11 backend does."""
 
-    def supported_modes(self) -> tuple[str, ...]:
-        return tuple(m for m in super().supported_modes() if not is_weak(m))
+    def supported_modes(self) -> tuple[PrecisionMode, ...]:
+        return tuple(m for m in super().supported_modes() if not m.weak)
 
-    def check_mode(self, mode: str) -> None:
-        super().check_mode(mode)
-        if is_weak(mode):
-            raise HarnessError(f"mode {mode!r}: weak typing was removed from this backend")
+    def check_mode(self, mode: PrecisionMode | str) -> PrecisionMode:
+        mode = super().check_mode(mode)
+        if mode.weak:
+            raise HarnessError(f"mode {str(mode)!r}: weak typing was removed from this backend")
+        return mode
 
 
 def rss_read_error_bytes() -> int:

@@ -11,15 +11,8 @@ import psutil
 import pynvml
 import pytest
 
-from harness.bench.telemetry import (
-    CLOCK_EVENT_REASONS,
-    NvmlUnavailable,
-    TelemetrySample,
-    TelemetrySampler,
-    clock_event_names,
-    open_nvml,
-    summarize,
-)
+from harness.bench.telemetry import TelemetrySample, TelemetrySampler, summarize
+from harness.nvml import CLOCK_EVENT_REASONS, NvmlUnavailable, clock_event_names, open_nvml
 
 
 def _busy(seconds: float) -> int:

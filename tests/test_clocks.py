@@ -15,9 +15,10 @@ import pynvml
 import pytest
 
 from harness.bench.clocks import NAMED_CLOCKS, Terminated, locked_clocks
-from harness.bench.telemetry import LOCKED_GRAPHICS_MHZ, TelemetrySampler
+from harness.bench.telemetry import TelemetrySampler
 from harness.cli import argtypes
 from harness.errors import HarnessError
+from harness.nvml import LOCKED_GRAPHICS_MHZ
 from tests.test_telemetry_gpus import B, NvmlDouble, cuda_double, gpus
 
 UUID = f"GPU-{B}"

@@ -29,16 +29,17 @@ from harness.build import build_engine  # noqa: E402
 from harness.cache.timing_cache import CacheEntry, TimingCache, check_compatible  # noqa: E402
 from harness.cli.main import main  # noqa: E402
 from harness.dtypes import dtype_name  # noqa: E402
-from harness.engines.modes import compile_for_mode, is_weak, low_dtype  # noqa: E402
+from harness.engines.modes import compile_for_mode  # noqa: E402
 from harness.engines.onnx_plan import MODEL_FILE  # noqa: E402
 from harness.engines.openvino import OpenVinoBackend, OpenVinoEngine  # noqa: E402
 from harness.engines.openvino.probe import probe  # noqa: E402
-from harness.engines.protocol import PRECISION_MODES, BuildConfig  # noqa: E402
+from harness.engines.protocol import BuildConfig  # noqa: E402
 from harness.engines.registry import get_backend  # noqa: E402
 from harness.engines.saved import PLAN_FILE  # noqa: E402
 from harness.errors import HarnessError  # noqa: E402
 from harness.fileio import digest  # noqa: E402
 from harness.outputs import tensor_paths  # noqa: E402
+from harness.precision import PrecisionMode  # noqa: E402
 from tests.helpers import bits_equal  # noqa: E402
 
 BF16_ULP = 2.0**-8
@@ -108,14 +109,13 @@ def fx_dtypes(compiled, op_names: tuple[str, ...] = ("conv2d", "linear")) -> dic
 def test_every_mode_is_supported_exactly_when_the_probe_says_so():
     supported = BACKEND.supported_modes()
     assert "fp32" in supported and "explicit" in supported
-    for mode in PRECISION_MODES:
-        low = low_dtype(mode)
-        if low is None:
+    for mode in PrecisionMode:
+        if mode.low is None:
             expected = True
-        elif is_weak(mode):
-            expected = probe("fp32", OV_NAMES[dtype_name(low)]).honoured
+        elif mode.weak:
+            expected = probe("fp32", OV_NAMES[mode.low]).honoured
         else:
-            expected = probe(dtype_name(low), "f32").honoured
+            expected = probe(mode.low, "f32").honoured
         assert (mode in supported) == expected, mode
         if expected:
             BACKEND.check_mode(mode)

@@ -17,7 +17,6 @@ from torch import nn
 
 from harness.bench import peers as peers_mod
 from harness.bench.gate import gate
-from harness.bench.peer_names import precision_of, run_precisions
 from harness.bench.peers import (
     PEER_NAMES,
     EagerPeer,
@@ -38,6 +37,7 @@ from harness.cli import main as cli_main
 from harness.engines.cpu import CpuBackend
 from harness.errors import HarnessError
 from harness.models import ModelSpec
+from harness.precision import precision_of, run_precisions
 
 TINY = MeasureSettings(warmup_s=0.01, min_iters=5, min_duration_s=0.02, max_iters=50, telemetry_interval_s=0.02)
 

@@ -17,13 +17,8 @@ import pytest
 import torch
 
 from harness.bench.memory import gpu_memory
-from harness.bench.telemetry import (
-    NvmlUnavailable,
-    TelemetrySampler,
-    cuda_device_uuid,
-    nvml_uuid,
-    open_nvml,
-)
+from harness.bench.telemetry import TelemetrySampler
+from harness.nvml import NvmlUnavailable, cuda_device_uuid, nvml_uuid, open_nvml
 
 # Three GPUs of one model, as torch prints their UUIDs (NVML adds "GPU-").
 A, B, C = "aaaaaaaa-0000-4000-8000-00000000000a", "bbbbbbbb-0000-4000-8000-00000000000b", "cccccccc-0000-4000-8000-00000000000c"

@@ -8,7 +8,7 @@ which needs root and a Volta or newer GPU), and resets it
 (``nvmlDeviceResetGpuLockedClocks``) when its block ends, however it ends:
 normally, by an exception, by Ctrl-C, or by SIGTERM, which raises
 :class:`Terminated` (a KeyboardInterrupt) in the main thread while the lock is
-held. The GPU is the one CUDA names (by UUID, :mod:`harness.bench.telemetry`),
+held. The GPU is the one CUDA names (by UUID, :mod:`harness.nvml`),
 never a neighbour's.
 
 Resetting gives the driver's default, unlocked clocks: NVML has no call that
@@ -29,9 +29,9 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
-from harness.bench import telemetry
-from harness.bench.telemetry import LOCKED_GRAPHICS_MHZ, Nvml, NvmlUnavailable, open_nvml
+from harness import nvml as nvml_access
 from harness.errors import HarnessError
+from harness.nvml import LOCKED_GRAPHICS_MHZ, Nvml, NvmlUnavailable, open_nvml
 
 # What --lock-clocks takes (harness.cli.argtypes.lock_clocks parses it): a named clock or one in MHz.
 NAMED_CLOCKS = ("base", "max")
@@ -60,12 +60,12 @@ def locked_clocks(request: LockRequest, cuda_index: int = 0, *, module: Any = No
     as supported. ``cuda_index`` is the device the run uses (the runner's
     ``torch.cuda.current_device()``, 0 unless a caller changed it); CUDA is
     initialised to learn its UUID. ``module`` replaces ``pynvml``. While the
-    lock is held its clock is in :data:`~harness.bench.telemetry.LOCKED_GRAPHICS_MHZ`,
+    lock is held its clock is in :data:`~harness.nvml.LOCKED_GRAPHICS_MHZ`,
     so every case's telemetry records it. A reset that fails raises
     HarnessError saying how to reset by hand.
     """
     flag = f"--lock-clocks {request}"
-    cuda_uuid = telemetry.cuda_device_uuid(cuda_index, initialize=True)
+    cuda_uuid = nvml_access.cuda_device_uuid(cuda_index, initialize=True)
     if cuda_uuid is None:
         raise HarnessError(
             f"{flag}: this process has no CUDA GPU (no GPU or driver, or a CPU build of PyTorch), and "

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-from harness.bench.telemetry import NvmlUnavailable, open_nvml
+from harness.nvml import NvmlUnavailable, open_nvml
 
 T = TypeVar("T")
 RssMethod = Literal["vmhwm", "ru_maxrss"]

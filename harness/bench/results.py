@@ -39,10 +39,9 @@ from typing import Any, Literal
 from harness.bench.accuracy import AccuracyResult, TaskAccuracy
 from harness.bench.clocks import NAMED_CLOCKS
 from harness.bench.latency import DEFAULT_SPREAD_THRESHOLD, LatencyResult
-from harness.bench.machine import check_machine_id, git_info, machine_info
+from harness.bench.machine import git_info, machine_info
 from harness.bench.memory import MemoryReport
 from harness.bench.stats import SUMMARY_FIELDS, Summary, slow_phase
-from harness.bench.telemetry import CLOCK_SETTINGS
 from harness.errors import HarnessError
 from harness.fileio import (
     atomic_write_bytes,
@@ -53,6 +52,8 @@ from harness.fileio import (
     read_json,
     validate,
 )
+from harness.machine import check_machine_id
+from harness.nvml import CLOCK_SETTINGS
 
 SCHEMA_VERSION = 2
 

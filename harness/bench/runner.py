@@ -53,8 +53,16 @@ from harness.engines.protocol import (
 )
 from harness.errors import HarnessError, StaticBatchError
 from harness.globalstate import preserves_global_state
-from harness.limits import MAX_ITERS, MAX_MIN_DURATION_S, MAX_WARMUP_S, check_int, check_seconds
+from harness.limits import (
+    MAX_ITERS,
+    MAX_MIN_DURATION_S,
+    MAX_THREADS,
+    MAX_WARMUP_S,
+    check_int,
+    check_seconds,
+)
 from harness.outputs import tensor_paths
+from harness.precision import PrecisionMode
 from harness.weights import module_weights_digest
 
 DEFAULT_MODELS = ("resnet", "transformer", "digits")
@@ -62,7 +70,7 @@ DEFAULT_MODELS = ("resnet", "transformer", "digits")
 _DEFAULT_MODEL_EXTRAS = {"digits": ("sklearn", "digits")}
 # Backends whose engines run on a CUDA device: timed with CUDA events, GPU memory recorded.
 GPU_BACKENDS = frozenset({"tensorrt"})
-EXPLICIT_MODE = "explicit"
+EXPLICIT_MODE = PrecisionMode.EXPLICIT
 
 
 # One thread by default: on a busy 2-core machine PyTorch's default thread
@@ -108,7 +116,7 @@ class MeasureSettings:
         check_seconds(self.min_duration_s, "[timing] min_duration_s", MAX_MIN_DURATION_S)
         check_int(self.max_iters, "[timing] max_iters", 1, MAX_ITERS)
         check_int(self.min_iters, "[timing] min_iters", 1, self.max_iters)  # more would fail every case
-        check_int(self.threads, "threads", 1, 1024)
+        check_int(self.threads, "threads", 1, MAX_THREADS)
         if not 0 < self.telemetry_interval_s <= 60:
             raise HarnessError(f"telemetry interval {self.telemetry_interval_s!r}: valid: 0..60 seconds, not 0")
         if self.spread_threshold is not None and not 0 <= self.spread_threshold < 10:
@@ -123,7 +131,7 @@ QUICK = MeasureSettings(
 )
 
 
-def default_modes(backend: Backend) -> tuple[str, ...]:
+def default_modes(backend: Backend) -> tuple[PrecisionMode, ...]:
     """Every mode the backend builds except ``explicit``, which needs a user file."""
     return tuple(m for m in backend.supported_modes() if m != EXPLICIT_MODE)
 
@@ -166,12 +174,12 @@ def parse_shard(text: str) -> tuple[int, int]:
     return index, count
 
 
-Case = tuple[str, str, "int | None"]  # (model reference, mode, batch size or None: the model's own)
+Case = tuple[str, PrecisionMode, "int | None"]  # (model reference, mode, batch size or None: the model's own)
 
 
 def build_matrix(
     models: Sequence[str],
-    modes: Sequence[str],
+    modes: Sequence[PrecisionMode],
     shard: tuple[int, int] | None = None,
     batch_sizes: Sequence[int | None] = (None,),
 ) -> list[Case]:
@@ -305,7 +313,7 @@ class BenchRunner:
             )
         return self._references[model, batch]
 
-    def run_case(self, model: str, mode: str, batch: int | None = None) -> dict[str, Any]:
+    def run_case(self, model: str, mode: PrecisionMode, batch: int | None = None) -> dict[str, Any]:
         """One engine case as a results entry (see :meth:`measured_case`)."""
 
         def measure(stage: list[str]) -> tuple[CaseResult, dict[str, Any]]:
@@ -361,7 +369,7 @@ class BenchRunner:
         except Exception:  # noqa: BLE001 - a model that does not load is named by its reference
             return model
 
-    def config(self, model: str, mode: str) -> BuildConfig:
+    def config(self, model: str, mode: PrecisionMode) -> BuildConfig:
         """The build configuration of ``model`` in ``mode``, with the sweep's profile where one engine serves it."""
         plan = self.plans.get(model, ModelPlan())
         profile = None if (model, mode) in self._per_size else self.batch_profile(model)
@@ -420,7 +428,7 @@ class BenchRunner:
         return int(torch.cuda.current_device())
 
     def _measure_case(
-        self, model: str, mode: str, batch: int | None, stage: list[str]
+        self, model: str, mode: PrecisionMode, batch: int | None, stage: list[str]
     ) -> tuple[CaseResult, dict[str, Any]]:
         """The case (memory: the engine's parts only) and its build record.
 
@@ -465,7 +473,7 @@ class BenchRunner:
             warnings=[*built.log.warnings, *(engine.run_warnings if isinstance(engine, DeviceEngine) else ())],
         ), build
 
-    def _build(self, model: str, mode: str, batch: int | None, spec: Any) -> tuple[BuildResult, dict[str, Any]]:
+    def _build(self, model: str, mode: PrecisionMode, batch: int | None, spec: Any) -> tuple[BuildResult, dict[str, Any]]:
         """The engine a case runs on, and its build record.
 
         Where one engine serves the sweep, the first case of a (model, mode)

@@ -15,8 +15,8 @@ from tabulate import tabulate
 
 from harness.bench.compare import Comparison
 from harness.bench.gate import GateReport
-from harness.bench.peer_names import precision_of
 from harness.bench.results import format_key, is_peer
+from harness.precision import precision_of
 
 _TIME_UNITS = ((1e9, "s"), (1e6, "ms"), (1e3, "µs"), (1.0, "ns"))
 _BYTE_UNITS = ((1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB"))

@@ -36,19 +36,20 @@ from dataclasses import asdict, dataclass
 import torch
 
 from harness import models
-from harness.bench.machine import cpu_info
 from harness.bench.runner import DEFAULT_THREADS
 from harness.build import compile_graph
 from harness.cache.timing_cache import TimingCache
 from harness.engines.cpu import CpuBackend
-from harness.engines.protocol import PRECISION_MODES, BuildConfig
+from harness.engines.protocol import BuildConfig
 from harness.errors import HarnessError
 from harness.fileio import atomic_write_json, check_writable
 from harness.globalstate import pinned_threads
+from harness.machine import cpu_info
+from harness.precision import PrecisionMode
 
 DEFAULT_MODELS = ("resnet", "transformer", "digits", "mobilenet")
 # Every mode but explicit, which needs a file of its own.
-DEFAULT_MODES = tuple(m for m in PRECISION_MODES if m != "explicit")
+DEFAULT_MODES = tuple(m for m in PrecisionMode if m is not PrecisionMode.EXPLICIT)
 COLD_TARGET = 5.0  # a cold build of any mode within this many times its model's fp32 cold build
 WARM_TARGET = 10.0  # a warm build at least this many times faster than the cold one
 MAX_REPEAT = 20
@@ -59,7 +60,7 @@ class BuildTimes:
     """One model and mode: seconds (medians over the repeats) and what the warm build did."""
 
     model: str
-    mode: str
+    mode: PrecisionMode
     compile_s: float
     cold_s: float
     warm_s: float
@@ -69,12 +70,12 @@ class BuildTimes:
 
 
 def time_builds(
-    name: str, modes: Sequence[str], threads: int, repeat: int, progress: Callable[[str], None]
+    name: str, modes: Sequence[PrecisionMode], threads: int, repeat: int, progress: Callable[[str], None]
 ) -> list[BuildTimes]:
     """Compile, then build cold and warm, every mode of the zoo model ``name``, ``repeat`` times in turn."""
     spec = models.load(name)
     backend = CpuBackend()
-    samples: dict[str, list[tuple[float, float, float, int, int, bool]]] = {mode: [] for mode in modes}
+    samples: dict[PrecisionMode, list[tuple[float, float, float, int, int, bool]]] = {mode: [] for mode in modes}
     for round_ in range(1, repeat + 1):
         for mode in modes:
             progress(f"{name} {mode} (round {round_} of {repeat})")
@@ -168,13 +169,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json", default=None, help="also write the rows to this JSON file")
     args = parser.parse_args(argv)
     names = [m.strip() for m in args.models.split(",") if m.strip()]
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    mode_names = [m.strip() for m in args.modes.split(",") if m.strip()]
     try:
         unknown = [m for m in names if m not in models.available()]
         if unknown or not names:
             raise HarnessError(f"--models: {', '.join(unknown) or 'none given'}; valid: {', '.join(models.available())}")
-        wrong = [m for m in modes if m not in DEFAULT_MODES]
-        if wrong or not modes:
+        wrong = [m for m in mode_names if m not in DEFAULT_MODES]
+        if wrong or not mode_names:
             raise HarnessError(f"--modes: {', '.join(wrong) or 'none given'}; valid: {', '.join(DEFAULT_MODES)}")
         if not 1 <= args.repeat <= MAX_REPEAT:
             raise HarnessError(f"--repeat {args.repeat}: valid: 1 to {MAX_REPEAT}")
@@ -192,7 +193,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows: list[BuildTimes] = []
     with stack:
         for name in names:
-            rows += time_builds(name, modes, args.threads, args.repeat, progress)
+            rows += time_builds(name, [PrecisionMode.parse(m) for m in mode_names], args.threads, args.repeat, progress)
     progress("done")
     print(report(rows, args.threads, _cpu_name()))
     if args.json is not None:

@@ -48,8 +48,11 @@ from harness.engines.protocol import BuildConfig
 from harness.errors import HarnessError
 from harness.globalstate import preserved_global_state
 from harness.models import THIRD_PARTY_PREFIX
+from harness.precision import PrecisionMode
 
-ENGINE_MODES = ("fp32", "bf16", "weak-bf16", "autocast-bf16", "amp-bf16")
+ENGINE_MODES = tuple(
+    PrecisionMode.parse(m) for m in ("fp32", "bf16", "weak-bf16", "autocast-bf16", "amp-bf16")
+)
 CONFORMANCE_DIR = Path("tests") / "conformance"
 RECREATIONS_FILE = CONFORMANCE_DIR / "recreations.py"
 REPORT_ENV = "HARNESS_CONFORMANCE_REPORT"  # read by tests/conformance/conftest.py
@@ -94,7 +97,7 @@ def bench_model(name: str, seconds: float) -> dict[str, Any]:
             return module(*batch)
 
     candidates: dict[str, Callable[..., Any]] = {
-        "eager fp32": eager_fp32, "eager autocast-bf16": eager_bf16, **engines
+        "eager fp32": eager_fp32, "eager autocast-bf16": eager_bf16, **{str(m): e for m, e in engines.items()}
     }
 
     def bound(fn: Callable[..., Any]) -> Callable[[], object]:

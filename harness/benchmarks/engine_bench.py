@@ -44,7 +44,7 @@ import torch
 
 from harness import models
 from harness.bench.latency import measure_latency
-from harness.bench.peer_names import PEER_NAMES, PRECISIONS
+from harness.bench.peer_names import PEER_NAMES
 from harness.bench.peers import Peer, resolve_peers
 from harness.bench.runner import DEFAULT_THREADS
 from harness.benchmarks.peer_bench import RATIOS_SCHEMA, ranges_report, ratios, side_by_side
@@ -57,6 +57,7 @@ from harness.errors import HarnessError
 from harness.fileio import atomic_write_json, check_writable, read_json
 from harness.globalstate import pinned_threads
 from harness.outputs import flat_tensors
+from harness.precision import PRECISIONS, PrecisionMode
 
 # The four models of issue 14's table (mobilenet: MobileNetV3-small-like, depthwise, hardswish, SE).
 DEFAULT_MODELS = ("resnet", "transformer", "digits", "mobilenet")
@@ -118,7 +119,7 @@ def bench_model(name: str, seconds: float, threads: int, engines: dict[str, Engi
                 return module(*inputs)
 
         # fp32, with cold vs warm build on the same compiled graph.
-        fp32 = BuildConfig(mode="fp32", threads=threads)
+        fp32 = BuildConfig(mode=PrecisionMode.FP32, threads=threads)
         compiled = compile_graph(spec, fp32, backend)
         cache = TimingCache(backend.provenance(fp32))
         start = time.perf_counter()
@@ -128,7 +129,7 @@ def bench_model(name: str, seconds: float, threads: int, engines: dict[str, Engi
             cache.update(entry)
         start = time.perf_counter()
         warm_engine, _ = backend.build(
-            compiled, BuildConfig(mode="fp32", error_on_cache_miss=True, threads=threads), cache
+            compiled, BuildConfig(mode=PrecisionMode.FP32, error_on_cache_miss=True, threads=threads), cache
         )
         row["warm_build_s"] = time.perf_counter() - start
         row["warm_same_engine"] = warm_engine.fingerprint() == engine.fingerprint()
@@ -140,7 +141,7 @@ def bench_model(name: str, seconds: float, threads: int, engines: dict[str, Engi
 
         # bf16: the rule-based autocast engine (and the AMP-typed one) vs eager autocast.
         bf16_engines = {}
-        for mode in ("autocast-bf16", "amp-bf16"):
+        for mode in (PrecisionMode.AUTOCAST_BF16, PrecisionMode.AMP_BF16):
             config = BuildConfig(mode=mode, threads=threads)
             try:
                 bf16_engines[mode], _ = backend.build(
@@ -164,7 +165,7 @@ def bench_model(name: str, seconds: float, threads: int, engines: dict[str, Engi
         except RuntimeError as exc:
             row["eager_bf16_failure"] = str(exc).splitlines()[0]
         if "eager_bf16_err" in row and len(bf16_engines) == 2:
-            rule, amp = bf16_engines["autocast-bf16"], bf16_engines["amp-bf16"]
+            rule, amp = bf16_engines[PrecisionMode.AUTOCAST_BF16], bf16_engines[PrecisionMode.AMP_BF16]
             row["eager_bf16_ms"], row["autocast-bf16_ms"], row["amp-bf16_ms"] = medians_alternating(
                 [eager_autocast, lambda: rule(*inputs), lambda: amp(*inputs)], seconds
             )

@@ -28,13 +28,13 @@ import torch.utils._pytree as pytree
 
 from harness import models
 from harness.bench.accuracy import compare_outputs
-from harness.bench.peer_names import precision_of
 from harness.bench.peers import OnnxExports, Peer, PeerModel
 from harness.build import compile_graph
 from harness.engines.cpu import CpuBackend
 from harness.engines.protocol import Backend, BuildConfig, Engine
 from harness.errors import HarnessError
 from harness.outputs import OutputSpec
+from harness.precision import PrecisionMode
 
 Timer = Callable[[Sequence[Callable[[], object]], float], list[float]]
 ORT_BACKEND = "onnxruntime fp32 (backend)"
@@ -72,12 +72,12 @@ class Group:
         return next((c for c in self.candidates if c.label == label), None)
 
 
-def modes_at(backend: Backend, precision: str) -> list[str]:
+def modes_at(backend: Backend, precision: str) -> list[PrecisionMode]:
     """The backend's modes that compute in ``precision`` (``explicit`` is mixed: never)."""
-    return [m for m in backend.supported_modes() if precision_of(m) == precision]
+    return [m for m in backend.supported_modes() if m.precision == precision]
 
 
-def _build(backend: Backend, spec: Any, mode: str, threads: int) -> Engine:
+def _build(backend: Backend, spec: Any, mode: PrecisionMode, threads: int) -> Engine:
     config = BuildConfig(mode=mode, threads=threads)
     engine, _ = backend.build(compile_graph(spec, config, backend), config, None)
     return engine
@@ -122,7 +122,7 @@ def side_by_side(
         if precision == "fp32":
             from harness.engines.onnxruntime import OnnxRuntimeBackend
 
-            engine = _build(OnnxRuntimeBackend(), spec, "fp32", threads)
+            engine = _build(OnnxRuntimeBackend(), spec, PrecisionMode.FP32, threads)
             group.candidates.append(_engine_candidate(ORT_BACKEND, engine, inputs, reference))
         for peer in peers:
             reason = peer.refusal(precision)

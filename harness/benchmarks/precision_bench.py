@@ -38,9 +38,10 @@ from harness.debug.metrics import ErrorStats
 from harness.engines.cpu import CpuBackend
 from harness.engines.protocol import BuildConfig, Engine
 from harness.globalstate import preserved_global_state
+from harness.precision import PrecisionMode
 
 MODELS = ("transformer", "hf-bert", "hf-distilbert", "hf-whisper-encoder")
-ENGINE_MODES = ("amp-bf16", "autocast-bf16")
+ENGINE_MODES = (PrecisionMode.AMP_BF16, PrecisionMode.AUTOCAST_BF16)
 TARGET = "max-abs-err<=eager-autocast"
 
 

@@ -7,7 +7,6 @@ a caller that saves only after success never writes a half-edited cache.
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
@@ -20,9 +19,6 @@ from harness.cache.timing_cache import (
     check_compatible,
     normalize_hash,
 )
-from harness.engines.protocol import check_engine_settings
-from harness.engines.registry import get_backend
-from harness.engines.saved import plan_backend
 from harness.errors import HarnessError
 
 DiffStatus = Literal["same", "changed", "only-a", "only-b"]
@@ -242,31 +238,3 @@ def _same_tactic(entry: CacheEntry, tactic: str) -> bool:
         and _looks_like_hash(tactic)
         and normalize_hash(tactic) == normalize_hash(entry.tactic_hash)
     )
-
-
-def load_engine_layers(
-    path: str | os.PathLike[str], cache: TimingCache | None = None
-) -> tuple[str, list[tuple[str, str, str]]]:
-    """The backend of a saved engine and (layer, key, tactic) for every autotuned layer of it.
-
-    With ``cache``, an engine compiled under other autocast settings than the
-    cache was recorded for is refused, naming the settings: its layers are
-    other layers, and comparing their tactics with the cache's says nothing.
-
-    ``path`` is an engine directory or its ``plan.json``. The engine is loaded
-    by the backend that saved it, which verifies the plan's fingerprint and
-    its weights or model: a damaged or edited engine is an error, never
-    silently verified. Layers without a key (nothing was timed for them) are
-    skipped; an engine with no keyed layer at all cannot be verified.
-    """
-    directory, backend = plan_backend(path)
-    engine = get_backend(backend).load(directory)
-    if cache is not None and cache.provenance.backend == backend and "autocast" in cache.provenance.builder_options:
-        check_engine_settings(engine, cache.provenance.builder_options["autocast"], f"engine {directory}")
-    layers = [(layer.name, layer.key, layer.tactic) for layer in engine.layers() if layer.key]
-    if not layers:
-        raise HarnessError(
-            f"engine {directory}: no layer records a cache key and tactic, so there is nothing to "
-            "verify (was the engine built with tactic selection?)"
-        )
-    return backend, layers

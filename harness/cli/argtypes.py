@@ -17,9 +17,7 @@ import math
 import re
 from collections.abc import Callable
 
-from harness.limits import MAX_BATCH_SIZE, MAX_ITERS, MAX_REBUILDS
-
-MAX_THREADS = 1024
+from harness.limits import MAX_BATCH_SIZE, MAX_ITERS, MAX_REBUILDS, MAX_THREADS
 
 
 def _int(text: str, least: int, most: int | None) -> int:

@@ -22,6 +22,7 @@ from harness.autocast import options
 from harness.cli import argtypes
 from harness.cli.results_cmd import DEFAULT_ROOT, parse_threshold, plots_missing, report_run
 from harness.errors import HarnessError
+from harness.precision import PrecisionMode
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -98,16 +99,14 @@ def _split(text: str, flag: str) -> list[str]:
     return items
 
 
-def _modes(text: str | None, backend: Any, with_explicit: list[str]) -> list[str]:
+def _modes(text: str | None, backend: Any, with_explicit: list[str]) -> list[PrecisionMode]:
     """The modes to run, each one the backend can build (refused here, not as failed cases)."""
     from harness.bench.runner import EXPLICIT_MODE, default_modes
 
     if text is None:
         modes = list(default_modes(backend))
         return modes + [EXPLICIT_MODE] if with_explicit else modes
-    modes = _split(text, "--modes")
-    for mode in modes:
-        backend.check_mode(mode)
+    modes = [backend.check_mode(PrecisionMode.parse(m, "--modes")) for m in _split(text, "--modes")]
     if EXPLICIT_MODE in modes and not with_explicit:
         raise HarnessError("mode 'explicit' needs --explicit FILE (or an explicit file per model in the project file)")
     return modes
@@ -185,7 +184,7 @@ def _plans(refs: list[str], project: Any, args: argparse.Namespace) -> dict[str,
     return plans
 
 
-def _model_settings(ref: str, plan: Any, modes: list[str], runner: Any) -> dict[str, Any]:
+def _model_settings(ref: str, plan: Any, modes: list[PrecisionMode], runner: Any) -> dict[str, Any]:
     """How a model is built, as the results record it.
 
     ``autocast`` is what the user set (file and flags), without the low
@@ -234,25 +233,51 @@ def _require_gpu_backend(flag: str, what: str, backend: Any) -> None:
         )
 
 
+@dataclasses.dataclass
+class _Run:
+    """One ``harness bench``, every setting resolved and checked, before a file is written."""
+
+    output: Path
+    machine: dict[str, Any]
+    settings: dict[str, Any]  # the results file's ``settings``
+    runner: Any  # harness.bench.runner.BenchRunner
+    matrix: list[Any]
+    peer_matrix: list[Any]
+    notes: list[str]
+    clock_lock: contextlib.AbstractContextManager[object]
+
+
 def run_bench(args: argparse.Namespace) -> int:
+    """Resolve every setting (defaults < project file < flags, all refusals first), run the
+    matrix into the results file under the clock lock, then report: 0, 1 a case failed, 130
+    interrupted."""
+    run = _resolve(args)
+    for note in run.notes:
+        print(f"note: {note}", file=sys.stderr)
+    with run.clock_lock:  # taken before the results file is written; released on every way out
+        doc = _measure(run, args)
+    if doc is None:
+        return 130
+    report_run(doc, run.output, args.no_plots, args.summary_md)
+    return _failures(doc, len(run.matrix) + len(run.peer_matrix))
+
+
+def _resolve(args: argparse.Namespace) -> _Run:
+    """Every setting of the run, refused here if it cannot work."""
     from harness.bench.machine import machine_info
-    from harness.bench.peer_names import run_precisions
     from harness.bench.peers import peer_cases, resolve_peers
-    from harness.bench.results import ResultsWriter, is_peer
     from harness.bench.runner import (
         DEFAULT_THREADS,
         EXPLICIT_MODE,
-        QUICK,
         BenchRunner,
-        MeasureSettings,
         build_matrix,
         default_models,
     )
     from harness.fileio import check_writable
     from harness.models import load as models_load
+    from harness.precision import run_precisions
     from harness.project import load_project, portable_path
 
-    # Everything that can be refused is refused here, before a file is written.
     for flag, given in (("--cache-dir", args.cache_dir is not None), ("--ignore-mismatch", args.ignore_mismatch)):
         if args.disable_cache and given:
             raise HarnessError(f"--disable-cache and {flag} contradict each other; give one")
@@ -262,9 +287,7 @@ def run_bench(args: argparse.Namespace) -> int:
     peer_names = _split(args.peers, "--peers") if args.peers is not None else list(project.get("peers") or [])
     # a peer whose runtime is not installed here is left out with a note naming its extra
     peers = resolve_peers(peer_names, "--peers" if args.peers is not None else f"{project.where}: peers", notes)
-    threads = args.threads if args.threads is not None else project.get("threads") or DEFAULT_THREADS
-    if not 1 <= threads <= argtypes.MAX_THREADS:  # the project file's (its schema checks it too)
-        raise HarnessError(f"{project.where}: threads {threads}: valid: 1..{argtypes.MAX_THREADS}")
+    threads = project.threads(args.threads, default=DEFAULT_THREADS)
     if args.models is not None:
         refs = _split(args.models, "--models")
     elif project.models():
@@ -272,7 +295,7 @@ def run_bench(args: argparse.Namespace) -> int:
     else:  # the default zoo: a model whose extra is missing is left out, with a note naming it
         refs, left_out = default_models()
         notes += left_out
-    backend = _backend(args.backend or project.get("backend") or "auto")
+    backend = _backend(project.setting("backend", args.backend, "auto"))
     clock_lock = _clock_lock(args.lock_clocks, backend)
     if args.cuda_graph:
         _require_gpu_backend("--cuda-graph", "captures a GPU engine's enqueue in a CUDA graph", backend)
@@ -283,32 +306,18 @@ def run_bench(args: argparse.Namespace) -> int:
     if EXPLICIT_MODE in modes and len(with_explicit) != len(refs):
         lacking = ", ".join(r for r in refs if r not in with_explicit)
         raise HarnessError(f"mode 'explicit' needs an explicit precision file for every model; none for {lacking}")
-    timing = project.section("timing")
-    spread = args.spread_threshold if args.spread_threshold is not None else timing.pop("spread_threshold", None)
-    timing.pop("spread_threshold", None)
-    try:
-        measure = dataclasses.replace(
-            QUICK if args.quick else MeasureSettings(**timing), threads=threads, cuda_graph=args.cuda_graph
-        )
-    except HarnessError as exc:  # the bounds of harness.limits; NaN passes the file's schema
-        raise HarnessError(f"{project.where}: {exc}" if timing else str(exc)) from None
-    if args.spread_threshold is not None:  # parsed with the command line
-        measure = dataclasses.replace(measure, spread_threshold=args.spread_threshold)
-    elif spread is not None:
-        source = f"{project.where}: [timing] spread_threshold"
-        measure = dataclasses.replace(measure, spread_threshold=parse_threshold(str(spread), source))
+    measure = _measure_settings(args, project, threads)
     if args.summary_md is not None:
         check_writable(args.summary_md, "--summary-md")
     machine = machine_info()
     output = _output_path(args, machine["id"], shard)
-    cache_dir = Path(args.cache_dir or project.get("cache_dir") or output.parent / "caches")
-    batch_sizes = args.batch_sizes if args.batch_sizes is not None else project.get("batch_sizes")
+    cache_dir = Path(project.setting("cache_dir", args.cache_dir, output.parent / "caches"))
+    batch_sizes = project.setting("batch_sizes", args.batch_sizes)
     for ref in refs if batch_sizes else ():
         for size in batch_sizes:
             models_load(ref, size)  # a model that cannot sweep is refused now
     matrix = build_matrix(refs, modes, shard, batch_sizes or (None,))
     peer_matrix, peer_notes = peer_cases(refs, peers, run_precisions(modes), batch_sizes or (None,), shard)
-    peer_notes = notes + peer_notes
     if peers and not run_precisions(modes):
         peer_notes.append("no peer runs: the modes have no single precision to compare with (explicit only)")
     runner = BenchRunner(
@@ -325,7 +334,6 @@ def run_bench(args: argparse.Namespace) -> int:
         from harness.bench.plots import check_plot_paths
 
         check_plot_paths(output, [runner.name_of(r) for r in refs], sweep=len(batch_sizes or ()) > 1)
-
     # Shards of one run must carry equal settings (merge checks them), so the
     # shard is in the file name and the measured overhead in each case, not here;
     # paths are relative to the current directory (portable_path), so shards run
@@ -345,31 +353,61 @@ def run_bench(args: argparse.Namespace) -> int:
         "peers": peer_names,
         **({} if args.lock_clocks is None else {"lock_clocks": args.lock_clocks}),
     }
-    for note in peer_notes:
-        print(f"note: {note}", file=sys.stderr)
-    # Locked before the results file is written (a refused lock writes nothing), unlocked on every way out.
-    with clock_lock:
-        if args.resume:
-            writer = ResultsWriter.resume(output, settings=settings, machine=machine)
-        else:
-            writer = ResultsWriter.create(output, settings=settings, machine=machine)
-        try:
-            doc = runner.run(matrix, writer, progress=not args.no_progress, extra=peer_matrix)
-        except KeyboardInterrupt:
-            doc = writer.doc
-            report_run(doc, output, args.no_plots, args.summary_md)
-            print(
-                f"interrupted: {len(doc['cases'])} of {len(matrix) + len(peer_matrix)} cases kept in {output} "
-                f"(marked incomplete; finish it by repeating the command with --resume -o {output})",
-                file=sys.stderr,
-            )
-            return 130
-    report_run(doc, output, args.no_plots, args.summary_md)
+    return _Run(output, machine, settings, runner, matrix, peer_matrix, notes + peer_notes, clock_lock)
+
+
+def _measure_settings(args: argparse.Namespace, project: Any, threads: int) -> Any:
+    """How long each case is measured: ``--quick`` or the file's ``[timing]``, then the flags."""
+    from harness.bench.runner import QUICK, MeasureSettings
+
+    timing = project.section("timing")
+    spread = args.spread_threshold if args.spread_threshold is not None else timing.pop("spread_threshold", None)
+    timing.pop("spread_threshold", None)
+    try:
+        measure = dataclasses.replace(
+            QUICK if args.quick else MeasureSettings(**timing), threads=threads, cuda_graph=args.cuda_graph
+        )
+    except HarnessError as exc:  # the bounds of harness.limits; NaN passes the file's schema
+        raise HarnessError(f"{project.where}: {exc}" if timing else str(exc)) from None
+    if args.spread_threshold is not None:  # parsed with the command line
+        return dataclasses.replace(measure, spread_threshold=args.spread_threshold)
+    if spread is not None:
+        source = f"{project.where}: [timing] spread_threshold"
+        return dataclasses.replace(measure, spread_threshold=parse_threshold(str(spread), source))
+    return measure
+
+
+def _measure(run: _Run, args: argparse.Namespace) -> dict[str, Any] | None:
+    """Run the matrix into a new (or the resumed) results file; None when interrupted, the
+    finished cases kept in a file marked incomplete and reported."""
+    from harness.bench.results import ResultsWriter
+
+    if args.resume:
+        writer = ResultsWriter.resume(run.output, settings=run.settings, machine=run.machine)
+    else:
+        writer = ResultsWriter.create(run.output, settings=run.settings, machine=run.machine)
+    try:
+        doc: dict[str, Any] = run.runner.run(run.matrix, writer, progress=not args.no_progress, extra=run.peer_matrix)
+        return doc
+    except KeyboardInterrupt:
+        report_run(writer.doc, run.output, args.no_plots, args.summary_md)
+        print(
+            f"interrupted: {len(writer.doc['cases'])} of {len(run.matrix) + len(run.peer_matrix)} cases kept in "
+            f"{run.output} (marked incomplete; finish it by repeating the command with --resume -o {run.output})",
+            file=sys.stderr,
+        )
+        return None
+
+
+def _failures(doc: dict[str, Any], total: int) -> int:
+    """1 (naming them) when cases failed, else 0."""
+    from harness.bench.results import is_peer
+
     failed = [
         f"{c['model']}/{c['mode']}" + (f" ({c['backend']})" if is_peer(c) else "")
         for c in doc["cases"] if c["status"] == "failed"
     ]  # fmt: skip
     if failed:
-        print(f"{len(failed)} of {len(matrix) + len(peer_matrix)} cases failed: {', '.join(failed)}", file=sys.stderr)
+        print(f"{len(failed)} of {total} cases failed: {', '.join(failed)}", file=sys.stderr)
         return 1
     return 0

@@ -18,12 +18,13 @@ from typing import TYPE_CHECKING, Any, TextIO
 from harness.autocast import options
 from harness.cache.timing_cache import TimingCache
 from harness.cli import argtypes, profile_report
-from harness.engines.protocol import PRECISION_MODES, Backend, BuildConfig, BuildLog, Engine
+from harness.engines.protocol import Backend, BuildConfig, BuildLog, Engine
 from harness.engines.registry import BACKEND_NAMES, get_backend
 from harness.engines.saved import engine_directory, plan_backend
 from harness.errors import HarnessError
 from harness.fileio import JsonSyntaxError, check_writable, parse_json
 from harness.limits import MAX_REBUILDS
+from harness.precision import PrecisionMode, mode_argtype
 
 if TYPE_CHECKING:
     from harness.autocast import CompiledGraph
@@ -84,7 +85,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="zoo name or path/to/file.py:factory")
-    p.add_argument("--mode", required=True, choices=PRECISION_MODES, help="precision mode")
+    p.add_argument("--mode", required=True, type=mode_argtype, choices=list(PrecisionMode), help="precision mode")
     p.add_argument("--backend", default=None, choices=BACKEND_NAMES,
                    help=f"engine backend (default: the project file's, else {DEFAULT_BACKEND})")
     p.add_argument("--cache", metavar="FILE", help="timing cache JSON (read if it exists)")
@@ -125,10 +126,8 @@ def _config(args: argparse.Namespace) -> tuple[ModelSpec, BuildConfig, Backend]:
     from harness.project import load_project
 
     project = load_project(args.config)
-    threads = args.threads if args.threads is not None else project.get("threads")
-    if threads is not None and not 1 <= threads <= argtypes.MAX_THREADS:  # the file's; flags are checked when parsed
-        raise HarnessError(f"{project.where}: threads {threads}: valid: 1..{argtypes.MAX_THREADS}")
-    backend = get_backend(args.backend or project.get("backend") or DEFAULT_BACKEND)
+    threads = project.threads(args.threads, default=None)
+    backend = get_backend(project.setting("backend", args.backend, DEFAULT_BACKEND))
     settings_given = options.given(args)
     project.autocast_settings(args.model, settings_given)  # bad settings fail before the model loads
     spec = project.load_model(args.model)

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from dataclasses import asdict
 from typing import Any
 
 from tabulate import tabulate
 
-from harness.cache.operations import diff, load_engine_layers, merge, pin, pin_from, verify
+from harness.cache.operations import diff, merge, pin, pin_from, verify
 from harness.cache.timing_cache import TimingCache
 from harness.errors import HarnessError
 from harness.fileio import check_writable, locked
@@ -218,3 +219,35 @@ def _verify(args: argparse.Namespace) -> int:
         return 1
     print(f"engine {args.engine} agrees with {args.file} ({len(layers)} layers checked)")
     return 0
+
+
+def load_engine_layers(
+    path: str | os.PathLike[str], cache: TimingCache | None = None
+) -> tuple[str, list[tuple[str, str, str]]]:
+    """The backend of a saved engine and (layer, key, tactic) for every autotuned layer of it.
+
+    With ``cache``, an engine compiled under other autocast settings than the
+    cache was recorded for is refused, naming the settings: its layers are
+    other layers, and comparing their tactics with the cache's says nothing.
+
+    ``path`` is an engine directory or its ``plan.json``. The engine is loaded
+    by the backend that saved it, which verifies the plan's fingerprint and
+    its weights or model: a damaged or edited engine is an error, never
+    silently verified. Layers without a key (nothing was timed for them) are
+    skipped; an engine with no keyed layer at all cannot be verified.
+    """
+    from harness.engines.protocol import check_engine_settings
+    from harness.engines.registry import get_backend
+    from harness.engines.saved import plan_backend
+
+    directory, backend = plan_backend(path)
+    engine = get_backend(backend).load(directory)
+    if cache is not None and cache.provenance.backend == backend and "autocast" in cache.provenance.builder_options:
+        check_engine_settings(engine, cache.provenance.builder_options["autocast"], f"engine {directory}")
+    layers = [(layer.name, layer.key, layer.tactic) for layer in engine.layers() if layer.key]
+    if not layers:
+        raise HarnessError(
+            f"engine {directory}: no layer records a cache key and tactic, so there is nothing to "
+            "verify (was the engine built with tactic selection?)"
+        )
+    return backend, layers

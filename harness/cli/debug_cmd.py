@@ -22,6 +22,7 @@ from typing import Any
 from harness.autocast import options
 from harness.cli import argtypes
 from harness.errors import HarnessError
+from harness.precision import PrecisionMode, mode_argtype
 
 MAX_SEARCH_SECONDS = 600.0  # timing of one candidate or finalist: beyond it, a hang
 
@@ -30,7 +31,6 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     from harness.debug.layers import DEFAULT_RANK_BY, DEFAULT_RANK_ON, RANK_ON
     from harness.debug.metrics import EAGER_AUTOCAST, ERROR_METRICS, METRICS
     from harness.debug.select import DEFAULT_MIN_SPEEDUP
-    from harness.engines.protocol import PRECISION_MODES
     from harness.engines.registry import BACKEND_NAMES
 
     d = sub.add_parser("debug", help="precision debugging: per-layer error, and the fastest plan meeting a target")
@@ -43,7 +43,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "report the accumulated error, the error the layer introduces alone, and its impact on the outputs.",
     )
     _common(layers, BACKEND_NAMES)
-    layers.add_argument("--mode", required=True, choices=PRECISION_MODES, help="precision mode to debug")
+    layers.add_argument("--mode", required=True, type=mode_argtype, choices=list(PrecisionMode), help="precision mode to debug")
     layers.add_argument("--explicit", metavar="FILE", help="explicit precision file (mode explicit)")
     layers.add_argument("--rank-by", default=DEFAULT_RANK_BY, choices=ERROR_METRICS,
                         help="metric of the introduced error that ranks the layers")
@@ -105,10 +105,8 @@ def _common(p: argparse.ArgumentParser, backends: tuple[str, ...]) -> None:
 def _threads(args: argparse.Namespace, project: Any) -> int:
     from harness.bench.runner import DEFAULT_THREADS
 
-    threads = args.threads if args.threads is not None else project.get("threads") or DEFAULT_THREADS
-    if not 1 <= threads <= argtypes.MAX_THREADS:  # the project file's (flags are checked when parsed)
-        raise HarnessError(f"{project.where}: threads {threads}: valid: 1..{argtypes.MAX_THREADS}")
-    return int(threads)
+    threads: int = project.threads(args.threads, default=DEFAULT_THREADS)
+    return threads
 
 
 def _file_part(name: str) -> str:
@@ -203,7 +201,7 @@ def run_precision(args: argparse.Namespace) -> int:
     cache = None
     if args.cache is not None:
         check_writable(args.cache, "--cache")
-        config = BuildConfig(mode="explicit", threads=threads)
+        config = BuildConfig(mode=PrecisionMode.EXPLICIT, threads=threads)
         cache = load_cache(args.cache, backend, config) if Path(args.cache).exists() else TimingCache(backend.provenance(config))
     batches = load_batches(spec, args.inputs)
     result = search_precision(

@@ -242,8 +242,8 @@ def newest_run(directory: Path) -> Path:
 def _gate_inputs(args: argparse.Namespace) -> tuple[Path, Path]:
     if args.baseline is not None and args.current is not None:
         return Path(args.baseline), Path(args.current)
-    from harness.bench.machine import current_machine_id
     from harness.bench.results import baseline_path, results_dir
+    from harness.machine import current_machine_id
 
     if Path(args.root).exists() and not Path(args.root).is_dir():
         raise HarnessError(f"--root {args.root}: is a file, not a directory")

@@ -33,6 +33,7 @@ from harness.engines.device import DeviceEngine
 from harness.engines.protocol import Backend, BuildConfig, Engine
 from harness.errors import HarnessError
 from harness.models import ModelSpec
+from harness.precision import PrecisionMode
 
 # meter(engine, inputs, seconds) -> latency samples (ns). Tests inject a deterministic one.
 LatencyMeter = Callable[[Engine, tuple[torch.Tensor, ...], float], Summary]
@@ -113,7 +114,7 @@ class Evaluator:
         self.target = target
         self.meter = meter
         self.seconds = seconds
-        self.config = BuildConfig(mode="explicit", threads=threads)
+        self.config = BuildConfig(mode=PrecisionMode.EXPLICIT, threads=threads)
         self.cache = cache if cache is not None else TimingCache(backend.provenance(self.config))
         self.added = 0  # entries this search put in the cache
         self.memo: dict[frozenset[str], Evaluation] = {}

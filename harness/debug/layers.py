@@ -40,11 +40,12 @@ from harness.debug.capture import node_values, outputs_with
 from harness.debug.inputs import Batch
 from harness.debug.metrics import ERROR_METRICS, ErrorStats, check_metric, format_error
 from harness.debug.taps import engine_values
-from harness.engines.modes import compile_for_mode, is_weak
+from harness.engines.modes import compile_for_mode
 from harness.engines.protocol import BuildConfig, Engine, engine_inputs
 from harness.errors import HarnessError
 from harness.globalstate import preserves_global_state
 from harness.models import ModelSpec
+from harness.precision import PrecisionMode
 
 # Report rows that are not layers of their own: their error belongs to their producer or consumer.
 _NOT_LAYERS = frozenset({"inserted_cast", "getitem", "not_floating_point"})
@@ -330,7 +331,7 @@ def engine_output_error(engine: Engine, module: torch.nn.Module, batches: Sequen
 @preserves_global_state
 def debug_layers(
     spec: ModelSpec,
-    mode: str,
+    mode: PrecisionMode | str,
     batches: Sequence[Batch],
     *,
     backend: Any = None,
@@ -351,8 +352,9 @@ def debug_layers(
     check_metric(rank_by, "--rank-by", ERROR_METRICS)
     if rank_on not in RANK_ON:
         raise HarnessError(f"--rank-on {rank_on!r}: valid: {', '.join(RANK_ON)}")
-    if is_weak(mode):
-        strong = mode.removeprefix("weak-")
+    mode = PrecisionMode.parse(mode)
+    if mode.weak:
+        strong = mode.low
         raise HarnessError(
             f"debug layers cannot attribute error in {mode}: in weak modes the builder picks each layer's "
             f"precision at build time and the typed graph stays fp32. Use {strong}, autocast-{strong} or "

@@ -31,11 +31,12 @@ from typing import Protocol
 
 import torch
 
+from harness import precision
 from harness.errors import HarnessError
 
+PRECISIONS = precision.PRECISIONS
 # The primitives whose kernels the CPU engine asks about, by the name the tables use.
 PRIMITIVES = ("matmul", "convolution", "pooling", "binary", "layernorm", "reorder", "attention")
-PRECISIONS = ("fp32", "bf16", "fp16")
 # A reorder's precision is its conversion, "source>target".
 REORDERS = tuple(f"{s}>{t}" for s in PRECISIONS for t in PRECISIONS if s != t)
 

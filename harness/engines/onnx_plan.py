@@ -25,11 +25,12 @@ from harness.engines.onnx_export import (
     initializer_bytes_by_dtype,
     initializers_digest,
 )
-from harness.engines.protocol import PRECISION_MODES, EngineBase
+from harness.engines.protocol import EngineBase
 from harness.engines.saved import DIGEST_SCHEMA, PLAN_FILE, PlanFormat, read_payload
 from harness.errors import HarnessError
 from harness.fileio import digest, json_bytes
 from harness.outputs import OutputSpec
+from harness.precision import PRECISION_MODES
 
 MODEL_FILE = "model.onnx"
 

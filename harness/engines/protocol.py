@@ -11,6 +11,7 @@ backend. Backends refuse a precision mode they cannot honour
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -23,23 +24,14 @@ from harness.errors import HarnessError
 from harness.fileio import canonical_json, digest
 from harness.fxutil import cast_floating
 from harness.outputs import OutputSpec
+from harness.precision import (
+    PRECISION_MODES as PRECISION_MODES,  # the modes engines are asked to build
+)
+from harness.precision import PrecisionMode
 
 if TYPE_CHECKING:
     from harness.autocast import CompiledGraph
     from harness.cache.timing_cache import CacheEntry, Candidate, Provenance, TimingCache
-
-PRECISION_MODES = (
-    "fp32",
-    "fp16",
-    "bf16",
-    "weak-fp16",
-    "weak-bf16",
-    "autocast-fp16",
-    "autocast-bf16",
-    "amp-fp16",
-    "amp-bf16",
-    "explicit",
-)
 
 @dataclass(frozen=True)
 class BatchProfile:
@@ -87,6 +79,12 @@ class BatchProfile:
         return cls(int(obj["dim"]), int(obj["min"]), int(obj["opt"]), int(obj["max"]))
 
 
+def effective_settings(settings: AutocastSettings, mode: PrecisionMode) -> AutocastSettings:
+    """``settings`` with the low precision type ``mode`` implies (the mode decides it for builds)."""
+    low = mode.low_dtype()
+    return dataclasses.replace(settings, low_precision_type=low) if low is not None else settings
+
+
 def builds_batch_profiles(backend: object) -> bool:
     """Whether ``backend`` builds one engine for a whole batch sweep (a :class:`BatchProfile`).
 
@@ -124,9 +122,13 @@ def check_engine_settings(engine: Engine, expected: Mapping[str, Any] | None, wh
 
 @dataclass(frozen=True)
 class BuildConfig:
-    """Everything besides the graph that decides which engine a build produces."""
+    """Everything besides the graph that decides which engine a build produces.
 
-    mode: str
+    ``mode`` may be given by name; it is held as a :class:`PrecisionMode` (an
+    unknown name is refused here, naming the valid ones).
+    """
+
+    mode: PrecisionMode
     # JSON file mapping node-name regexes to dtypes ("fp32"|"fp16"|"bf16"), for mode "explicit".
     explicit_path: str | None = None
     # A layer whose key the cache lacks fails the build, naming the layer.
@@ -146,15 +148,17 @@ class BuildConfig:
     # builds_batch_profiles). None: the engine serves the example inputs' shapes.
     batch_profile: BatchProfile | None = None
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.mode, PrecisionMode):
+            object.__setattr__(self, "mode", PrecisionMode.parse(self.mode))
+
     def compiler_settings(self) -> dict[str, Any] | None:
         """The settings that shape this mode's graph, as JSON (None where they change nothing).
 
         They go into the cache provenance and the engine fingerprint: an
         engine or cache made under other settings is refused, naming them.
         """
-        from harness.engines.modes import effective_settings, settings_apply
-
-        return effective_settings(self.autocast, self.mode).to_json() if settings_apply(self.mode) else None
+        return effective_settings(self.autocast, self.mode).to_json() if self.mode.settings_apply else None
 
     def autocast_digest(self) -> str | None:
         """Digest of :meth:`compiler_settings`, for engine fingerprints and results."""
@@ -360,10 +364,11 @@ class Backend(Protocol):
         """Raise HarnessError saying what is missing when this backend cannot build here."""
         ...
 
-    def supported_modes(self) -> tuple[str, ...]: ...
+    def supported_modes(self) -> tuple[PrecisionMode, ...]: ...
 
-    def check_mode(self, mode: str) -> None:
-        """Raise HarnessError with the reason when this backend cannot build ``mode``."""
+    def check_mode(self, mode: PrecisionMode | str) -> PrecisionMode:
+        """``mode`` parsed; HarnessError with the reason when this backend cannot build it (or it is
+        no mode)."""
         ...
 
     def provenance(self, config: BuildConfig) -> Provenance: ...

@@ -18,7 +18,7 @@ from torch.fx.passes.infra.pass_base import PassResult
 from torch.nn.utils.fusion import fuse_conv_bn_weights
 
 from harness.fxutil import drop_unused_attributes, fake_mode_of
-from harness.lowering.pass_manager import register_pass
+from harness.lowering.registry import register_pass
 
 logger = logging.getLogger(__name__)
 aten = torch.ops.aten

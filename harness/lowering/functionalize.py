@@ -45,7 +45,7 @@ from torch.fx.passes.infra.pass_base import PassResult
 from harness.errors import HarnessError
 from harness.frontend.export import weight_write_error
 from harness.fxutil import fake_mode_of
-from harness.lowering.pass_manager import register_pass
+from harness.lowering.registry import register_pass
 from harness.opnames import op_name, out_of_place_packet, overload_name
 
 logger = logging.getLogger(__name__)

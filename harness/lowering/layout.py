@@ -20,7 +20,7 @@ from torch.fx.passes.infra.pass_base import PassResult
 
 from harness.fxutil import fake_mode_of
 from harness.lowering.functionalize import is_view
-from harness.lowering.pass_manager import register_pass
+from harness.lowering.registry import register_pass
 
 logger = logging.getLogger(__name__)
 aten = torch.ops.aten

@@ -36,7 +36,7 @@ import logging
 import os
 import re
 import time
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -45,6 +45,8 @@ import torch
 from torch.fx.passes.infra.pass_base import PassResult
 
 from harness.errors import HarnessError
+from harness.lowering.passes import registered_passes
+from harness.lowering.registry import GraphPass, register_pass
 
 __all__ = [
     "DEFAULT_PASSES",
@@ -62,35 +64,10 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-GraphPass = Callable[[torch.fx.GraphModule], PassResult]
-
 DUMP_GRAPH_ENV = "HARNESS_DUMP_GRAPH"
 DUMP_DIR_ENV = "HARNESS_DUMP_DIR"
 
-_REGISTRY: dict[str, GraphPass] = {}
 _RUNS = itertools.count(1)  # numbers dump files in the order passes ran
-
-
-def register_pass(name: str) -> Callable[[GraphPass], GraphPass]:
-    """Register a pass under a name users can enable or disable."""
-
-    def wrap(fn: GraphPass) -> GraphPass:
-        _REGISTRY[name] = fn
-        return fn
-
-    return wrap
-
-
-def registered_passes() -> dict[str, GraphPass]:
-    """Every lowering pass by name (importing the pass modules registers them)."""
-    import harness.lowering.fold_batch_norm  # noqa: F401  (registers on import)
-    import harness.lowering.functionalize  # noqa: F401
-    import harness.lowering.layout  # noqa: F401
-    import harness.lowering.remove_asserts  # noqa: F401
-    import harness.lowering.remove_detach  # noqa: F401
-    import harness.lowering.remove_dropout  # noqa: F401
-
-    return dict(_REGISTRY)
 
 
 def validate(gm: torch.fx.GraphModule | PassResult) -> torch.fx.GraphModule:

@@ -11,7 +11,7 @@ import torch
 from torch.fx.passes.infra.pass_base import PassResult
 
 from harness.lowering.bypass import bypass_first_arg
-from harness.lowering.pass_manager import register_pass
+from harness.lowering.registry import register_pass
 
 logger = logging.getLogger(__name__)
 aten = torch.ops.aten

@@ -6,11 +6,9 @@ precision mode is supported (fp16 runs, slowly, where the CPU lacks fast fp16).
 
 from __future__ import annotations
 
-import functools
 import os
 import platform
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -19,8 +17,9 @@ from harness.cache.timing_cache import Provenance, TimingCache
 from harness.engines.cpu.builder import PlanBuilder
 from harness.engines.cpu.engine import CpuEngine
 from harness.engines.cpu.timing import TimingOptions
-from harness.engines.modes import check_mode_name
-from harness.engines.protocol import PRECISION_MODES, BuildConfig, BuildLog
+from harness.engines.protocol import BuildConfig, BuildLog
+from harness.machine import cpu_flags, cpu_model
+from harness.precision import PrecisionMode
 
 if TYPE_CHECKING:
     from harness.autocast import CompiledGraph
@@ -29,7 +28,7 @@ __all__ = ["CpuBackend", "CpuEngine"]
 
 BUILDER_OPTIONS = ("timing_runs", "warmup_runs")
 # CPU features that decide which kernels oneDNN and ATen may pick.
-_RELEVANT_FLAGS = (
+_RELEVANT_FLAGS = frozenset({
     "avx2",
     "fma",
     "f16c",
@@ -46,7 +45,7 @@ _RELEVANT_FLAGS = (
     "amx_int8",
     "asimd",
     "sve",
-)
+})
 
 
 class CpuBackend:
@@ -55,15 +54,15 @@ class CpuBackend:
     def check_available(self) -> None:
         """Always available: the engine runs on PyTorch's CPU kernels."""
 
-    def supported_modes(self) -> tuple[str, ...]:
-        return PRECISION_MODES
+    def supported_modes(self) -> tuple[PrecisionMode, ...]:
+        return tuple(PrecisionMode)
 
-    def check_mode(self, mode: str) -> None:
-        check_mode_name(mode)
+    def check_mode(self, mode: PrecisionMode | str) -> PrecisionMode:
+        return PrecisionMode.parse(mode)
 
     def provenance(self, config: BuildConfig) -> Provenance:
         timing = _timing_options(config)
-        model, flags = _cpu_identity()
+        model, flags = cpu_model(), sorted(cpu_flags() & _RELEVANT_FLAGS)
         capability = torch.backends.cpu.get_cpu_capability()
         return Provenance(
             backend="cpu",
@@ -123,16 +122,3 @@ def _timing_options(config: BuildConfig) -> TimingOptions:
     return TimingOptions.from_options(config.options)
 
 
-@functools.cache
-def _cpu_identity() -> tuple[str, tuple[str, ...]]:
-    """CPU model name and the kernel-relevant feature flags (Linux /proc/cpuinfo, else platform)."""
-    model, flags = platform.processor() or platform.machine(), set()
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        for line in cpuinfo.read_text(errors="replace").splitlines():
-            field, _, value = line.partition(":")
-            if field.strip() == "model name" and value.strip():
-                model = value.strip()
-            elif field.strip() in ("flags", "Features"):
-                flags = set(value.split())
-    return model, tuple(sorted(flags.intersection(_RELEVANT_FLAGS)))

@@ -32,7 +32,7 @@ import torch
 
 from harness.autocast.casts import NORM_PARAMETERS
 from harness.cache.timing_cache import CacheEntry, Candidate, TimingCache
-from harness.dtypes import FLOAT_DTYPES, dtype_from_name, dtype_name
+from harness.dtypes import FLOAT_DTYPES, dtype_from_name
 from harness.engines.cpu import tactics
 from harness.engines.cpu.lowering import lower
 from harness.engines.cpu.plan import (
@@ -48,7 +48,6 @@ from harness.engines.cpu.plan import (
 )
 from harness.engines.cpu.program import compile_plan, region_groups
 from harness.engines.cpu.timing import TimingOptions, median_ms
-from harness.engines.modes import is_weak, low_dtype
 from harness.engines.protocol import BuildConfig, LayerTiming
 from harness.errors import HarnessError
 from harness.fileio import canonical_json
@@ -132,7 +131,7 @@ class PlanBuilder:
         self.added: dict[str, CacheEntry] = {}  # timed by this build (the given cache is never changed)
         self.timing = timing
         self.weak_low = (
-            dtype_name(low) if is_weak(config.mode) and (low := low_dtype(config.mode)) else None
+            config.mode.low if config.mode.weak else None
         )
         self.messages: list[str] = []
         self.warnings: list[str] = []

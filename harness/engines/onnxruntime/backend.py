@@ -62,9 +62,7 @@ import onnxruntime as ort
 import torch
 from onnxruntime.capi import onnxruntime_pybind11_state as ort_state
 
-from harness.bench.machine import cpu_info
 from harness.cache.timing_cache import Provenance, TimingCache
-from harness.engines.modes import check_mode_name, is_weak
 from harness.engines.onnx_export import (
     CastRecord,
     TensorSpec,
@@ -86,14 +84,16 @@ from harness.engines.onnx_plan import (
 )
 from harness.engines.protocol import (
     LAYER_SCHEMA,
-    PRECISION_MODES,
     BuildConfig,
     BuildLog,
     LayerInfo,
 )
 from harness.errors import HarnessError
 from harness.fileio import canonical_json, digest
+from harness.limits import MAX_THREADS
+from harness.machine import cpu_info
 from harness.outputs import OutputSpec
+from harness.precision import PrecisionMode
 
 if TYPE_CHECKING:
     from harness.autocast import CompiledGraph
@@ -164,8 +164,10 @@ class SessionSettings:
                 f"onnxruntime option graph_optimization_level={level!r}; valid: {', '.join(OPTIMIZATION_LEVELS)}"
             )
         threads = options.get("intra_op_num_threads", default_threads or torch.get_num_threads())
-        if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= 1024:
-            raise HarnessError(f"onnxruntime option intra_op_num_threads={threads!r}; expected an integer from 1 to 1024")
+        if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= MAX_THREADS:
+            raise HarnessError(
+                f"onnxruntime option intra_op_num_threads={threads!r}; expected an integer from 1 to {MAX_THREADS}"
+            )
         return cls(level, threads)
 
     def to_json(self) -> dict[str, Any]:
@@ -335,22 +337,23 @@ class OnnxRuntimeBackend:
     def check_available(self) -> None:
         """Nothing beyond the import of onnxruntime, which loading this module did."""
 
-    def supported_modes(self) -> tuple[str, ...]:
-        return tuple(mode for mode in PRECISION_MODES if not is_weak(mode) and "bf16" not in mode)
+    def supported_modes(self) -> tuple[PrecisionMode, ...]:
+        return tuple(mode for mode in PrecisionMode if not mode.weak and mode.low != "bf16")
 
-    def check_mode(self, mode: str) -> None:
-        check_mode_name(mode)
-        if "bf16" in mode:
+    def check_mode(self, mode: PrecisionMode | str) -> PrecisionMode:
+        mode = PrecisionMode.parse(mode)
+        if mode.low == "bf16":
             raise HarnessError(
                 f"backend onnxruntime cannot build {mode}: ONNX Runtime has almost no bf16 kernels on "
                 "CPU. Use the fp16 or fp32 modes here, or backend cpu/tensorrt for bf16"
             )
-        if is_weak(mode):
+        if mode.weak:
             raise HarnessError(
                 f"backend onnxruntime cannot build {mode}: weak typing lets a builder pick each "
                 "layer's precision by timing, and ONNX Runtime never times kernels. Use "
-                f"autocast-{mode.removeprefix('weak-')} here, or backend cpu/tensorrt for {mode}"
+                f"autocast-{mode.low} here, or backend cpu/tensorrt for {mode}"
             )
+        return mode
 
     def provenance(self, config: BuildConfig) -> Provenance:
         settings = SessionSettings.from_options(config.options, config.threads)

@@ -36,10 +36,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from harness.bench.machine import cpu_info
 from harness.cache.timing_cache import Provenance, TimingCache
-from harness.dtypes import LOW_DTYPES, dtype_name
-from harness.engines.modes import check_mode_name, is_weak, low_dtype
+from harness.dtypes import LOW_DTYPES
 from harness.engines.onnx_export import OnnxExport, export_notes, export_onnx, listed
 from harness.engines.openvino.engine import OpenVinoEngine
 from harness.engines.openvino.layers import ExecutedLayer, layers_in, precision_summary, tactic_hash
@@ -47,8 +45,10 @@ from harness.engines.openvino.plan import BACKEND, EngineRecord
 from harness.engines.openvino.probe import Probe, probe
 from harness.engines.openvino.runtime import DEVICE, OV_ERRORS, VERSION, core, ov_type_name
 from harness.engines.openvino.settings import CompileSettings
-from harness.engines.protocol import PRECISION_MODES, BuildConfig, BuildLog, LayerTiming
+from harness.engines.protocol import BuildConfig, BuildLog, LayerTiming
 from harness.errors import HarnessError
+from harness.machine import cpu_info
+from harness.precision import PrecisionMode
 
 if TYPE_CHECKING:
     from harness.autocast import CompiledGraph
@@ -69,15 +69,16 @@ class OpenVinoBackend:
                 f"OpenVINO {VERSION} has no {DEVICE} plugin here (devices: {', '.join(devices) or 'none'})"
             )
 
-    def supported_modes(self) -> tuple[str, ...]:
+    def supported_modes(self) -> tuple[PrecisionMode, ...]:
         """The modes this CPU's OpenVINO can honour, probed (see :mod:`.probe`)."""
-        return tuple(mode for mode in PRECISION_MODES if _refusal(mode) is None)
+        return tuple(mode for mode in PrecisionMode if _refusal(mode) is None)
 
-    def check_mode(self, mode: str) -> None:
-        check_mode_name(mode)
+    def check_mode(self, mode: PrecisionMode | str) -> PrecisionMode:
+        mode = PrecisionMode.parse(mode)
         reason = _refusal(mode)
         if reason is not None:
             raise HarnessError(reason)
+        return mode
 
     def provenance(self, config: BuildConfig) -> Provenance:
         settings = CompileSettings.for_build(config)
@@ -100,7 +101,7 @@ class OpenVinoBackend:
         with tempfile.TemporaryDirectory(prefix="harness-openvino-") as tmp:
             exported = export_onnx(graph, Path(tmp) / "model.onnx")
             model_bytes = exported.path.read_bytes()
-        if not is_weak(config.mode):
+        if not config.mode.weak:
             _check_graph_types(exported, config)
         record = EngineRecord(
             config.mode, VERSION, settings, exported.inputs, exported.outputs, exported.casts,
@@ -124,13 +125,12 @@ class OpenVinoBackend:
         return OpenVinoEngine.load(path)
 
 
-def _refusal(mode: str) -> str | None:
+def _refusal(mode: PrecisionMode) -> str | None:
     """Why this CPU's OpenVINO cannot build ``mode`` (None: it can)."""
-    low = low_dtype(mode)
-    if low is None:  # fp32, or explicit, whose types are known only from its file (checked at build)
+    name = mode.low
+    if name is None:  # fp32, or explicit, whose types are known only from its file (checked at build)
         return None
-    name = dtype_name(low)
-    if is_weak(mode):
+    if mode.weak:
         result = probe("fp32", ov_type_name(name))
         if result.honoured:
             return None
@@ -144,7 +144,7 @@ def _refusal(mode: str) -> str | None:
 
 
 def _strong_refusal(mode: str, name: str, result: Probe) -> str:
-    weak = f"weak-{name}"
+    weak = PrecisionMode.parse(f"weak-{name}")
     alternative = (
         f"Use {weak} here (OpenVINO lowers the fp32 graph by the hint), or backend cpu for {mode}"
         if _refusal(weak) is None
@@ -175,14 +175,12 @@ def _check_graph_types(exported: OnnxExport, config: BuildConfig) -> None:
         )
 
 
-def _precision_notes(engine: OpenVinoEngine, mode: str, settings: CompileSettings) -> list[str]:
+def _precision_notes(engine: OpenVinoEngine, mode: PrecisionMode, settings: CompileSettings) -> list[str]:
     """What OpenVINO ran in which precision; a strongly typed build it lowered on its own fails."""
     layers, found = engine.executed, engine.deviations
     hint = settings.inference_precision_hint
-    if is_weak(mode):
-        weak_type = low_dtype(mode)
-        assert weak_type is not None, "every weak mode names its low type"
-        low = dtype_name(weak_type)
+    if mode.weak and mode.low is not None:
+        low = mode.low
         return [
             f"weak typing: OpenVINO chose each layer's precision by INFERENCE_PRECISION_HINT={hint} on "
             f"the fp32 graph: {precision_summary(layers)}; in {low}: {layers_in(layers, low) or 'none'}; "

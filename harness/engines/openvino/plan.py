@@ -25,6 +25,7 @@ from harness.engines.openvino.settings import SETTINGS_SCHEMA, CompileSettings, 
 from harness.engines.protocol import LAYER_SCHEMA
 from harness.errors import HarnessError
 from harness.outputs import OutputSpec
+from harness.precision import PrecisionMode
 
 BACKEND = "openvino"
 PLAN_FORMAT = "harness-openvino-engine"
@@ -60,7 +61,7 @@ class EngineRecord:
             settings=CompileSettings.from_json(obj["settings"]),
         )
         check_output_count(record.structure, record.outputs, where)
-        wanted = hint_for(record.mode)
+        wanted = hint_for(PrecisionMode.parse(record.mode))
         if record.settings.inference_precision_hint != wanted:
             raise HarnessError(
                 f"{where}: mode {record.mode} compiles with INFERENCE_PRECISION_HINT={wanted}, the plan "

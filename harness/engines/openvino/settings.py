@@ -26,14 +26,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from harness.dtypes import dtype_name
-from harness.engines.modes import is_weak, low_dtype
 from harness.engines.openvino.runtime import ov_type_name
 from harness.engines.protocol import BuildConfig
 from harness.errors import HarnessError
+from harness.limits import MAX_THREADS
+from harness.precision import PrecisionMode
 
 PRECISION_HINTS = ("f32", "f16", "bf16")
-MAX_THREADS = 1024
 # The fixed part of every engine's properties (see the module docstring for why).
 FIXED_PROPERTIES: dict[str, Any] = {
     "NUM_STREAMS": 1,
@@ -55,10 +54,9 @@ SETTINGS_SCHEMA: dict[str, Any] = {
 }
 
 
-def hint_for(mode: str) -> str:
+def hint_for(mode: PrecisionMode) -> str:
     """The precision hint of ``mode``: the low type for weak modes, else ``f32`` (follow the graph)."""
-    low = low_dtype(mode)
-    return ov_type_name(dtype_name(low)) if is_weak(mode) and low is not None else "f32"
+    return ov_type_name(mode.low) if mode.weak and mode.low is not None else "f32"
 
 
 @dataclass(frozen=True)

@@ -65,7 +65,6 @@ from typing import TYPE_CHECKING, Any
 import onnx
 import torch
 
-from harness.bench.machine import gpu_info
 from harness.cache.timing_cache import (
     CacheEntry,
     Provenance,
@@ -74,7 +73,6 @@ from harness.cache.timing_cache import (
 )
 from harness.dtypes import dtype_from_name
 from harness.engines.device import CudaQuery
-from harness.engines.modes import check_mode_name, is_weak
 from harness.engines.onnx_export import (
     CastRecord,
     TensorSpec,
@@ -92,7 +90,6 @@ from harness.engines.onnx_plan import (
 )
 from harness.engines.protocol import (
     LAYER_SCHEMA,
-    PRECISION_MODES,
     BatchProfile,
     BuildConfig,
     BuildLog,
@@ -132,7 +129,9 @@ from harness.engines.tensorrt.versions import (
 )
 from harness.errors import HarnessError
 from harness.fileio import canonical_json, digest, json_bytes
+from harness.machine import gpu_info
 from harness.outputs import OutputSpec
+from harness.precision import PrecisionMode
 
 if TYPE_CHECKING:
     import tensorrt
@@ -478,15 +477,16 @@ class TensorRTBackend:
         trt = load_trt(self._trt_module)
         return trt, installed_version(trt)
 
-    def supported_modes(self) -> tuple[str, ...]:
+    def supported_modes(self) -> tuple[PrecisionMode, ...]:
         _, version = self._trt()
-        return tuple(m for m in PRECISION_MODES if version.major <= 10 or not is_weak(m))
+        return tuple(m for m in PrecisionMode if version.major <= 10 or not m.weak)
 
-    def check_mode(self, mode: str) -> None:
-        check_mode_name(mode)
-        if is_weak(mode):
+    def check_mode(self, mode: PrecisionMode | str) -> PrecisionMode:
+        mode = PrecisionMode.parse(mode)
+        if mode.weak:
             _, version = self._trt()
             require_weak_typing(version, mode)
+        return mode
 
     def settings(self, config: BuildConfig) -> BuildSettings:
         """The flag names and numbers a build with ``config`` uses on this TensorRT."""

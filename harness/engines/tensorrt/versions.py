@@ -13,9 +13,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, SupportsInt
 
-from harness.engines.modes import is_weak
 from harness.errors import HarnessError
 from harness.extras import install_command, tensorrt_extra
+from harness.precision import PrecisionMode
 
 if TYPE_CHECKING:
     import tensorrt
@@ -112,13 +112,9 @@ def supports_editable_timing_cache(v: TrtVersion) -> bool:
     return v >= EDITABLE_TIMING_CACHE_SINCE
 
 
-def _low_dtype(mode: str) -> str:
-    return mode.removeprefix("weak-")
-
-
-def require_weak_typing(v: TrtVersion, mode: str) -> None:
+def require_weak_typing(v: TrtVersion, mode: PrecisionMode | str) -> None:
     """Refuse a weak mode on TensorRT 11+ (naming the replacements); warn on 10.12+."""
-    low = _low_dtype(mode)
+    low = PrecisionMode.parse(mode).low
     if not supports_weak_typing(v):
         raise HarnessError(
             f"weak typing (mode {mode}) was removed in TensorRT {v.major}; use autocast-{low} "
@@ -147,19 +143,19 @@ WEAK_TYPING_FLAGS = {"weak-fp16": ("FP16",), "weak-bf16": ("BF16",)}
 OBEY_PRECISION_CONSTRAINTS = "OBEY_PRECISION_CONSTRAINTS"
 
 
-def network_flag_names(mode: str) -> tuple[str, ...]:
+def network_flag_names(mode: PrecisionMode | str) -> tuple[str, ...]:
     """Network creation flags: strong typing for every mode but the weak ones.
 
     TensorRT 11 is always strongly typed and accepts (ignores) the flag, so it
     is passed on every version for uniform build records. Whether a weak mode
     is possible at all is :func:`builder_flag_names`' business.
     """
-    return () if is_weak(mode) else (STRONGLY_TYPED,)
+    return () if PrecisionMode.parse(mode).weak else (STRONGLY_TYPED,)
 
 
 def builder_flag_names(
     v: TrtVersion,
-    mode: str,
+    mode: PrecisionMode | str,
     *,
     tf32: bool,
     editable_timing_cache: bool,
@@ -169,7 +165,7 @@ def builder_flag_names(
     names: list[str] = []
     if tf32:
         names.append(TF32)
-    if is_weak(mode):
+    if PrecisionMode.parse(mode).weak:
         require_weak_typing(v, mode)
         names += [*WEAK_TYPING_FLAGS[mode], OBEY_PRECISION_CONSTRAINTS]
     if editable_timing_cache:
