@@ -153,6 +153,9 @@ def build_engine(
     compiled = compile_graph(spec, config, backend)
     start = time.perf_counter()
     engine, log = backend.build(compiled, config, cache)
+    for warning in compiled.report.warnings:  # asked of the compiler, changed nothing: said with the build
+        log.warnings.append(warning)
+        log.messages.append(warning)
     _log_engine(log, time.perf_counter() - start)
     new = log.new_entries if cache is not None and config.editable_cache else []
     foreign = cache is not None and bool(cache.provenance.mismatches(provenance))

@@ -281,3 +281,27 @@ def test_init_max_looks_past_a_get_attr_that_is_not_a_tensor():
     decision = InitMax()(hop, ctx)
     assert decision is not None and decision.dtype == torch.float32
     assert decision.reason == "weight big.table absmax 1e+06 > init_max 65504"
+
+
+def test_an_exclusion_or_inclusion_that_selects_nothing_is_a_warning_of_the_compile_and_the_build():
+    """A typo in --exclude/--exclude-op/--include would change nothing without a word: the report
+    and the build's warnings name it; selectors that match stay quiet."""
+    from harness import models
+    from harness.build import build_engine
+    from harness.engines.cpu import CpuBackend
+    from harness.engines.protocol import BuildConfig
+
+    spec = models.load("lenet")
+    settings = AutocastSettings(
+        nodes_to_exclude=("conv", "no_such_node"), targets_to_exclude=("aten.linear", "aten.cumsum"),
+        nodes_to_include=("also_missing",),
+    )  # fmt: skip
+    compiled = compile(spec.module, spec.example_inputs, policy="rule", low_precision_type=torch.float16, settings=settings)
+    assert compiled.report.warnings == [
+        "nodes_to_exclude 'no_such_node' matches no node (by name or module path)",
+        "nodes_to_include 'also_missing' matches no node (by name or module path)",
+        "targets_to_exclude aten.cumsum is the op of no node",
+    ]
+    assert "warning: targets_to_exclude aten.cumsum is the op of no node" in compiled.report.table()
+    built = build_engine(spec, BuildConfig("autocast-fp16", autocast=settings, options={"timing_runs": 1}), CpuBackend())
+    assert built.log.warnings[-3:] == compiled.report.warnings

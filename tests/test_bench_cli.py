@@ -158,6 +158,7 @@ def synthetic_timings(doc: dict, scale: float, seed: int, n: int = 300) -> dict:
                               lat["timer"], lat["batch_size"], 0.05, slow_phase(samples), False, None)  # fmt: skip
         case["latency"] = {**again.to_dict(), "overhead": lat["overhead"]}
         case["warnings"] = []  # the real run's load is not these samples' load
+    out["settings"]["quick"] = False  # full-length samples: what a run without --quick writes
     return out
 
 
@@ -180,18 +181,25 @@ def test_gate_from_the_command_line_on_real_runs_with_synthetic_timings(capsys, 
 
     root = tmp_path / "root"
     first = root / MACHINE / "run-20250101T000000Z.json"
-    write_results(first, synthetic_timings(real_run, 1.0, seed=0))
-    # a --quick run is no baseline unless forced
-    code, _, err = run(capsys, "baseline", "promote", first, "--root", root)
+    quick = root / MACHINE / "run-20250101T000000Z-quick.json"
+    write_results(quick, {**synthetic_timings(real_run, 1.0, seed=0), "settings": real_run["settings"]})
+    # a --quick run is no baseline unless forced, and then the baseline says so
+    code, _, err = run(capsys, "baseline", "promote", quick, "--root", root)
     assert code == 2 and "--quick run" in err and "--force" in err
-    code, out, _ = run(capsys, "baseline", "promote", first, "--root", root, "--force")
-    assert code == 0 and (root / MACHINE / "baseline.json").is_file()
+    code, out, _ = run(capsys, "baseline", "promote", quick, "--root", root, "--force")
+    assert load_results(root / MACHINE / "baseline.json")["promoted"]["forced_over"] == [
+        "it is a --quick run (its timing windows are too short)"
+    ]
+    quick.unlink()
+    write_results(first, synthetic_timings(real_run, 1.0, seed=0))
+    code, out, _ = run(capsys, "baseline", "promote", first, "--root", root)
+    assert code == 0 and load_results(root / MACHINE / "baseline.json")["promoted"]["forced_over"] == []
     base = load_results(first)
 
     same = root / MACHINE / "run-20250101T000001Z.json"
     write_results(same, synthetic_timings(base, 1.0, seed=1))
     code, out, _ = run(capsys, "gate", "--root", root)  # defaults: this machine's baseline, newest run
-    assert code == 0 and "gate PASS: 0 of 2 cases fail (2 ok)" in out and str(same) in out
+    assert code == 0 and "gate PASS: 0 of 2 cases fail (2 ok); 2 judged, 2 needed" in out and str(same) in out
 
     slowed = root / MACHINE / "run-20250101T000002Z.json"
     write_results(slowed, synthetic_timings(base, 3.0, seed=2))
@@ -212,7 +220,45 @@ def test_gate_from_the_command_line_on_real_runs_with_synthetic_timings(capsys, 
     code, out, _ = run(capsys, "gate", "--root", root)
     assert code == 1 and "1 missing" in out
     code, out, _ = run(capsys, "gate", "--root", root, "--allow-missing")
-    assert code == 0 and "1 missing" in out
+    assert code == 0 and "1 missing" in out and "1 judged, 1 needed" in out
+
+
+def test_promote_refuses_an_unstable_or_busy_run_unless_forced_and_records_why(capsys, tmp_path, real_run):
+    from harness.bench.results import write_results
+
+    run_path = tmp_path / "run.json"
+    doc = synthetic_timings(real_run, 1.0, seed=0)
+    doc["cases"][0]["warnings"] = ["the machine was busier than its 2 cores (load average 5.0 -> 4.0); its latency may be inflated"]
+    noisy = synthetic_timings(real_run, 1.0, seed=3)["cases"][1]["latency"]
+    doc["cases"][1]["latency"] = {**noisy, "spread_threshold": 0.0, "unstable": True}  # every run is past 0%
+    write_results(run_path, doc)
+    code, _, err = run(capsys, "baseline", "promote", run_path, "--root", tmp_path / "root")
+    assert code == 2 and "1 of 2 cases are unstable (digits/bf16/cpu)" in err
+    assert "1 of 2 cases ran while the machine was busier than its cores" in err and "--force" in err
+    assert not (tmp_path / "root").exists()
+    assert run(capsys, "baseline", "promote", run_path, "--root", tmp_path / "root", "--force")[0] == 0
+    (baseline,) = (tmp_path / "root").glob("*/baseline.json")
+    assert len(load_results(baseline)["promoted"]["forced_over"]) == 2
+
+
+def test_the_gate_takes_the_run_that_finished_last_and_passes_over_quick_and_interrupted_ones(capsys, tmp_path, real_run):
+    """A --quick run started during a full run (so named after it) and finished before it, then an
+    interrupted one: the gate's default current run is the full run, which finished last."""
+    from harness.bench.results import sealed, write_results
+
+    machine = tmp_path / "root" / MACHINE
+    full = synthetic_timings(real_run, 1.0, seed=0)
+    write_results(machine / "run-20250101T000000Z.json", {**full, "finished": "2025-01-01T01:00:00Z"})
+    quick = {**synthetic_timings(real_run, 1.0, seed=1), "finished": "2025-01-01T00:10:00Z", "settings": real_run["settings"]}
+    write_results(machine / "run-20250101T000500Z.json", quick)
+    partial = {k: v for k, v in synthetic_timings(real_run, 1.0, seed=2).items() if k not in ("digest", "finished")}
+    write_results(machine / "run-20250101T000900Z.json", sealed({**partial, "complete": False}, "partial"))
+    write_results(machine / "baseline.json", synthetic_timings(real_run, 1.0, seed=3))
+    code, out, _ = run(capsys, "gate", "--root", tmp_path / "root")
+    assert str(machine / "run-20250101T000000Z.json") in out.splitlines()[0] and code == 0
+    (machine / "run-20250101T000000Z.json").unlink()
+    code, _, err = run(capsys, "gate", "--root", tmp_path / "root")
+    assert code == 2 and "run-20250101T000500Z.json (--quick)" in err and "run-20250101T000900Z.json (interrupted)" in err
 
 
 @pytest.mark.parametrize(
@@ -354,7 +400,7 @@ def test_gate_without_baseline_or_runs_explains_what_is_missing(capsys, tmp_path
     code, _, err = run(capsys, "gate", "--root", tmp_path)
     assert code == 2 and f"no baseline for machine '{MACHINE}'" in err and "baseline promote" in err
     code, _, err = run(capsys, "gate", "--root", tmp_path, "--baseline", tmp_path / "b.json")
-    assert code == 2 and "no run-*.json (other than shards) in" in err
+    assert code == 2 and "no finished, full run-*.json (other than shards) in" in err
 
 
 @pytest.mark.parametrize("command", ["gate", "compare", "merge", "promote"])
@@ -383,7 +429,8 @@ def test_gate_default_current_is_the_newest_whole_run_not_a_shard(tmp_path):
     from harness.cli.results_cmd import newest_run
 
     for name in ("run-20250101T000000Z.json", "run-20250102T000000Z.json", "run-20250103T000000Z-shard1of2.json"):
-        (tmp_path / name).write_text("{}")
+        created = name[4:20]
+        (tmp_path / name).write_text(json.dumps({"complete": True, "created": created, "settings": {}}))
     assert newest_run(tmp_path) == tmp_path / "run-20250102T000000Z.json"
 
 

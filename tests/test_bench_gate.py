@@ -13,7 +13,7 @@ import torch
 from harness.bench.accuracy import compare_outputs, output_digest
 from harness.bench.clocks import locked_clocks
 from harness.bench.compare import compare, tactic_diffs
-from harness.bench.gate import AccuracyTolerances, GateSettings, gate
+from harness.bench.gate import INCONCLUSIVE_EXIT, AccuracyTolerances, GateSettings, gate
 from harness.bench.latency import LatencyResult, Timer
 from harness.bench.results import SCHEMA_VERSION, CaseResult, sealed, write_results
 from harness.bench.stats import Summary, slow_phase
@@ -160,7 +160,7 @@ def test_counts_equal_rows_and_a_faster_case_is_never_a_regression() -> None:
     assert any(f.severity == "improvement" for f in strict.cases[1].findings)
     assert len(strict.failing) == 3 and strict.summary().startswith("gate FAIL: 3 of 3 cases fail (3 unstable)")
     lenient = gate(base, cur)
-    assert lenient.exit_code == 0  # unstable alone is information
+    assert lenient.exit_code == INCONCLUSIVE_EXIT  # unstable alone fails nothing, and judges nothing
     assert {v.key[1]: v.verdict for v in lenient.cases}["fp16"] == "improvement"
 
 
@@ -254,7 +254,7 @@ def test_gate_refuses_other_machines_and_notes_settings() -> None:
     with pytest.raises(HarnessError, match="baseline is from machine 'box' but the run is from 'other'"):
         gate(a, make_doc([case([1, 2, 3])], machine_id="other"))
     report = gate(a, make_doc([case([1, 2, 3])], warmup_s=2.0))
-    assert report.notes == ["settings differ: warmup_s"] and report.to_dict()["exit_code"] == 0
+    assert report.notes == ["settings differ: warmup_s"] and report.to_dict()["exit_code"] == report.exit_code != 1
 
 
 def test_gate_refuses_a_cpu_baseline_with_other_isa_under_one_machine_id() -> None:
@@ -264,14 +264,14 @@ def test_gate_refuses_a_cpu_baseline_with_other_isa_under_one_machine_id() -> No
     plain = make_doc([case([1, 2, 3])], isa=("avx512f",))
     with pytest.raises(HarnessError, match="only in the baseline: amx_bf16; only in the run: -.*--ignore-isa"):
         gate(amx, plain)
-    assert gate(amx, plain, GateSettings(ignore_isa=True)).exit_code == 0
+    assert gate(amx, plain, GateSettings(ignore_isa=True)).exit_code != 1
 
 
 def test_other_thread_counts_are_not_compared_for_latency() -> None:
     base = make_doc([case(lognormal(200, 1.0, seed=8))])
     cur = make_doc([case(lognormal(200, 2.0, seed=9), threads=2)])
     report = gate(base, cur)
-    assert report.exit_code == 0 and report.cases[0].latency is None
+    assert report.exit_code == INCONCLUSIVE_EXIT and report.cases[0].latency is None  # compared nothing
     assert "threads differ (1 vs 2)" in report.cases[0].findings[0].message
 
 
@@ -279,8 +279,8 @@ def test_gate_table() -> None:
     base = make_doc([case(lognormal(200, 1.0, seed=8))])
     text = gate_table(gate(base, make_doc([case(lognormal(200, 1.2, seed=9))])))
     assert "mlp/fp16/cpu" in text and "regression" in text and "slower: median x1.2" in text
-    assert text.rstrip().endswith("gate FAIL: 1 of 1 cases fail (1 regression)")
-    assert gate_table(gate(base, base), fmt="github").splitlines()[-1] == "gate PASS: 0 of 1 cases fail (1 ok)"
+    assert text.rstrip().endswith("gate FAIL: 1 of 1 cases fail (1 regression); 1 judged, 1 needed")
+    assert gate_table(gate(base, base), fmt="github").splitlines()[-1] == "gate PASS: 0 of 1 cases fail (1 ok); 1 judged, 1 needed"
 
 
 def test_compare_runs_across_machines() -> None:
@@ -319,7 +319,7 @@ def test_a_slowdown_within_the_runs_own_spread_is_reported_not_judged() -> None:
     report = gate(base, drifted)
     (verdict,) = report.cases
     assert verdict.latency is not None and 1.06 < verdict.latency.ratio < 1.1 and verdict.latency.p_slower < 1e-10
-    assert verdict.verdict == "unstable" and not verdict.fails and report.exit_code == 0
+    assert verdict.verdict == "unstable" and not verdict.fails and report.exit_code == INCONCLUSIVE_EXIT
     (unjudged,) = [f for f in verdict.findings if "not judged" in f.message]
     assert "within the spread of an unstable run" in unjudged.message and "slower: median x1.0" in unjudged.message
     assert gate(base, drifted, GateSettings(fail_on_unstable=True)).exit_code == 1
@@ -384,3 +384,27 @@ def test_the_gate_command_prints_the_clock_note(monkeypatch: pytest.MonkeyPatch,
     out = capsys.readouterr().out
     assert "gate PASS" in out
     assert "\nnote: clock settings differ: baseline graphics clock locked at 1980 MHz (--lock-clocks max), current graphics clock not locked;" in out
+
+
+def test_a_gate_that_judged_too_little_is_inconclusive_not_pass():
+    """Nothing failed, but the comparable cases were unstable and the rest missing (a subset run
+    with --allow-missing): the gate says INCONCLUSIVE, with its own exit code, until enough
+    cases are judged; --min-judged lowers the number needed."""
+    stable = [100_000 + i for i in range(40)]
+    noisy = lognormal(300, 1.0, seed=6, sigma=0.3)  # IQR/median far above 5%: an unstable run
+    base = make_doc([case(stable, mode="fp32"), case(stable, mode="bf16"), case(noisy, mode="fp16")])
+    cur = make_doc([case(noisy, mode="fp16")])
+    report = gate(base, cur, GateSettings(allow_missing=True))
+    assert report.failing == [] and (report.judged, report.required) == (0, 1)
+    assert report.outcome == "INCONCLUSIVE" and report.exit_code == INCONCLUSIVE_EXIT == 3
+    assert report.summary().startswith("gate INCONCLUSIVE: 0 of 3 cases fail (2 missing, 1 unstable); 0 judged, 1 needed")
+    assert gate(base, cur, GateSettings(allow_missing=True, min_judged=0)).outcome == "PASS"
+    # without --allow-missing the missing cases fail, and the finding says how to gate a subset run
+    strict = gate(base, cur)
+    assert strict.outcome == "FAIL"
+    assert any("--allow-missing" in f.message for v in strict.failing for f in v.findings)
+    # an unstable baseline case cannot be judged either; with every case stable in both, PASS
+    calm = make_doc([case(stable, mode=m) for m in ("fp32", "bf16", "fp16")])
+    assert (gate(base, calm).judged, gate(base, calm).outcome) == (2, "INCONCLUSIVE")
+    judged = gate(calm, copy.deepcopy(calm))
+    assert (judged.judged, judged.required, judged.outcome) == (3, 3, "PASS")

@@ -57,7 +57,8 @@ def test_measure_latency_structure_on_real_torch_op() -> None:
     d = r.to_dict()
     assert d["samples_ns"] == list(r.samples_ns) and d["iterations"] == r.iterations
     assert d["summary"]["median"] == r.summary.median and "samples" not in d["summary"]
-    assert d["throughput_per_s"] == pytest.approx(4 / (r.summary.mean * 1e-9))
+    assert d["throughput_per_s"] == pytest.approx(4 / (r.summary.median * 1e-9))  # the row's own median
+    assert d["offline_throughput_per_s"] == pytest.approx(r.iterations * 4 / r.duration_s)  # items over time
     assert d["overhead"]["count"] == r.overhead.count
 
 
@@ -210,11 +211,12 @@ def test_a_gpu_query_reports_trtexecs_figures_each_from_its_clock() -> None:
     assert r.device.h2d.samples == (1_000_000,) * 9 and r.device.d2h.samples == (250_000,) * 9
     assert r.device.end_to_end.samples == (4_250_000,) * 9
     assert all(s >= 0 for s in r.device.enqueue.samples) and r.device.enqueue.count == 9
-    assert r.throughput_per_s == pytest.approx(9 * 4 / r.duration_s)
+    assert r.throughput_per_s == pytest.approx(4 / 3e-3)  # at the median compute time
+    assert r.offline_throughput_per_s == pytest.approx(9 * 4 / r.duration_s)  # trtexec's: queries over wall time
     d = r.to_dict()
     assert d["clocks"] == {
-        "summary": "cuda-event", "h2d": "cuda-event", "d2h": "cuda-event", "end_to_end": "cuda-event",
-        "enqueue": "host", "throughput_per_s": "host",
+        "summary": "cuda-event", "throughput_per_s": "cuda-event", "offline_throughput_per_s": "host",
+        "h2d": "cuda-event", "d2h": "cuda-event", "end_to_end": "cuda-event", "enqueue": "host",
     }  # fmt: skip
     assert d["device"]["end_to_end"]["median"] == 4_250_000 and d["device"]["queries_in_flight"] == QUERIES_IN_FLIGHT
     assert d["summary"]["median"] == 3_000_000 and d["spread_threshold"] == DEFAULT_SPREAD_THRESHOLD["cuda"]
@@ -230,7 +232,8 @@ def test_a_gpu_loop_keeps_at_most_its_queries_in_flight_and_warms_up_whole_queri
 
 def test_host_timed_results_say_their_clock() -> None:
     r = measure_latency(lambda: None, warmup_s=0.0, min_iters=3, min_duration_s=0.0, max_iters=3)
-    assert r.to_dict()["clocks"] == {"summary": "host", "throughput_per_s": "host"} and "device" not in r.to_dict()
+    clocks = {"summary": "host", "throughput_per_s": "host", "offline_throughput_per_s": "host"}
+    assert r.to_dict()["clocks"] == clocks and "device" not in r.to_dict()
 
 
 def test_peak_rss_measures_the_run() -> None:

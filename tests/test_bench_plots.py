@@ -104,6 +104,21 @@ def test_close_modes_get_readable_labels_and_wide_spans_a_log_axis() -> None:
         "m", [_Point("fp32", 2.0, 2.5, 0.0), _Point("bf16", 1.0, 1.1, 1e-3)], [], "1-cosine", ""
     )
     assert narrow.axes[0].get_xscale() == "linear"
+    # medians close together but a p95 whisker 70x out (a user model under load): a log axis too
+    whisker = _plot_model(
+        "m", [_Point("fp32", 0.3, 21.0, 0.0), _Point("bf16", 0.2, 0.25, 1e-3)], [], "1-cosine", ""
+    )
+    assert whisker.axes[0].get_xscale() == "log"
+
+
+def test_plot_titles_mark_a_quick_run_and_unstable_cases(tmp_path: Path) -> None:
+    from harness.bench.plots import _title_suffix
+
+    cases = [_case("m", "fp32", 2.0, 1.0), _case("m", "bf16", 1.0, 1e-3)]
+    cases[1]["latency"]["unstable"] = True
+    doc = {"machine": {"id": "box"}, "settings": {"quick": True}}
+    assert _title_suffix(doc, cases) == " on box [--quick: a pipeline check, not numbers] [1 unstable]"
+    assert _title_suffix({**doc, "settings": {}}, cases[:1]) == " on box"
 
 
 def test_non_finite_and_failed_modes_are_marked_not_dropped() -> None:

@@ -352,8 +352,14 @@ def test_results_table() -> None:
     }
     text = results_table(doc)
     assert "machine test-machine-2c, commit abcdef123456 (dirty), 3 cases, INCOMPLETE" in text
-    rows = {line.split()[1]: line for line in text.splitlines()[4:]}
+    modes = ("fp32", "bf16", "fp16")
+    rows = {next(t for t in line.split() if t in modes): line for line in text.splitlines()[4:] if set(line.split()) & set(modes)}
     assert "x1.00" in rows["fp32"] and "1.000000" in rows["fp32"]  # cosine of an exact fp32 run
+    # items/s is the batch over the median, the figure beside it, in every row
+    for case, mode in ((fp32, "fp32"), (bf16, "bf16")):
+        lat = case.latency
+        assert rows[mode].split()[1] == str(lat.batch_size)
+        assert f"{lat.batch_size * 1e9 / lat.summary.median:.4g}" in rows[mode].split()
     assert "x4.00" in rows["bf16"] and "16 B" in rows["bf16"]
     # the whole failure reason, wrapped in the cell (never cut)
     assert "failed: build failed traceback follows" in rows["fp16"]
@@ -528,7 +534,12 @@ def test_markdown_tables_keep_a_wrapped_cell_in_one_row_and_show_stored_warnings
     )  # fmt: skip
 
     terminal = " ".join(results_table(doc).split())
-    assert "warning: the machine was busier than its 2 cores" in terminal
+    # the busy machine is said once, under the table, with the cases it touched; the row is marked
+    assert "warning: the machine was busier" not in terminal and terminal.count("busier than its") == 1
+    assert terminal.endswith(
+        "busy: 1 of 2 cases ran while the machine was busier than its cores, so their latency may be inflated "
+        "(marked 'ok (busy)'): mlp/fp32/cpu"
+    )
     md = results_table(doc, fmt="github").splitlines()
     columns = md[2].count("|")
     body = [line for line in md[4:] if line.startswith("|")]
@@ -536,7 +547,7 @@ def test_markdown_tables_keep_a_wrapped_cell_in_one_row_and_show_stored_warnings
     fp32, fp16 = sorted(body, key=lambda line: "fp16" in line)
     assert fp16.count("<br>") >= 2 and "word39" in fp16 and "\\| pipe" in fp16
     assert fp16.count("|") - fp16.count("\\|") == columns  # the escaped pipe opens no column
-    assert "ok<br>warning: the machine was busier than its 2 cores" in fp32
+    assert "ok (busy)" in fp32 and "warning" not in fp32
 
     # the gate shows the stored warning as information, one row per case
     report = gate(doc, doc)

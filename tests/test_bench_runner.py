@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import io
 import os
 
 import pytest
@@ -377,10 +378,23 @@ def test_case_messages_warn_when_the_one_minute_load_exceeds_the_cores(start, en
                          f"{start[0]:.1f} -> {end[0]:.1f}); its latency may be inflated"]  # fmt: skip
 
 
-def test_warnings_and_log_records_go_above_the_progress_bar(tmp_path, monkeypatch, writer, capsys):
+class _Terminal(io.StringIO):
+    """A stderr that says it is a terminal, as tqdm asks before drawing a bar."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("terminal", [True, False], ids=["terminal", "log-file"])
+def test_warnings_and_log_records_go_above_the_progress_bar(tmp_path, monkeypatch, writer, terminal):
+    """On a terminal the bar is drawn and every message gets a line of its own above it; where
+    stderr is no terminal (a CI log) there is no bar, so no carriage-return fragments either."""
     import logging
     import sys
     import warnings
+
+    stderr = _Terminal() if terminal else io.StringIO()
+    monkeypatch.setattr(sys, "stderr", stderr)
 
     log = logging.getLogger("harness.test_progress")
     real = BenchRunner.run_case
@@ -409,8 +423,8 @@ def test_warnings_and_log_records_go_above_the_progress_bar(tmp_path, monkeypatc
     finally:
         root.removeHandler(console)
     assert root.handlers.count(console) == 0 and console not in root.handlers
-    err = capsys.readouterr().err
-    assert "bench:" in err  # the bar was drawn on this stream
+    err = stderr.getvalue()
+    assert ("bench:" in err) is terminal and ("\r" in err) is terminal  # the bar, where there is a terminal
     lines = err.replace("\r", "\n").split("\n")
     for text in ("UserWarning: hello from a case", "a log record from a case"):
         hits = [line for line in lines if text in line]

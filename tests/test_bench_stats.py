@@ -33,8 +33,11 @@ def test_summary_matches_numpy() -> None:
 def test_summary_hand_values_and_throughput() -> None:
     s = Summary.from_samples([2_000_000, 2_000_000, 2_000_000, 2_000_000], unit="ns")
     assert s.std == 0.0 and s.cov == 0.0
-    # mean 2 ms per batch of 8 -> 4000 items per second
+    # median 2 ms per batch of 8 -> 4000 items per second
     assert s.throughput(batch_size=8) == pytest.approx(4000.0)
+    # under load the mean runs far above the median: the throughput follows the median, as the row does
+    skewed = Summary.from_samples([1_000_000] * 9 + [91_000_000], unit="ns")
+    assert skewed.mean == 10_000_000 and skewed.throughput(batch_size=1) == pytest.approx(1000.0)
     one = Summary.from_samples([5.0], unit="ms")
     assert one.std == 0.0 and one.median == 5.0
     assert one.throughput() == pytest.approx(200.0)

@@ -33,7 +33,7 @@ from harness.autocast.classify import POLICIES, classify, rules_for
 from harness.autocast.cleanup import CLEANUP
 from harness.autocast.regions import Region, inline_higher_order_ops
 from harness.autocast.report import PrecisionReport, build_report
-from harness.autocast.rules import Context, effective_state
+from harness.autocast.rules import Context, effective_state, unmatched_selectors
 from harness.autocast.settings import (
     EXPLICIT_TYPES,
     AutocastSettings,
@@ -348,6 +348,8 @@ def compile(
         t2 = time.perf_counter()
         ctx = Context(gm=gm, device=device, low=low, settings=settings, calibration=calib, ambient=ambient)
         decisions = classify(gm, ctx, rules_for(policy, patterns))
+        # the rule policy's classifier is the one that reads them; checked before casts rename nothing
+        unmatched = unmatched_selectors(gm, settings) if policy == "rule" else []
         timings["classify"] = time.perf_counter() - t2
 
         t3 = time.perf_counter()
@@ -374,5 +376,6 @@ def compile(
             timings["verify"] = time.perf_counter() - t4
 
     report = build_report(gm, decisions, policy, low, stats)
+    report.warnings = unmatched
     timings["total"] = time.perf_counter() - t0
     return CompiledGraph(gm, report, examples, policy, low, output_spec_of(ep), device, timings)

@@ -38,6 +38,8 @@ class PrecisionReport:
     clipped_values: int = 0
     overflowed_values: int = 0
     clipped_weights: list[str] = field(default_factory=list)
+    # what the compile was asked that changed nothing (an exclusion matching no node)
+    warnings: list[str] = field(default_factory=list)
 
     def counts(self) -> dict[str, int]:
         return dict(sorted(Counter(r.rule for r in self.rows).items()))
@@ -61,7 +63,8 @@ class PrecisionReport:
         )
         if self.overflowed_values:
             summary += f", {self.overflowed_values} weight values overflow {self.low_precision_type} (as in eager autocast)"
-        return f"{tabulate(body, headers=head)}\n\n{counts}\n\n{summary}"
+        warnings = "".join(f"\nwarning: {w}" for w in self.warnings)
+        return f"{tabulate(body, headers=head)}\n\n{counts}\n\n{summary}{warnings}"
 
 
 def _precision(node: torch.fx.Node) -> str:

@@ -24,7 +24,7 @@ from harness.autocast.settings import AutocastSettings
 from harness.dtypes import dtype_name
 from harness.errors import HarnessError
 from harness.fxutil import input_nodes, module_path, output_dtypes
-from harness.opnames import op_name
+from harness.opnames import op_name, resolve_op_names
 
 aten = torch.ops.aten
 FP32 = torch.float32
@@ -157,6 +157,23 @@ def _matches(node: torch.fx.Node, patterns: Sequence[re.Pattern[str]]) -> str | 
         if p.search(node.name) or (path and p.search(path)):
             return p.pattern
     return None
+
+
+def unmatched_selectors(gm: torch.fx.GraphModule, settings: AutocastSettings) -> list[str]:
+    """Each exclusion or inclusion (pattern or op) that selects no node of ``gm``: a typo, or a name
+    from another version of the model, which would otherwise change nothing without a word."""
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+    ops = {op_name(n.target) for n in nodes}
+    found = []
+    for setting, patterns in (("nodes_to_exclude", settings.exclude_patterns), ("nodes_to_include", settings.include_patterns)):
+        found += [
+            f"{setting} {p.pattern!r} matches no node (by name or module path)"
+            for p in patterns
+            if not any(_matches(n, [p]) for n in nodes)
+        ]
+    for setting, given in (("targets_to_exclude", settings.targets_to_exclude), ("targets_to_include", settings.targets_to_include)):
+        found += [f"{setting} {t} is the op of no node" for t in given if not resolve_op_names([t]) & ops]
+    return found
 
 
 class Include:

@@ -26,8 +26,13 @@ The gate cannot pass on nothing: a baseline case the run lacks fails it
 an incomplete run fails, and a case whose model weights differ from the
 baseline's fails (the two runs measured different models).
 
-Every case gets one verdict; the gate fails when any verdict fails, and the
-counts it prints are counts of cases.
+Every case gets one verdict, and the run one of three: FAIL (exit 1) when any
+case fails; else PASS (exit 0) only when enough cases were *judged* (in both
+runs, their latency compared, neither run unstable): ``min_judged`` of them,
+by default every baseline case (every case the runs share, with
+``allow_missing``); else INCONCLUSIVE (exit :data:`INCONCLUSIVE_EXIT`):
+nothing failed, but too little was judged to say the run did not regress.
+The counts it prints are counts of cases.
 
 Peer rows (backend ``peer:<name>``, :mod:`harness.bench.peers`) are not
 gated, in either run: they time other software (eager PyTorch, ONNX
@@ -138,20 +143,33 @@ class CaseVerdict:
         }
 
 
+# `harness gate`'s exit code when nothing failed but too few cases were judged to pass.
+INCONCLUSIVE_EXIT = 3
+
+
 @dataclass
 class GateReport:
     cases: list[CaseVerdict]
     notes: list[str]
     problems: list[str]  # run-level reasons to fail (an incomplete run)
     settings: dict[str, Any]
+    judged: int = 0  # cases in both runs whose latency was compared, neither run unstable
+    required: int = 0  # cases that must be judged for a PASS
 
     @property
     def failing(self) -> list[CaseVerdict]:
         return [c for c in self.cases if c.fails]
 
     @property
+    def outcome(self) -> str:
+        """FAIL, PASS, or INCONCLUSIVE (nothing failed, fewer than ``required`` cases judged)."""
+        if self.failing or self.problems:
+            return "FAIL"
+        return "PASS" if self.judged >= self.required else "INCONCLUSIVE"
+
+    @property
     def exit_code(self) -> int:
-        return 1 if self.failing or self.problems else 0
+        return {"FAIL": 1, "PASS": 0, "INCONCLUSIVE": INCONCLUSIVE_EXIT}[self.outcome]
 
     def counts(self) -> dict[str, int]:
         """Cases per verdict (each case counted once)."""
@@ -161,14 +179,22 @@ class GateReport:
         return out
 
     def summary(self) -> str:
-        verdict = "FAIL" if self.exit_code else "PASS"
         counts = ", ".join(f"{n} {v}" for v, n in sorted(self.counts().items(), key=lambda kv: kv[0]))
-        text = f"gate {verdict}: {len(self.failing)} of {len(self.cases)} cases fail ({counts})"
+        text = f"gate {self.outcome}: {len(self.failing)} of {len(self.cases)} cases fail ({counts}); "
+        text += f"{self.judged} judged, {self.required} needed"
+        if self.outcome == "INCONCLUSIVE":
+            text += (
+                " (the others missing or unstable: re-run them on a quieter machine, or lower the number "
+                "needed with --min-judged or [gate] min_judged)"
+            )
         return text + "".join(f"; {p}" for p in self.problems)
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "exit_code": self.exit_code,
+            "outcome": self.outcome,
+            "judged": self.judged,
+            "required": self.required,
             "summary": self.summary(),
             "counts": self.counts(),
             "problems": self.problems,
@@ -187,6 +213,8 @@ class GateSettings:
     allow_missing: bool = False
     # Gate a CPU run against a baseline whose CPU has other ISA extensions.
     ignore_isa: bool = False
+    # Cases that must be judged for a PASS; None: every baseline case (every shared case with allow_missing).
+    min_judged: int | None = None
     bootstrap_resamples: int = 1000
 
     def __post_init__(self) -> None:
@@ -194,6 +222,8 @@ class GateSettings:
             raise HarnessError("latency threshold must be >= 0 and alpha strictly between 0 and 1")
         if any(v < 0 for v in asdict(self.tolerances).values()):
             raise HarnessError("accuracy tolerances must not be negative")
+        if self.min_judged is not None and self.min_judged < 0:
+            raise HarnessError(f"min_judged {self.min_judged}: must be 0 or more")
 
 
 def _latency(base: Mapping[str, Any], cur: Mapping[str, Any], s: GateSettings, verdict: CaseVerdict) -> None:
@@ -379,11 +409,20 @@ def gate(
     ]  # fmt: skip
     missing_severity: Severity = "info" if s.allow_missing else "fail"
     verdicts += [
-        CaseVerdict(key, [Finding("missing", missing_severity, "in the baseline but not in this run")])
+        CaseVerdict(key, [Finding("missing", missing_severity, "in the baseline but not in this run"
+                                  + ("" if s.allow_missing else " (bench it, or gate a subset run with --allow-missing)"))])
         for key in base_cases.keys() - cur_cases.keys()
-    ]
+    ]  # fmt: skip
     verdicts.sort(key=lambda v: case_order(v.key))
-    return GateReport(cases=verdicts, notes=notes, problems=problems, settings={**asdict(s)})
+    shared = base_cases.keys() & cur_cases.keys()
+    judged = sum(1 for v in verdicts if v.key in shared and _judged(v))
+    required = s.min_judged if s.min_judged is not None else len(shared if s.allow_missing else base_cases)
+    return GateReport(verdicts, notes, problems, {**asdict(s)}, judged, required)
+
+
+def _judged(verdict: CaseVerdict) -> bool:
+    """Whether the case's latency was compared with neither run unstable (its accuracy always is)."""
+    return verdict.latency is not None and not any(f.kind == "unstable" for f in verdict.findings)
 
 
 def gpu_notes(baseline_doc: Mapping[str, Any], current_doc: Mapping[str, Any]) -> list[str]:

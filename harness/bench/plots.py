@@ -110,13 +110,14 @@ def _points(cases: list[Mapping[str, Any]], metric: ErrorMetric) -> tuple[list[_
 LOG_LATENCY_SPAN = 10.0
 
 
-def _log_latency(medians: Sequence[float]) -> bool:
-    """Log latency axis when the modes span more than a decade.
+def _log_latency(medians: Sequence[float], p95s: Sequence[float]) -> bool:
+    """Log latency axis when the plotted latencies (medians and their p95 whiskers) span more
+    than a decade.
 
-    On a linear axis a 25 us mode next to a 12 ms one sits on the y axis
-    and its whisker and label are unreadable.
+    On a linear axis a 25 us mode next to a 12 ms one (or a 0.3 ms median whose
+    p95 reaches 21 ms) sits on the y axis, and its whisker and label are unreadable.
     """
-    return min(medians) > 0 and max(medians) / min(medians) > LOG_LATENCY_SPAN
+    return min(medians) > 0 and max(*medians, *p95s) / min(medians) > LOG_LATENCY_SPAN
 
 
 def _plot_model(
@@ -173,7 +174,7 @@ def _plot_model(
         label="Pareto-optimal mode",
     )
     ax.set_yscale("log")
-    if xs and _log_latency(xs):
+    if xs and _log_latency(xs, [p.p95_ms for p in points]):
         ax.set_xscale("log")
     ax.set_xlabel(
         "latency, median with p95 whisker (ms"
@@ -272,11 +273,20 @@ def plot_results(
         points, absent = _points(cases, error_metric)
         if not points and not any(a.median_ms is not None for a in absent):
             continue
-        fig = _plot_model(model, points, absent, error_metric, f" on {doc['machine']['id']}")
+        fig = _plot_model(model, points, absent, error_metric, _title_suffix(doc, cases))
         path = plot_path(results_path, model)
         save_figure(fig, path)
         written.append(path)
     return written
+
+
+def _title_suffix(doc: Mapping[str, Any], cases: Sequence[Mapping[str, Any]]) -> str:
+    """The machine, and what a reader must not miss: a --quick run, unstable cases."""
+    text = f" on {doc['machine']['id']}"
+    if (doc.get("settings") or {}).get("quick"):
+        text += " [--quick: a pipeline check, not numbers]"
+    unstable = sum(1 for c in cases if (c.get("latency") or {}).get("unstable"))
+    return text + (f" [{unstable} unstable]" if unstable else "")
 
 
 def new_figure(size: tuple[float, float]) -> Figure:

@@ -37,7 +37,7 @@ from harness.autocast.settings import AutocastSettings
 from harness.bench.accuracy import TaskAccuracy, compare_outputs, output_digest
 from harness.bench.latency import measure_device_latency, measure_latency, measure_overhead
 from harness.bench.memory import MemoryReport, measure_memory
-from harness.bench.results import CaseKey, CaseResult, ResultsWriter, is_peer
+from harness.bench.results import BUSY_PREFIX, CaseKey, CaseResult, ResultsWriter, is_peer
 from harness.bench.stats import Summary
 from harness.bench.telemetry import TelemetrySampler
 from harness.build import BuildResult, build_engine
@@ -604,7 +604,8 @@ class BenchRunner:
         from tqdm import tqdm
 
         todo = [item for item in _with_extra(matrix, extra) if not writer.has(*self._key(item))]
-        bar = tqdm(todo, desc="bench", unit="case", file=sys.stderr, disable=not progress)
+        # disable=None: no bar where stderr is no terminal (a CI log would get its \r fragments)
+        bar = tqdm(todo, desc="bench", unit="case", file=sys.stderr, disable=None if progress else True)
         try:
             with messages_above_bar(tqdm):
                 self._run_cases(bar, writer, on_case)
@@ -619,8 +620,11 @@ class BenchRunner:
         return item.key(self)
 
     def _run_cases(self, bar: Any, writer: ResultsWriter, on_case: CaseHook | None) -> None:
+        """Each case, recorded as it ends; what makes it doubtful said above the bar (a busy
+        machine once, then counted at the end: the table's footnote lists those cases)."""
         from tqdm import tqdm
 
+        busy = 0
         for item in bar:
             if isinstance(item, tuple):
                 model, mode, batch = item
@@ -631,9 +635,15 @@ class BenchRunner:
                 entry = item.run(self)
             writer.add(entry)
             for line in case_messages(entry):
+                if BUSY_PREFIX in line:
+                    busy += 1
+                    if busy > 1:
+                        continue
                 tqdm.write(line, file=sys.stderr)
             if on_case is not None:
                 on_case(entry)
+        if busy > 1:
+            tqdm.write(f"{busy} cases ran while the machine was busier than its cores (listed under the table)", file=sys.stderr)
 
 
 class ExtraCase(Protocol):
@@ -713,7 +723,7 @@ def load_warnings(load: Mapping[str, Any]) -> list[str]:
     if busiest <= load["cpus"]:
         return []
     return [
-        f"the machine was busier than its {load['cpus']} cores (load average "
+        f"{BUSY_PREFIX} {load['cpus']} cores (load average "
         f"{load['start'][0]:.1f} -> {load['end'][0]:.1f}); its latency may be inflated"
     ]
 

@@ -91,12 +91,14 @@ class Summary:
         )
 
     def throughput(self, batch_size: int = 1) -> float | None:
-        """Items per second, from the *mean* latency (None if the mean is 0).
+        """Items per second at the *median* latency: ``batch_size / median`` (None if the median is 0).
 
-        The mean, not the median: sustained throughput is total items over
-        total time, and total time is ``count * mean``.
+        The median, as every other figure of a row is: under load the mean can
+        be several times the median, and a throughput from it would contradict
+        the row's latency. Total items over total time (an offline run's
+        throughput) is a different figure, kept apart by the timing loop.
         """
-        seconds = self.mean * _UNIT_SECONDS[self.unit]
+        seconds = self.median * _UNIT_SECONDS[self.unit]
         return batch_size / seconds if seconds > 0 else None
 
     def stats_dict(self) -> dict[str, Any]:

@@ -8,14 +8,14 @@ task accuracy for a model without labelled data).
 from __future__ import annotations
 
 import textwrap
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tabulate import tabulate
 
 from harness.bench.compare import Comparison
 from harness.bench.gate import GateReport
-from harness.bench.results import format_key, is_peer
+from harness.bench.results import BUSY_PREFIX, case_key, format_key, is_peer
 from harness.precision import precision_of
 
 _TIME_UNITS = ((1e9, "s"), (1e6, "ms"), (1e3, "µs"), (1.0, "ns"))
@@ -54,18 +54,39 @@ def _speedup(reference_ns: float | None, median_ns: float | None) -> str:
 
 
 def _status(case: Mapping[str, Any], width: int = 60) -> str:
-    """``ok`` or ``non-finite (NaN n, Inf m)`` with the case's stored warnings, or the whole failure reason.
+    """``ok`` or ``non-finite (NaN n, Inf m)`` with the case's stored warnings (but the busy-machine
+    one, which the table's footnote says once: :func:`busy_note`), or the whole failure reason.
 
     Long text is wrapped to ``width`` (never cut): each line is a line of the
     terminal table's cell, or a ``<br>`` in Markdown (see :func:`_table`).
     """
     if case["status"] == "failed":
         return textwrap.fill(f"failed: {case.get('error') or ''}", width)
-    text = "ok"
+    text = "ok" if not _busy(case) else "ok (busy)"
     if case["status"] == "non-finite":
         acc = case["accuracy"]
         text = f"non-finite (NaN {acc['nan_count']}, Inf {acc['inf_count']})"
-    return "\n".join([text, *(textwrap.fill(f"warning: {w}", width) for w in case.get("warnings", []))])
+    warnings = [w for w in case.get("warnings", []) if not w.startswith(BUSY_PREFIX)]
+    return "\n".join([text, *(textwrap.fill(f"warning: {w}", width) for w in warnings)])
+
+
+def _busy(case: Mapping[str, Any]) -> bool:
+    return any(w.startswith(BUSY_PREFIX) for w in case.get("warnings", []))
+
+
+def busy_note(cases: Sequence[Mapping[str, Any]]) -> str | None:
+    """One footnote for every case that ran while the machine was busier than its cores (None: none did)."""
+    busy = [c for c in cases if _busy(c)]
+    if not busy:
+        return None
+    loads = [max(c["load_average"]["start"][0], c["load_average"]["end"][0]) for c in busy if c.get("load_average")]
+    cpus = next((c["load_average"]["cpus"] for c in busy if c.get("load_average")), None)
+    names = ", ".join(format_key(case_key(c)) for c in busy)
+    load = f" (load average up to {max(loads):.1f} on {cpus} cores)" if loads and cpus else ""
+    return (
+        f"busy: {len(busy)} of {len(cases)} cases ran while the machine was busier than its cores{load}, so "
+        f"their latency may be inflated (marked 'ok (busy)'): {names}"
+    )
 
 
 def _markdown_cell(text: str) -> str:
@@ -119,9 +140,8 @@ def results_rows(doc: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]:
         if c["mode"] == REFERENCE_MODE and c["status"] != "failed"
     }
     fastest_peer = _fastest_peers(doc)
-    sweep = any(c.get("batch") is not None for c in doc["cases"])
     header = [
-        "model", *(["batch"] if sweep else []), "mode", "backend", "median", "p95", "items/s", "speed-up",
+        "model", "batch", "mode", "backend", "median", "p95", "items/s (median)", "speed-up",
         *(["vs best peer"] if fastest_peer else []),
         "IQR/median", "max abs err", "cosine", "top-1", "task acc", "weights", "engine", "peak RSS", "status",
     ]  # fmt: skip
@@ -140,12 +160,12 @@ def results_rows(doc: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]:
         rows.append(
             [
                 c["model"],
-                *([str(c.get("batch") or "own")] if sweep else []),
+                str(c.get("batch") or (lat["batch_size"] if lat else "")),
                 c["mode"],
                 c["backend"],
                 format_ns(median),
                 format_ns(lat["summary"]["p95"] if lat else None),
-                f"{lat['throughput_per_s']:.4g}" if lat else "",
+                f"{lat['batch_size'] * 1e9 / median:.4g}" if lat and median else "",
                 _speedup(ref, median),
                 *([_speedup(best_peer, median)] if fastest_peer else []),
                 _spread(lat),
@@ -175,7 +195,8 @@ def results_table(doc: Mapping[str, Any], fmt: str = "simple") -> str:
     if any(is_peer(c) for c in doc["cases"]):
         title += f"\nnote: {PEER_NOTE}"
     header, rows = results_rows(doc)
-    return title + "\n\n" + _table(rows, header, fmt)
+    busy = busy_note(doc["cases"])
+    return title + "\n\n" + _table(rows, header, fmt) + (f"\n{busy}" if busy else "")
 
 
 def gate_table(report: GateReport, fmt: str = "simple") -> str:
@@ -193,7 +214,7 @@ def gate_table(report: GateReport, fmt: str = "simple") -> str:
                 f"x{lat.ratio:.3f}" if lat else "",
                 f"{lat.p_slower if lat.ratio >= 1 else lat.p_faster:.2g}" if lat else "",
                 f"[{lat.ci_low:.3f}, {lat.ci_high:.3f}]" if lat else "",
-                textwrap.fill("; ".join(f.message for f in v.findings), 80),
+                "; ".join(f.message for f in v.findings),  # one line per case, however long
             ]
         )
     notes = "".join(f"\nnote: {n}" for n in report.notes)

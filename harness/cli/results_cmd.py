@@ -80,6 +80,10 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     g.add_argument("--ignore-isa", action=argparse.BooleanOptionalAction, default=None,
                    help="gate a CPU run against a baseline whose CPU has other ISA extensions "
                    "(default: the project file's, else off)")
+    g.add_argument("--min-judged", type=argtypes.non_negative_int, default=None, metavar="N",
+                   help="cases that must be judged (in both runs, latency compared, neither run unstable) for a "
+                   "PASS; fewer, with none failing, is INCONCLUSIVE, exit 3 (default: the project file's, else "
+                   "every baseline case, or every shared case with --allow-missing)")
     g.add_argument("--config", metavar="FILE",
                    help="project file whose [gate] table sets these (flags win)")
     g.add_argument("--summary-md", default=None, metavar="FILE", help="also write the gate table as Markdown")
@@ -222,21 +226,36 @@ _SHARD_NAME = re.compile(r"-shard\d+of\d+\.json$")
 
 
 def newest_run(directory: Path) -> Path:
-    """The newest whole ``run-<timestamp>.json``, by name.
+    """The newest *finished*, full run among ``directory``'s ``run-<timestamp>.json``, by the time it
+    finished (not its name, which is when it started: a run started during another can finish first).
 
     Shard files (``-shard<i>of<n>``) are skipped: gating one shard would
     report the other shards' cases as missing instead of gating them; merge
-    the shards into a ``run-<timestamp>.json`` first.
+    the shards into a ``run-<timestamp>.json`` first. So are interrupted runs
+    and ``--quick`` runs, as ``baseline promote`` refuses them: each is named
+    when nothing else is left. A run without a finish time (written before
+    runs recorded one) counts as finished when it started.
     """
-    runs = sorted(
-        p for p in directory.glob("run-*.json") if p.is_file() and not _SHARD_NAME.search(p.name)
-    )
-    if not runs:
+    from harness.bench.results import peek_results
+
+    candidates = sorted(p for p in directory.glob("run-*.json") if p.is_file() and not _SHARD_NAME.search(p.name))
+    finished: list[tuple[str, Path]] = []
+    passed_over = []
+    for path in candidates:
+        head = peek_results(path)
+        if not head.get("complete"):
+            passed_over.append(f"{path.name} (interrupted)")
+        elif (head.get("settings") or {}).get("quick"):
+            passed_over.append(f"{path.name} (--quick)")
+        else:
+            finished.append((str(head.get("finished") or head.get("created") or ""), path))
+    if not finished:
+        skipped = f" ({', '.join(passed_over)} not gated)" if passed_over else ""
         raise HarnessError(
-            f"no run-*.json (other than shards) in {directory}; run `harness bench` "
+            f"no finished, full run-*.json (other than shards) in {directory}{skipped}; run `harness bench` "
             "(or `harness merge` the shards) first, or pass --current FILE"
         )
-    return runs[-1]
+    return max(finished)[1]
 
 
 def _gate_inputs(args: argparse.Namespace) -> tuple[Path, Path]:
@@ -253,7 +272,7 @@ def _gate_inputs(args: argparse.Namespace) -> tuple[Path, Path]:
         raise HarnessError(
             f"no baseline for machine {machine!r} at {baseline}. A first run has nothing to gate "
             "against: run `harness bench`, then `harness baseline promote RUN` and commit the "
-            "baseline (see the README, 'Gating pull requests'); or pass --baseline FILE"
+            "baseline (see the README, 'Benchmarks and the regression gate'); or pass --baseline FILE"
         )
     current = Path(args.current) if args.current is not None else newest_run(results_dir(args.root, machine))
     return baseline, current
@@ -296,6 +315,7 @@ def run_gate(args: argparse.Namespace) -> int:
         fail_on_unstable=bool(chosen.get("fail_on_unstable", False)),
         allow_missing=bool(chosen.get("allow_missing", False)),
         ignore_isa=bool(chosen.get("ignore_isa", False)),
+        min_judged=chosen.get("min_judged"),
     )
     if args.summary_md is not None:
         check_writable(args.summary_md, "--summary-md")

@@ -34,6 +34,12 @@ from harness.engines.cpu import CpuBackend
 from harness.engines.protocol import BuildConfig
 
 FULL = os.environ.get("HARNESS_BENCH_FULL", "") not in ("", "0")
+# pytest-benchmark turns itself off in an xdist worker (its rounds would time nothing), so the
+# cases skip there, saying how to run them; `nox -s tests` runs them in a pytest of their own.
+pytestmark = pytest.mark.skipif(
+    "PYTEST_XDIST_WORKER" in os.environ,
+    reason="pytest-benchmark does not time under xdist (-n): run `pytest tests/benchmarks` without -n",
+)
 BACKEND = CpuBackend()
 MODELS = DEFAULT_MODELS if FULL else ("digits",)
 MODES = default_modes(BACKEND) if FULL else ("fp32", "bf16")
