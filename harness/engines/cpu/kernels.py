@@ -3,8 +3,8 @@
 A tactic on one of oneDNN's primitives is offered only where the primitive
 the layer would create gets a native kernel. oneDNN falls back to reference
 C++ loops (``ref:any``) where the CPU lacks the ISA for a type or a shape, or
-has no kernel at all (``unimplemented``): such a tactic is correct but tens
-to hundreds of times slower, so it is never worth timing. The answer comes
+has no kernel at all (``unimplemented``): such a tactic is correct but far
+slower than the others, so it is never worth timing. The answer comes
 from the primitive's descriptor (:func:`~harness.engines.cpu.onednn_primitive.kernel_of`),
 cached by the capability per layer signature and thread count, so a build
 asks oneDNN once per distinct layer.

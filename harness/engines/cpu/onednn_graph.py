@@ -2,11 +2,10 @@
 
 A call to ``mkldnn._convolution_pointwise`` rebuilds the oneDNN primitive
 descriptor on every call before it finds the primitive in oneDNN's cache: on
-the small layers of mobile networks that costs 20-30 µs per call, more than
-the kernel itself (a 3x3 depthwise convolution on 88x28x28 runs 17 µs inside
-a 44 µs call). A compiled oneDNN Graph partition keeps its primitive, its
-prepacked weight and its fused post-ops, so a call pays the kernel plus the
-TorchScript executor's few microseconds. PyTorch reaches the Graph API only
+the small layers of mobile networks that costs more than the kernel itself.
+A compiled oneDNN Graph partition keeps its primitive, its prepacked weight
+and its fused post-ops, so a call pays the kernel plus the TorchScript
+executor. PyTorch reaches the Graph API only
 from TorchScript: the layer is traced as a tiny module with its weight as a
 frozen constant, with oneDNN fusion switched on just while the executor
 compiles it (the switch is process-wide and is restored at once).
@@ -18,8 +17,7 @@ not. oneDNN Graph has no fp16 kernels in PyTorch's bridge, so an fp16 layer
 (or a bf16 one where the CPU has no bf16 kernels) gets the widened form
 instead: the fp32 partition on its values widened exactly, the result rounded
 once, as oneDNN's fp16 kernels do it. On a CPU without fp16 matrix units that
-is also the faster kernel (a 3x3 convolution, 64 channels at 16x16, batch 8:
-1.4 ms in fp16, 0.9 ms in fp32).
+is also the faster kernel.
 """
 
 from __future__ import annotations
@@ -267,10 +265,10 @@ def _lazy(
 
     A oneDNN primitive fixes its thread count when it is created, and a
     partition keeps its primitives, so one compiled while torch had 2 threads
-    still runs on 2 after ``torch.set_num_threads(1)`` (an engine loaded
-    before pinning measured 0.93 ms where its 1-thread run takes 1.26 ms).
-    Compiling on first use also leaves an engine that is only built and saved
-    (``harness build``) without the cost (about 6 ms a layer).
+    still runs on 2 after ``torch.set_num_threads(1)``, and a timing of it
+    would not be a 1-thread one. Compiling on first use also leaves an engine
+    that is only built and saved (``harness build``) without the compilation's
+    cost.
     """
     threads = torch.get_num_threads
     compiled: dict[int, Callable[..., Any]] = {}

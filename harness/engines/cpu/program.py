@@ -34,25 +34,20 @@ from harness.opnames import plan_packet
 RunFn = Callable[..., tuple[torch.Tensor, ...]]
 # timed(clock, stamps, *inputs): stamps[2i], stamps[2i + 1] = clock() around call i.
 TimedRunFn = Callable[..., tuple[torch.Tensor, ...]]
-# Plain layers that may join a region after one of its oneDNN Graph layers: tactics that
-# are the op's own ATen call, of these layer types, or explicit attention (traced as its
-# matmuls, scaling and softmax, which the bridge runs as partitions: transformer bf16 on an
-# AMD EPYC 3.89 -> 3.33 ms, 2 calls instead of 4), and the global pooling of squeeze-excite
-# blocks (other poolings can make the bridge fail to compile the region: max_pool2d with its
-# default stride).
+# Plain layers that may join a region after one of its oneDNN Graph layers: on a tactic a
+# region may trace (``Tactic.traceable``: the op's own ATen call, or explicit attention, whose
+# matmuls, scaling and softmax the bridge runs as partitions, so the region needs fewer calls),
+# of these layer types, and the global pooling of squeeze-excite blocks (other poolings can
+# make the bridge fail to compile the region: max_pool2d with its default stride).
 _INNER_TYPES = frozenset(
     {"elementwise", "reduce", "shuffle", "cast", "reformat", "normalization", "softmax", "attention"}
-)
-_INNER_IMPLS = frozenset(
-    {"direct", "reshape", "pool_window", "layernorm_fused", "softmax_fused", "sdpa_fused", "sdpa_math"}
 )
 _INNER_OPS = frozenset({"adaptive_avg_pool2d"})
 # Where planned results start in a thread's arena: a cache line, and more than any dtype's size.
 ARENA_ALIGNMENT = 64
-# ATen calls that always return a new tensor (never their input, never a view), as the
-# tactics that run them as that call: a primitive's result read only by these and by other
-# primitives may be written into a thread's arena (see private_results).
-_FRESH_IMPLS = frozenset({"direct", "pool_window"})
+# ATen calls that always return a new tensor (never their input, never a view), run by a
+# tactic that is the op's own ATen call (``Tactic.aten_call``): a primitive's result read only
+# by these and by other primitives may be written into a thread's arena (see private_results).
 _FRESH_OPS = frozenset(
     {"add", "sub", "mul", "div", "relu", "hardswish", "hardsigmoid", "sigmoid", "silu", "gelu", "tanh"}
     | {"adaptive_avg_pool2d", "avg_pool2d", "max_pool2d", "mean", "_to_copy", "cat"}
@@ -167,9 +162,9 @@ def compile_plan(plan: Plan, regions: bool = True) -> Program:
 def _pinned_layers(plan: Plan, bound: Mapping[int, Any], offsets: Mapping[int, int]) -> set[int]:
     """The layers on primitives that run as their bare call (:meth:`~harness.engines.cpu.
     onednn_primitive.Matmul.pinned`): result and operands all in the arena, so in the same
-    place in every run of a thread. Each saves the primitive's per-call checks and pointer
-    updates (about 1.3 µs). Decided by pinning them in this thread: where one fits here, it
-    fits in every thread, as each thread's arena holds the same views."""
+    place in every run of a thread. Each skips the primitive's per-call checks and pointer
+    updates. Decided by pinning them in this thread: where one fits here, it fits in every
+    thread, as each thread's arena holds the same views."""
     producer = {node.name: i for i, node in enumerate(plan.nodes)}
     candidates = {i for i in offsets if all(producer.get(r.name) in offsets for r in plan.nodes[i].refs())}
     return {i for i, (call, _) in _thread_pins(plan, bound, offsets, candidates).items() if call is not None}
@@ -193,7 +188,7 @@ def _thread_bindings(
     """This thread's names in the generated code: ``x{i}`` and ``t{i}``, the bare call and
     result of each pinned layer, and ``p{i}``, the thread's own call of each other layer on a
     primitive (a primitive's call otherwise looks up the thread's memory objects on every
-    call: 0.3 µs of digits' 5 µs 64x10 layer)."""
+    call, a cost comparable to a small layer's kernel)."""
     names: dict[str, Any] = {}
     for i, (call, result) in _thread_pins(plan, bound, offsets, pinned).items():
         if call is None:  # the arena's views are the same in every thread: not expected
@@ -246,7 +241,7 @@ def private_results(plan: Plan, groups: Sequence[Sequence[int]]) -> set[int]:
     Such a result is dead once its last reader has run, and each layer runs
     once a run, so the primitive may write it into memory planned for it in
     the thread's arena (:func:`arena_offsets`) instead of allocating a tensor
-    per call (about 2 µs a layer). A view of the result, or a region (whose
+    per call. A view of the result, or a region (whose
     trace may return its input), could hand that memory to the caller, to be
     overwritten by the next run.
     """
@@ -278,9 +273,8 @@ def arena_offsets(plan: Plan, layers: set[int], last_use: Mapping[str, int]) -> 
 
     Reusing the memory of dead results keeps the arena about the size of the
     largest live set, so a result lands in memory a layer just used, still in
-    the caches, as the allocator's most recently freed block would be: mobilenet
-    fp32 with every result in a buffer of its own (53 of them) ran 2-4% slower
-    than with new tensors per call (an AMD EPYC, one thread, A/B in one process).
+    the caches, as the allocator's most recently freed block would be; a buffer
+    of its own for every result runs slower than new tensors per call.
     """
     offsets: dict[int, int] = {}
     live: list[tuple[int, int, int]] = []  # (offset, end, last use), by offset
@@ -328,8 +322,9 @@ def _bytes(node: Node) -> int:
 def _returns_new(node: Node) -> bool:
     """Whether ``node``'s tactic returns a new tensor, never its input or a view of it (a plan
     holds no op that writes its arguments, such as an ``out=`` overload: loading refuses them)."""
-    impl = tactics.parse_tactic(node.tactic)[0]
-    return tactics.on_primitive(node) or (impl in _FRESH_IMPLS and plan_packet(node.op) in _FRESH_OPS)
+    entry = tactics.entry(node)
+    aten_call = entry is not None and entry.aten_call
+    return tactics.on_primitive(node) or (aten_call and plan_packet(node.op) in _FRESH_OPS)
 
 
 def region_groups(nodes: Sequence[Node]) -> list[list[int]]:
@@ -345,8 +340,8 @@ def region_groups(nodes: Sequence[Node]) -> list[list[int]]:
     own (a region of plain layers only would just add the trace's
     interpreter), and so do plain layers before a graph layer whose partition
     takes another layout than theirs: a channels-last convolution would be
-    traced on the plain layout the leading layers give it, and compiled for it
-    (mobilenet bf16 with its input cast in the region: 18% slower). What a
+    traced on the plain layout the leading layers give it, and compiled for it,
+    a slower partition than the channels-last one. What a
     plain layer reads from before the region is made contiguous, as the trace
     saw it.
     """
@@ -379,10 +374,11 @@ def region_groups(nodes: Sequence[Node]) -> list[list[int]]:
 
 def _plain_inner(node: Node) -> bool:
     """Whether ``node`` is a plain layer a region may trace (see :func:`region_groups`)."""
+    entry = tactics.entry(node)
     return (
-        node.op != GETITEM
+        entry is not None
+        and entry.traceable
         and not node.multi
-        and tactics.parse_tactic(node.tactic)[0] in _INNER_IMPLS
         and (tactics.layer_type(node) in _INNER_TYPES or plan_packet(node.op) in _INNER_OPS)
     )
 
@@ -442,7 +438,7 @@ def _traced_form(node: Node, layer: Any, metas: Mapping[str, TensorMeta]) -> Any
     that equals a fixed-window one, which is traced as that: the bridge maps only the
     fixed-window one to oneDNN, where the pooling then takes the convolution's result in
     oneDNN's layout instead of a reorder to a plain tensor and back (a squeeze-excite block's
-    global pooling: mobilenet bf16 1.91 -> 1.87 ms).
+    global pooling).
     """
     window = tactics.avg_pool_window(node, metas)
     return layer if window is None else tactics.window_pool(window)
