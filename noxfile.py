@@ -1,4 +1,4 @@
-"""Sessions: ``tests``, ``lint``, ``bench`` (posargs go to ``harness bench``), ``gate``, ``gpu``.
+"""Sessions: ``tests``, ``lint``, ``bench`` (posargs go to ``harness bench``), ``gate``, ``gpu``, ``docs``.
 
 torch is installed before the project so that pip never resolves a bare
 ``torch`` requirement on a CPU-only machine (that would pull a multi-GB CUDA
@@ -96,6 +96,10 @@ def tests(session: nox.Session) -> None:
     one plain pytest runs exactly the selection.
     """
     _install(session, "test")
+    # onnx2torch (the onnx-import extra) alone: its torchvision requirement would resolve to a CUDA
+    # wheel that does not import beside a CPU torch and breaks transformers' imports (pyproject.toml)
+    session.install("--no-deps", "onnx2torch>=1.5.15")
+    _ensure_chromium(session)
     wheels = Path(session.virtualenv.location) / "trt-bindings"
     session.run("python", "tests/trt_bindings.py", str(wheels))
     env = {"HARNESS_TRT_WHEELS": str(wheels)}
@@ -106,6 +110,22 @@ def tests(session: nox.Session) -> None:
     workers = ("-n", "auto", "--maxprocesses", str(MAX_TEST_WORKERS))
     session.run(*pytest, *workers, "--ignore", BENCHMARK_TESTS, env=env)
     session.run(*pytest, BENCHMARK_TESTS, env=env)
+
+
+CHROMIUM = Path("/usr/bin/chromium")
+
+
+def _ensure_chromium(session: nox.Session) -> None:
+    """Debian's Chromium for the browser tests (tests/headless_chromium.py), installed where this
+    session may (root, apt-get); elsewhere those tests skip and say why."""
+    if CHROMIUM.exists():
+        return
+    if shutil.which("apt-get") and os.geteuid() == 0:
+        session.run("apt-get", "update", "-qq", external=True)
+        session.run("apt-get", "install", "-y", "-qq", "--no-install-recommends", "chromium", external=True)
+    else:
+        session.warn(f"{CHROMIUM} is missing and cannot be installed here (needs root and apt-get): "
+                     "the browser tests skip")
 
 
 # The suite's pytest-benchmark cases (run serially: see ``tests``).
@@ -219,3 +239,16 @@ def gate(session: nox.Session) -> None:
         session.install("--no-deps", "-e", ".")
         done()
     session.run("harness", "gate", *session.posargs)
+
+
+@nox.session
+def docs(session: nox.Session) -> None:
+    """The documentation site: ``mkdocs build --strict`` into ``build/site/`` (posargs go to ``mkdocs build``).
+
+    The CLI reference, project-file keys, JSON schemas, Python API and benchmark pages are
+    generated from the code and the committed results while the site builds (docs/hooks/), so
+    the project is installed with the ``docs`` extra; a broken link, anchor or reference fails.
+    """
+    _install(session, "docs")
+    # NO_MKDOCS_2_WARNING: Material for MkDocs prints a banner about its successor on every build
+    session.run("mkdocs", "build", "--strict", *session.posargs, env={"NO_MKDOCS_2_WARNING": "1"})

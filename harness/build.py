@@ -24,7 +24,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -32,6 +32,7 @@ from harness.cache.timing_cache import TimingCache, check_compatible
 from harness.engines.modes import compile_for_mode
 from harness.engines.protocol import Backend, BuildConfig, BuildLog, Engine, engine_inputs
 from harness.engines.saved import write_engine_dir
+from harness.errors import HarnessError
 from harness.fileio import check_writable, json_bytes, locked
 from harness.globalstate import preserves_global_state
 from harness.limits import MAX_REBUILDS, check_int
@@ -69,6 +70,60 @@ def compile_graph(spec: ModelSpec, config: BuildConfig, backend: Backend) -> Com
     compiled = compile_for_mode(spec, config.mode, config.explicit_path, config.autocast)
     _log_compiled(spec.name, config.mode, compiled, time.perf_counter() - start)
     return compiled
+
+
+def graph_for_build(spec: ModelSpec, config: BuildConfig, backend: Backend) -> CompiledGraph:
+    """What ``backend`` builds: :func:`compile_graph`'s typed graph, or, for an ONNX file
+    (:mod:`harness.sources`) in a mode an ONNX backend takes the file as given, that file
+    (:class:`~harness.engines.given_onnx.GivenOnnx`, which only the backends read)."""
+    if getattr(spec, "source", None) is not None:
+        backend.check_mode(config.mode)
+        given = _given_graph(spec, config, backend)
+        if given is not None:
+            return given
+    return compile_graph(spec, config, backend)
+
+
+def _given_graph(spec: ModelSpec, config: BuildConfig, backend: Backend) -> CompiledGraph | None:
+    """What an ONNX backend builds for an ONNX file's spec in a mode that takes the file as given
+    (:class:`~harness.engines.given_onnx.GivenOnnx`, which stands for the typed graph there), None
+    where the compiler's graph is built instead. A file that did not convert is refused here, with
+    its reason, for every mode that needs the conversion."""
+    from harness.sources import reference_outputs, route, source_of
+
+    source = source_of(spec)
+    if source is None:
+        return None
+    how = route(spec, backend.name, config.mode)
+    if how == "graph":
+        if source.conversion_error is not None:
+            raise HarnessError(source.conversion_error)
+        return None
+    from harness.engines.given_onnx import (
+        GivenOnnx,
+        GivenReport,
+        lowered,
+        output_specs,
+        structure_of,
+    )
+
+    assert source.onnx is not None
+    data = source.onnx.data
+    if how == "lowered":
+        low = config.mode.low
+        assert low is not None
+        data = lowered(data, low, config.autocast.keep_io_types, source.onnx.where)
+    outputs = reference_outputs(spec)
+    flat = outputs if isinstance(outputs, tuple) else (outputs,)
+    given = GivenOnnx(
+        data,
+        tuple(spec.example_inputs),
+        structure_of(len(flat)),
+        output_specs(source.onnx.output_names, flat),
+        spec.batch_dim,
+        GivenReport(),
+    )
+    return cast("CompiledGraph", given)
 
 
 def _log_compiled(model: str, mode: str, compiled: CompiledGraph, seconds: float) -> None:
@@ -150,7 +205,7 @@ def build_engine(
     else:
         cache = TimingCache(provenance)
         logger.debug("build: timing cache %s: new, empty", path if path is not None else "(in memory)")
-    compiled = compile_graph(spec, config, backend)
+    compiled = graph_for_build(spec, config, backend)
     start = time.perf_counter()
     engine, log = backend.build(compiled, config, cache)
     for warning in compiled.report.warnings:  # asked of the compiler, changed nothing: said with the build
@@ -254,7 +309,7 @@ def rebuild(
     if config.threads is not None:
         torch.set_num_threads(config.threads)
     base = load_cache(cache_path, backend, config) if cache_path is not None else None
-    compiled = compile_graph(spec, config, backend)
+    compiled = graph_for_build(spec, config, backend)
     fingerprints: list[str] = []
     per_build: list[dict[str, str]] = []
     first: tuple[torch.Tensor, ...] | None = None

@@ -1,6 +1,6 @@
 """Optional dependencies: import one, or fail naming the extra that installs it.
 
-A plain ``pip install mixed-precision-harness`` brings what the CPU engine
+A plain install (``pip install .`` in a checkout) brings what the CPU engine
 path needs (compile, build, bench, cache, gate). The rest comes with extras:
 
 * ``onnx``: onnx, onnxscript, onnx-ir, onnxruntime (the ``onnxruntime``
@@ -13,7 +13,11 @@ path needs (compile, build, bench, cache, gate). The rest comes with extras:
   ``layernorm_dnnl`` and ``sdpa_dnnl`` tactics; Linux x86-64; without it they are not offered);
 * ``plots``: matplotlib (the PNGs of ``bench``, ``report`` and ``debug``);
 * ``digits``: scikit-learn (the zoo's ``digits`` model and its data);
-* ``hf``: transformers (the zoo's ``hf-*`` models);
+* ``hf``: transformers (the zoo's ``hf-*`` models, ``--model hf:DIR``);
+* ``onnx-import``: onnx2torch, converting an ONNX file (``--model x.onnx``)
+  for the compiler's modes and the cpu engine (not in ``all``: it requires
+  torchvision, which a CPU build of torch lacks; ``pip install --no-deps
+  onnx2torch`` there);
 * ``all``: every one of them;
 * ``tensorrt-cu12``, ``tensorrt-cu13``: TensorRT for the ``tensorrt`` backend on a
   GPU machine, and its ONNX hand-off: the one for the CUDA major of the
@@ -28,6 +32,8 @@ message names the missing package and the exact ``pip install`` command.
 from __future__ import annotations
 
 import importlib
+import os
+from pathlib import Path
 from types import ModuleType
 
 from harness.errors import HarnessError
@@ -44,6 +50,7 @@ PACKAGES = {
     "matplotlib": "matplotlib",
     "sklearn": "scikit-learn",
     "transformers": "transformers",
+    "onnx2torch": "onnx2torch",
 }
 
 
@@ -70,9 +77,29 @@ def tensorrt_extra(cuda: str | None) -> str:
     return TENSORRT_EXTRAS[major]
 
 
+def checkout() -> Path | None:
+    """The source checkout this harness runs from (its ``pyproject.toml`` beside the package), or None
+    for an install from a wheel."""
+    root = Path(__file__).resolve().parents[1]
+    return root if (root / "pyproject.toml").is_file() else None
+
+
 def install_command(extra: str) -> str:
-    """The command that installs ``extra``, quoted for a POSIX shell."""
-    return f"pip install '{DISTRIBUTION}[{extra}]'"
+    """The command that installs ``extra`` into this environment, quoted for a POSIX shell.
+
+    From a checkout (how the harness is installed: it is not on a package
+    index), the checkout's path with the extra, relative to the current
+    directory where that is shorter (``pip install '.[plots]'`` inside it);
+    from a wheel, the distribution's name.
+    """
+    root = checkout()
+    if root is None:
+        return f"pip install '{DISTRIBUTION}[{extra}]'"
+    relative = os.path.relpath(root)
+    where = relative if len(relative) <= len(str(root)) else str(root)
+    if not where.startswith((".", "/")):
+        where = f"./{where}"  # a bare name would be looked up on the index
+    return f"pip install '{where}[{extra}]'"
 
 
 class MissingExtra(HarnessError):

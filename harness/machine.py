@@ -19,6 +19,7 @@ import functools
 import os
 import platform
 import re
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -61,11 +62,16 @@ def cpu_flags(cpuinfo: str | os.PathLike[str] = CPUINFO) -> frozenset[str]:
     return _parsed(os.fspath(cpuinfo))[1]
 
 
+def isa_flags(flags: Iterable[str]) -> list[str]:
+    """The kernel-relevant ISA extensions among a CPU's feature flags, sorted (a machine record's ``isa_flags``)."""
+    return sorted({f for f in flags if _ISA_FLAG.match(f)})
+
+
 def cpu_info(cpuinfo: str | os.PathLike[str] = CPUINFO) -> dict[str, Any]:
     """CPU model, kernel-relevant ISA flags and core counts."""
     return {
         "model": cpu_model(cpuinfo),
-        "isa_flags": sorted(f for f in cpu_flags(cpuinfo) if _ISA_FLAG.match(f)),
+        "isa_flags": isa_flags(cpu_flags(cpuinfo)),
         "logical_cores": psutil.cpu_count(logical=True),
         "physical_cores": psutil.cpu_count(logical=False),
     }
@@ -129,8 +135,8 @@ def isa_tag(flags: list[str]) -> str:
     """The part of a CPU machine id that tells kernel-relevant ISAs apart.
 
     Virtual machines often report a generic model name ("Intel(R) Xeon(R)
-    Processor") for CPUs with and without AMX, where bf16 runs 9x apart, so
-    the model name alone would file both under one baseline.
+    Processor") for CPUs with and without AMX, whose bf16 latencies are not
+    comparable, so the model name alone would file both under one baseline.
     """
     present = set(flags)
     tags = [tag for flag, tag in _PRECISION_ISA if flag in present]

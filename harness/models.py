@@ -27,12 +27,12 @@ import functools
 import hashlib
 import importlib.util
 import inspect
+import logging
 import math
 import random
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -44,34 +44,33 @@ from harness.autocast.calibrate import (
     default_calibration_data as default_calibration_data,  # re-exported for model files
 )
 from harness.errors import HarnessError
+from harness.fileio import PATH_CHARS, shown
 from harness.globalstate import preserved_global_state
+from harness.modelspec import ModelSpec as ModelSpec  # where every stage takes it from
 
 Factory = Callable[..., "ModelSpec"]
+
+
+class _MetaKernelFailure(logging.Filter):
+    """Drops the record torch's fake-tensor pass logs, at ERROR and with its traceback, when a
+    kernel of a model fails while torch.export traces it (a shape mismatch in ``forward``).
+
+    torch raises the same error right after, and the harness reports it as
+    one line naming the model; the record reached the terminal ahead of it,
+    past the export's own silencing of torch's log (which stops at WARNING).
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("failed while attempting to run meta")
+
+
+logging.getLogger("torch._subclasses.fake_tensor").addFilter(_MetaKernelFailure())
 
 _FACTORIES: dict[str, Factory] = {}
 # Zoo models of architectures this project did not write (transformers) are named hf-<name>.
 THIRD_PARTY_PREFIX = "hf-"
 
 _EXPECTED_RETURN = "a ModelSpec or a (torch.nn.Module, tuple of example input tensors) pair"
-
-
-@dataclass(frozen=True, eq=False)
-class ModelSpec:
-    """A model plus the data every harness stage runs it on.
-
-    ``eq=False``: field-wise equality would compare tensors elementwise and
-    fail; two specs are the same only if they are the same object.
-    """
-
-    name: str
-    description: str
-    module: torch.nn.Module
-    example_inputs: tuple[torch.Tensor, ...]
-    calibration_data: list[tuple[torch.Tensor, ...]]
-    evaluate: Callable[[Callable[..., Any]], float] | None = None
-    # The dimension of every input that is the batch, if the model has one: declaring it
-    # lets a benchmark sweep batch sizes (``--batch-sizes``) by resizing the inputs.
-    batch_dim: int | None = None
 
 
 def register(name: str) -> Callable[[Factory], Factory]:
@@ -111,7 +110,8 @@ def _load_zoos() -> None:
 
 
 def load(name_or_path: str, batch_size: int | None = None) -> ModelSpec:
-    """Resolve a zoo name or ``path/to/file.py:factory`` into a private ModelSpec copy.
+    """Resolve a zoo name, ``path/to/file.py:factory`` or a model file (``x.onnx``, ``x.pt2``,
+    ``hf:DIR``: :func:`harness.sources.load_source`) into a private ModelSpec copy.
 
     With ``batch_size``, a factory that takes a ``batch_size`` argument builds
     the model for it; otherwise the inputs are resized along the declared
@@ -122,6 +122,12 @@ def load(name_or_path: str, batch_size: int | None = None) -> ModelSpec:
     """
     if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1):
         raise HarnessError(f"batch size {batch_size!r}: expected a positive integer")
+    from harness.sources import is_source_reference
+
+    if is_source_reference(name_or_path):  # a model file: x.onnx, x.pt2, hf:DIR (their inputs by default)
+        from harness.sources import load_source
+
+        return load_source(name_or_path, batch_size)
     with torch.inference_mode(False):
         if ":" in name_or_path:
             path_text, _, factory_name = name_or_path.rpartition(":")
@@ -131,8 +137,8 @@ def load(name_or_path: str, batch_size: int | None = None) -> ModelSpec:
         else:
             valid = ", ".join(available()) or "(none registered)"
             raise HarnessError(
-                f"unknown model {name_or_path!r}; valid names: {valid}; "
-                "or give a user model as path/to/file.py:factory"
+                f"unknown model {shown(name_or_path)}; valid names: {valid}; "
+                "or give a user model as path/to/file.py:factory, path/model.onnx, path/model.pt2 or hf:path/to/dir"
             )
         return copy.deepcopy(spec)
 
@@ -251,16 +257,19 @@ def _built_registered(name: str, batch_size: int | None = None) -> ModelSpec:
 
 def _file_key(path_text: str, factory_name: str, original: str) -> tuple[str, int, str]:
     """Validate ``path:factory`` and key the build cache on the file's mtime (edits rebuild)."""
-    form = f"expected path/to/file.py:factory, got {original!r}"
+    form = f"expected path/to/file.py:factory, got {shown(original, PATH_CHARS)}"
     if not path_text or not factory_name.isidentifier():
         raise HarnessError(f"bad model reference: {form}")
-    path = Path(path_text).expanduser().resolve()
-    if path.suffix != ".py":
-        raise HarnessError(f"model file {path_text!r} is not a .py file; {form}")
-    if not path.is_file():
-        problem = "is not a regular file" if path.exists() else "does not exist"
-        raise HarnessError(f"model file {path_text!r} {problem}; {form}")
-    return str(path), path.stat().st_mtime_ns, factory_name
+    try:
+        path = Path(path_text).expanduser().resolve()
+        if path.suffix != ".py":
+            raise HarnessError(f"model file {shown(path_text, PATH_CHARS)} is not a .py file; {form}")
+        if not path.is_file():
+            problem = "is not a regular file" if path.exists() else "does not exist"
+            raise HarnessError(f"model file {shown(path_text, PATH_CHARS)} {problem}; {form}")
+        return str(path), path.stat().st_mtime_ns, factory_name
+    except OSError as exc:  # a name longer than the filesystem takes, a loop of links
+        raise HarnessError(f"model file {shown(path_text, PATH_CHARS)}: {exc.strerror or exc}; {form}") from None
 
 
 @functools.cache

@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import argparse
 import enum
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from harness.errors import HarnessError
 
@@ -128,3 +129,34 @@ def run_precisions(modes: Sequence[str]) -> list[str]:
     """The precisions of a run's modes, in :data:`PRECISIONS` order: the ones its peers run at."""
     present = {precision_of(mode) for mode in modes}
     return [p for p in PRECISIONS if p in present]
+
+
+@dataclass(frozen=True)
+class ExecutedPrecision:
+    """What an engine computed in, against what its mode asked.
+
+    Of the ``layers`` layers the mode puts in ``asked`` (a short dtype name),
+    those named in ``wider`` ran in fp32. ``chosen``: the backend chose each
+    layer's precision itself (weak typing), so ``wider`` is its choice; else
+    they are layers whose graph type the backend has no kernel for.
+    """
+
+    asked: str
+    layers: int
+    wider: tuple[str, ...] = ()
+    chosen: bool = False
+
+    def to_json(self) -> dict[str, object]:
+        return {"asked": self.asked, "layers": self.layers, "ran_fp32": list(self.wider), "chosen_by_backend": self.chosen}
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> ExecutedPrecision:
+        """The record :meth:`to_json` wrote (a results file's case field, already validated)."""
+        return cls(obj["asked"], obj["layers"], tuple(obj["ran_fp32"]), obj["chosen_by_backend"])
+
+    def describe(self) -> str | None:
+        """"fp16 asked, 41 of 52 layers ran fp32" when layers ran wider than asked; None otherwise."""
+        if not self.wider:
+            return None
+        why = " (the backend's choice: weak typing)" if self.chosen else " (no kernel in the asked type)"
+        return f"{self.asked} asked, {len(self.wider)} of {self.layers} layers ran fp32{why}"

@@ -1,9 +1,13 @@
 """The project file: a team's benchmark configuration, checked in next to its model.
 
 Read from ``--config FILE``, else ``./harness.toml``, else the ``[tool.harness]``
-table of ``./pyproject.toml`` (nothing found: no project, defaults apply). It
-is TOML read with the standard reader and validated against :func:`schema`;
-an unknown key is an error naming it. Command-line flags override it, and the
+table of ``./pyproject.toml`` (nothing found: no project, defaults apply; a
+``pyproject.toml`` that does not parse and never names ``harness`` is another
+tool's, and left alone). It is TOML read with the standard reader and
+validated against :func:`schema`: every number finite (TOML's ``nan`` and
+``inf`` refused) and within its bounds, every list holding a value once, no
+unknown key; an error names the key as the file writes it (``[timing]
+warmup_s``). Command-line flags override it, and the
 effective configuration is stored in every results file.
 
 Example (``harness.toml``; the same keys go under ``[tool.harness]``)::
@@ -52,15 +56,23 @@ from typing import TYPE_CHECKING, Any, overload
 from harness.bench.peer_names import PEER_NAMES
 from harness.engines.registry import BACKEND_NAMES
 from harness.errors import HarnessError
-from harness.fileio import parse_toml_file, validate
+from harness.fileio import check_finite, parse_toml_file, read_regular_file, toml_key, validate
 from harness.limits import MAX_BATCH_SIZE, MAX_ITERS, MAX_MIN_DURATION_S, MAX_THREADS, MAX_WARMUP_S
 
 if TYPE_CHECKING:
     from harness.autocast.settings import AutocastSettings
     from harness.models import ModelSpec
 
-_PERCENT = {"anyOf": [{"type": "string", "pattern": r"^\s*[0-9.]+\s*%?\s*$"}, {"type": "number", "minimum": 0}]}
+_PERCENT = {
+    "anyOf": [
+        {"type": "string", "pattern": r"^\s*[0-9.]+\s*%?\s*$", "maxLength": 32},
+        {"type": "number", "minimum": 0},
+    ]
+}
 _NONNEG = {"type": "number", "minimum": 0}
+# A path (or a model reference: a path, a colon and a factory) no filesystem would take is
+# refused by the schema, whose message is cut short, before anything echoes it in full.
+_PATH = {"type": "string", "minLength": 1, "maxLength": 4096}
 
 # Stands for the autocast tables' schema (harness.autocast.options.SCHEMA), which
 # imports torch: :func:`schema` puts in the real one, or leaves this for ``gate``.
@@ -70,16 +82,24 @@ _SCHEMA: dict[str, Any] = {
     "type": "object",
     "additionalProperties": False,
     "properties": {
-        "models": {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1},
-        "modes": {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1},
+        # Each list holds a value once: the flags refuse a repeated batch size or model, and
+        # a case measured twice is refused when its results are recorded, after the work.
+        "models": {"type": "array", "items": _PATH, "minItems": 1, "uniqueItems": True},
+        "modes": {
+            "type": "array",
+            "items": {"type": "string", "minLength": 1, "maxLength": 64},
+            "minItems": 1,
+            "uniqueItems": True,
+        },
         "backend": {"enum": list(BACKEND_NAMES)},
         "threads": {"type": "integer", "minimum": 1, "maximum": MAX_THREADS},
         "batch_sizes": {
             "type": "array",
             "items": {"type": "integer", "minimum": 1, "maximum": MAX_BATCH_SIZE},
             "minItems": 1,
+            "uniqueItems": True,
         },
-        "cache_dir": {"type": "string", "minLength": 1},
+        "cache_dir": _PATH,
         "peers": {"type": "array", "items": {"enum": list(PEER_NAMES)}, "minItems": 1, "uniqueItems": True},
         "autocast": _ANY_TABLE,
         "model": {
@@ -87,7 +107,33 @@ _SCHEMA: dict[str, Any] = {
             "additionalProperties": {
                 "type": "object",
                 "additionalProperties": False,
-                "properties": {"autocast": _ANY_TABLE, "explicit": {"type": "string", "minLength": 1}},
+                "properties": {
+                    "autocast": _ANY_TABLE,
+                    "explicit": _PATH,
+                    # a model file's inputs (harness.sources.inputs; harness bench's flags of these names)
+                    "input_shapes": {"type": "string", "minLength": 1, "maxLength": 4096},
+                    "input_range": {"type": "string", "minLength": 1, "maxLength": 4096},
+                    "load_inputs": _PATH,
+                },
+            },
+        },
+        # serving scenarios (harness.bench.scenarios; harness bench --scenario and its flags)
+        "scenario": {
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {
+                "names": {
+                    "type": "array",
+                    "items": {"enum": ["single-stream", "offline", "multi-stream", "server"]},
+                    "minItems": 1,
+                    "uniqueItems": True,
+                },
+                "concurrency": {"type": "integer", "minimum": 1, "maximum": 256},
+                "latency_bound": {"type": "string", "minLength": 1, "maxLength": 32},
+                "target_rate": {"type": "number", "exclusiveMinimum": 0, "maximum": 1e6},
+                "find_rate": {"type": "boolean"},
+                "samples_per_query": {"type": "integer", "minimum": 1, "maximum": 65536},
+                "query_interval": {"type": "string", "minLength": 1, "maxLength": 32},
             },
         },
         "timing": {
@@ -95,8 +141,8 @@ _SCHEMA: dict[str, Any] = {
             "additionalProperties": False,
             "properties": {
                 # Bounded (harness.limits): an hour-long warm-up or 10**19 iterations is
-                # a hang, not a measurement. NaN passes a JSON schema's bounds, so
-                # MeasureSettings checks these again.
+                # a hang, not a measurement. NaN passes a JSON schema's bounds: the file's
+                # nan and inf are refused before the schema (fileio.check_finite).
                 "warmup_s": {**_NONNEG, "maximum": MAX_WARMUP_S},
                 "min_iters": {"type": "integer", "minimum": 1, "maximum": MAX_ITERS},
                 "min_duration_s": {**_NONNEG, "maximum": MAX_MIN_DURATION_S},
@@ -117,6 +163,7 @@ _SCHEMA: dict[str, Any] = {
                 "fail_on_unstable": {"type": "boolean"},
                 "allow_missing": {"type": "boolean"},
                 "ignore_isa": {"type": "boolean"},
+                "min_judged": {"type": "integer", "minimum": 0, "maximum": 1_000_000},
             },
         },
     },
@@ -197,11 +244,21 @@ class Project:
         return dict(self.data.get(key, {}))
 
     def model_reference(self, ref: str) -> str:
-        """A ``file.py:factory`` reference of the file made relative to the project's directory."""
+        """A ``file.py:factory`` reference, or a model file (``x.onnx``, ``x.pt2``, ``hf:DIR``),
+        made relative to the project's directory."""
         path, sep, factory = ref.rpartition(":")
         if sep and path.endswith(".py") and self.path is not None and not Path(path).is_absolute():
             return f"{self.root / path}:{factory}"
+        file, prefix = (ref[3:], "hf:") if ref.startswith("hf:") else (ref, "")
+        if (prefix or ref.lower().endswith((".onnx", ".pt2"))) and self.path is not None and not Path(file).is_absolute():
+            return f"{prefix}{self.root / file}"
         return ref
+
+    def inputs_table(self, ref: str, name: str | None = None) -> dict[str, Any]:
+        """A model file's input keys from its ``[model."<ref>"]`` table (``input_shapes``, ``input_range``,
+        ``load_inputs``; the last relative to the project's directory, which the caller joins)."""
+        table = self._model_table(ref, name)
+        return {k: table[k] for k in ("input_shapes", "input_range", "load_inputs") if k in table}
 
     def load_model(self, ref: str) -> ModelSpec:
         """The model ``--model REF`` names, as every command loads it from the command line.
@@ -329,6 +386,11 @@ def _same_reference(a: str, b: str) -> bool:
     """Two model references name one model: equal names, or one file (by any path) and factory."""
     if a == b:
         return True
+    files = [r[3:] if r.startswith("hf:") else r for r in (a, b)]
+    if all(r.startswith("hf:") or r.lower().endswith((".onnx", ".pt2")) for r in (a, b)):
+        return a.startswith("hf:") == b.startswith("hf:") and (
+            Path(files[0]).expanduser().resolve() == Path(files[1]).expanduser().resolve()
+        )
     path_a, sep_a, factory_a = a.rpartition(":")
     path_b, sep_b, factory_b = b.rpartition(":")
     if not (sep_a and sep_b and path_a.endswith(".py") and path_b.endswith(".py")) or factory_a != factory_b:
@@ -382,7 +444,12 @@ def load_project(explicit: str | os.PathLike[str] | None = None, *, autocast: bo
         return Project()
     path, table = found
     where = f"project file {path}"
-    doc: Any = parse_toml_file(path, "project file")
+    try:
+        doc: Any = parse_toml_file(path, "project file")
+    except HarnessError:
+        if explicit is None and table and not _may_configure_harness(path):
+            return Project()  # another tool's pyproject.toml, broken: none of the harness's business
+        raise
     for key in table:
         if not isinstance(doc, dict) or key not in doc:
             if explicit is None:  # a pyproject.toml without [tool.harness]: no project
@@ -390,5 +457,15 @@ def load_project(explicit: str | os.PathLike[str] | None = None, *, autocast: bo
             raise HarnessError(f"{where}: no [{'.'.join(table)}] table")
         doc = doc[key]
     where += f" [{'.'.join(table)}]" if table else ""
-    validate(doc, schema(autocast), where)
+    check_finite(doc, where, toml_key)
+    validate(doc, schema(autocast), where, toml_key)
     return Project(path, doc)
+
+
+def _may_configure_harness(path: Path) -> bool:
+    """Whether a pyproject.toml that does not parse could hold a ``[tool.harness]`` table: any
+    spelling of one names ``harness``. One that cannot is another tool's, and is left alone."""
+    try:
+        return b"harness" in read_regular_file(path, "project file")
+    except HarnessError:
+        return True  # not readable as a file at all: the reader's own error says why

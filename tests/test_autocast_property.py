@@ -534,7 +534,7 @@ def _check_program(program: Program, rule_settings: Callable[[torch.dtype, list[
         bounds = _error_bounds(module, values, low)
         tolerances = [bounds[i] for i in program.outputs]
         can_overflow = any(_absmax(v) + e > torch.finfo(low).max / 4 for v, e in zip(values, bounds, strict=True))
-        with torch.autocast("cpu", dtype=low), torch.inference_mode():
+        with torch.autocast("cpu", dtype=low), torch.no_grad():
             eager_amp = module(*inputs)
         for mode in ("rule", "full", "amp"):
             where = f"{mode}/{low}"

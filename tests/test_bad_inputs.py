@@ -536,12 +536,26 @@ CASES = _cases()
 @pytest.fixture(scope="module")
 def good(tmp_path_factory) -> dict[str, Path]:
     """One valid input of every kind, made by the harness itself."""
+    return good_inputs(tmp_path_factory)
+
+
+_GOOD: dict[str, dict[str, Path]] = {}
+
+
+def good_inputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """One valid input of every kind, made by the harness itself once per test process (every
+    module that damages them works on copies)."""
+    if "made" not in _GOOD:
+        _GOOD["made"] = _make_good(tmp_path_factory.mktemp("good"))
+    return _GOOD["made"]
+
+
+def _make_good(base: Path) -> dict[str, Path]:
     import torch
     from safetensors.torch import save_file
 
     from tests.test_fuzz_readers import saved_trt_engine
 
-    base = tmp_path_factory.mktemp("good")
     os.environ["HARNESS_MACHINE_ID"] = MACHINE
     try:
         assert main(["build", "--model", "lenet", "--mode", "fp32", "--cache", str(base / "cache.json"),

@@ -8,6 +8,7 @@ import sys
 import numpy as np
 import pynvml
 import pytest
+import torch
 
 from harness.bench import runner as runner_mod
 from harness.bench.results import content_digest, load_results
@@ -638,3 +639,36 @@ def test_lock_clocks_without_permission_writes_nothing(capsys, tmp_path, monkeyp
     assert code == 2 and err.count("\n") == 1
     assert err.startswith("error: --lock-clocks 1410: NVML refused") and "needs root" in err
     assert not output.exists() and nvml.gpus[1].locked is None
+
+
+def test_a_case_whose_layers_ran_wider_than_its_mode_says_so_in_results_and_table(capsys, tmp_path):
+    """The overflow model in fp16 overflows (its typed graph gives NaN/Inf, as the cpu engine does);
+    ONNX Runtime has no CPU fp16 kernel for its Gemm and LayerNormalization and runs them in fp32,
+    so its "fp16" output is finite. The case records which layers ran fp32, and the table says so."""
+    pytest.importorskip("onnxruntime", reason="the onnxruntime extra is not installed")
+    from harness import models
+    from harness.engines.modes import compile_for_mode
+    from harness.precision import ExecutedPrecision
+
+    spec = models.load("overflow")
+    with torch.inference_mode():
+        typed = compile_for_mode(spec, "fp16", None)(*spec.example_inputs)
+    assert not torch.isfinite(typed).all()  # what fp16 really gives
+    ort_out, cpu_out = tmp_path / "ort.json", tmp_path / "cpu.json"
+    code, out, _ = bench(capsys, tmp_path, ort_out, "--models", "overflow", "--modes", "fp16", "--backend", "onnxruntime")
+    assert code == 0
+    [case] = load_results(ort_out)["cases"]
+    ran = ExecutedPrecision.from_json(case["executed_precision"])
+    assert ran.asked == "fp16" and not ran.chosen and 0 < len(ran.wider) <= ran.layers
+    assert {"linear_1", "layer_norm"} <= set(ran.wider)
+    assert case["status"] == "ok"  # finite: these layers did not run fp16
+    assert f"fp16 asked, {len(ran.wider)} of {ran.layers} layers ran fp32" in " ".join(out.split())
+    # The cpu engine computes each layer in its graph type: nothing ran wider, and fp16 overflows.
+    assert bench(capsys, tmp_path, cpu_out, "--models", "overflow", "--modes", "fp16", "--backend", "cpu")[0] == 0
+    [cpu_case] = load_results(cpu_out)["cases"]
+    assert cpu_case["status"] == "non-finite"
+    cpu_ran = ExecutedPrecision.from_json(cpu_case["executed_precision"])
+    assert cpu_ran.wider == () and cpu_ran.layers > 0
+    # fp32 asks no low type: nothing to report
+    code, _, _ = bench(capsys, tmp_path, tmp_path / "fp32.json", "--models", "overflow", "--modes", "fp32", "--backend", "onnxruntime")
+    assert code == 0 and "executed_precision" not in load_results(tmp_path / "fp32.json")["cases"][0]

@@ -302,7 +302,8 @@ def test_compare_runs_across_machines() -> None:
         ("conv1", "implicit_gemm", "winograd"),
         ("extra", None, "x"),
     ]
-    assert result.only_in_a == [("mlp", "fp32", "cpu", None)] and result.only_in_b == [("mlp", "bf16", "cpu", None)]
+    assert result.only_in_a == [("mlp", "fp32", "cpu", None, "single-stream")]
+    assert result.only_in_b == [("mlp", "bf16", "cpu", None, "single-stream")]
     assert tactic_diffs(layers_a, None) is None and tactic_diffs(layers_a, layers_a) == []
     text = compare_table(result)
     assert text.startswith("box (a) vs gpu-b (b)")

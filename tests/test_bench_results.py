@@ -145,9 +145,19 @@ def test_resume_continues_an_interrupted_run(tmp_path: Path) -> None:
         ResultsWriter.resume(path, settings=SETTINGS, machine=MACHINE, git=GIT)
 
 
+def steady_case(model: str, mode: str) -> CaseResult:
+    """:func:`real_case` with its timings replaced by steady ones: a case whose timings the
+    machine's load made unstable is one ``baseline promote`` refuses, and no test may depend on load."""
+    case = real_case(model, mode)
+    assert case.latency is not None
+    steady = Summary.from_samples([1000 + i % 7 for i in range(200)])
+    return replace(case, latency=replace(case.latency, summary=steady, iterations=200, slow_phase=None), warnings=[])
+
+
 def _finished_run(path: Path) -> dict[str, Any]:
+    """A finished run of one steady real case."""
     with new_writer(path) as w:
-        w.add(real_case("mlp", "fp32"))
+        w.add(steady_case("mlp", "fp32"))
     return load_results(path)
 
 
@@ -320,7 +330,12 @@ def test_paths_and_promote_baseline(tmp_path: Path) -> None:
     run = new_run_path(root, MACHINE["id"], "2025-03-04T05:06:07Z")
     doc = _finished_run(run)
     dest = promote_baseline(run, root)
-    assert dest == baseline_path(root, MACHINE["id"]) and load_results(dest) == doc
+    baseline = load_results(dest)
+    assert dest == baseline_path(root, MACHINE["id"])
+    assert {k: v for k, v in baseline.items() if k not in ("promoted", "digest")} == {
+        k: v for k, v in doc.items() if k != "digest"
+    }
+    assert baseline["promoted"]["from"] == str(run) and baseline["promoted"]["forced_over"] == []
     before = dest.read_bytes()
 
     partial = _shard(

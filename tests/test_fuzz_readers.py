@@ -30,7 +30,7 @@ from harness.engines.protocol import BuildConfig
 from harness.engines.tensorrt import backend as trt_backend
 from harness.engines.tensorrt.backend import TensorRTBackend, TensorRTEngine
 from harness.errors import HarnessError
-from harness.fileio import canonical_json, digest
+from harness.fileio import canonical_json, digest, read_regular_file
 from harness.outputs import OutputSpec
 
 JSON = st.recursive(
@@ -271,6 +271,17 @@ def test_tensorrt_engine_payload_is_read_bounded(tmp_path):
     os.mkfifo(directory / "engine.plan")
     with _gpu_double(), pytest.raises(HarnessError, match="engine.plan: not a regular file"):
         TensorRTEngine.load(directory, trt)
+
+
+def test_a_file_longer_than_its_size_says_is_read_on_in_bounded_pieces():
+    """A regular file may hold more than its stat size (procfs says 0): the reader reserves the stat
+    size, then reads on in pieces while there is more, and refuses past its limit."""
+    status = Path("/proc/self/status")
+    if not status.exists() or status.stat().st_size:
+        pytest.skip("needs a procfs file whose size reads as 0")
+    assert read_regular_file(status, "status").startswith(b"Name:")
+    with pytest.raises(HarnessError, match="more than the 16 bytes this harness reads"):
+        read_regular_file(status, "status", limit=16)
 
 
 INSPECTOR_FILES = ("trtexec_10.4_alexnet_fp16_layers.json", "inspector_10.1_resnet18.json")

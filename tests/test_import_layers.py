@@ -17,10 +17,11 @@ LAYERS: tuple[frozenset[str], ...] = tuple(
     frozenset(names.split())
     for names in (
         # vocabulary and plumbing every part shares
-        "errors naming nvml dtypes extras fileio globalstate limits opnames outputs precision fxutil weights machine",
+        "errors naming nvml dtypes extras fileio globalstate limits opnames outputs precision fxutil weights machine modelspec docs_links",
         "frontend",
         "lowering",
         "autocast",
+        "sources",
         "models zoo",
         "cache",
         "engines",

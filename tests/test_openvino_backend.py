@@ -217,6 +217,9 @@ def test_a_strongly_typed_bf16_build_runs_each_layer_in_the_graphs_type(built):
     assert engine.compiled_property("INFERENCE_PRECISION_HINT").get_type_name() == "f32"
     assert any("strong typing (INFERENCE_PRECISION_HINT=f32)" in m and "every layer computes in a type the graph gives it" in m
                for m in log.messages)  # fmt: skip
+    ran = engine.executed_precision()  # the results' record: the bf16 layers, none computed wider
+    assert ran is not None and ran.asked == "bf16" and ran.wider == () and not ran.chosen
+    assert ran.layers >= 2  # the two convolutions at least
     # Numerically it is the typed graph, to bf16 accuracy, and not the fp32 model.
     reference = compiled(*compiled.example_inputs)
     output = engine(*compiled.example_inputs)
@@ -281,6 +284,11 @@ def test_a_weak_build_lowers_the_fp32_graph_by_the_hint_and_says_so(built):
     assert "OpenVINO chose each layer's precision by INFERENCE_PRECISION_HINT=bf16 on the fp32 graph" in note
     lowered = note.split("; in bf16: ")[1].split("; kept in fp32: ")[0].split(", ")
     assert {"linear", "max_pool2d"} <= set(lowered)
+    ran = engine.executed_precision()  # OpenVINO's choice, recorded as such: what it kept in fp32
+    kept = note.split("; kept in fp32: ")[1]
+    assert ran is not None and ran.chosen and ran.asked == "bf16"
+    assert set(ran.wider) == (set() if kept == "none" else set(kept.split(", ")))
+    assert ran.layers == len(lowered) + len(ran.wider)
     with torch.inference_mode():
         reference = models.load("lenet").module(*compiled.example_inputs)
     output = engine(*compiled.example_inputs)

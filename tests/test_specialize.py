@@ -29,11 +29,11 @@ def test_follows_every_autocast_state_and_caches():
                 out = as_tuple(wrapped(*x))
         ref = _eager(m, x, dtype)
         assert all(a.dtype == b.dtype and bits_equal(a, b) for a, b in zip(out, ref)), dtype
-    assert set(wrapped.specializations) == {(False, None), (True, torch.bfloat16), (True, torch.float16)}
+    assert set(wrapped.specializations) == {(False, None, False), (True, torch.bfloat16, False), (True, torch.float16, False)}
     cached = dict(wrapped.specializations)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         wrapped(*x)
-    assert wrapped.specializations[(True, torch.bfloat16)] is cached[(True, torch.bfloat16)]
+    assert wrapped.specializations[(True, torch.bfloat16, False)] is cached[(True, torch.bfloat16, False)]
 
 
 def test_model_regions_apply_inside_each_specialization():

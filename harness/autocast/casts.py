@@ -25,6 +25,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from harness.autocast.decision import Action, Decision
+from harness.autocast.follow import DtypeLinks
 from harness.dtypes import dtype_label, dtype_name
 from harness.errors import HarnessError
 from harness.fxutil import fake_mode_of
@@ -124,8 +125,9 @@ def _dtype_arg_given(node: torch.fx.Node) -> bool:
 
 
 class _Inserter:
-    def __init__(self, gm: torch.fx.GraphModule, clip_fp16: bool, mixed_norms: bool) -> None:
+    def __init__(self, gm: torch.fx.GraphModule, clip_fp16: bool, mixed_norms: bool, copies_require_grad: bool) -> None:
         self.gm = gm
+        self.copies_require_grad = copies_require_grad
         self.mixed_norms = mixed_norms
         self.graph = gm.graph
         self.fake_mode = fake_mode_of(gm)
@@ -134,6 +136,7 @@ class _Inserter:
         self.cache: dict[tuple[torch.fx.Node, torch.dtype], torch.fx.Node] = {}
         placeholders = [n for n in self.graph.nodes if n.op == "placeholder"]
         self.last_placeholder = placeholders[-1] if placeholders else None
+        self.links = DtypeLinks(gm)
 
     def cast(self, src: torch.fx.Node, dtype: torch.dtype) -> torch.fx.Node:
         key = (src, dtype)
@@ -164,7 +167,15 @@ class _Inserter:
                 self.stats.overflowed_values += over
         converted = tensor.to(dtype).contiguous()
         name = f"{src.target}_{dtype_name(dtype)}"
-        self.gm.register_buffer(name, converted)
+        source = getattr(self.gm, str(src.target))
+        if isinstance(source, torch.nn.Parameter):
+            # As eager autocast's cached cast of a parameter (outside inference mode): it requires
+            # grad when the parameter does, and some kernels take another path then (linear on a
+            # transposed 3-D input runs as clone + mm).
+            grad = source.requires_grad and self.copies_require_grad
+            self.gm.register_parameter(name, torch.nn.Parameter(converted, requires_grad=grad))
+        else:
+            self.gm.register_buffer(name, converted)
         with self.graph.inserting_after(src):
             node = self.graph.get_attr(name)
         node.meta["val"] = self.fake_mode.from_tensor(converted, static_shapes=True)
@@ -222,19 +233,24 @@ def insert_casts(
     clip_fp16: bool,
     cast_outputs_back: bool,
     mixed_norms: bool = True,
+    copies_require_grad: bool = True,
 ) -> CastStats:
     """Apply ``decisions``; with ``cast_outputs_back`` the public output dtypes are kept.
 
     ``mixed_norms`` keeps normalization parameters fp32 on lowered nodes (see
     ``NORM_PARAMETERS``); the amp policy turns it off because AMP's cast policy decides that.
+    A converted copy of a parameter is a parameter that requires grad when its source does
+    and ``copies_require_grad`` is set (eager autocast's casts outside ``torch.inference_mode``);
+    a copy of a buffer is a buffer.
     """
-    inserter = _Inserter(gm, clip_fp16, mixed_norms)
+    inserter = _Inserter(gm, clip_fp16, mixed_norms, copies_require_grad)
     output = gm.graph.output_node()
     original_out = [node_dtype(a) if _eligible(a) else None for a in _output_values(output)]
     with torch.autocast("cpu", enabled=False):
         for node in list(gm.graph.nodes):
             if node.op != "call_function" or node.meta.get("inserted_cast"):
                 continue
+            inserter.links.resolve(node)
             decision = decisions.get(node.name)
             if decision is None:
                 inserter.refresh(node)

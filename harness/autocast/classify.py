@@ -27,6 +27,7 @@ def rules_for(policy: str, explicit: Sequence[tuple[object, torch.dtype]] = ()) 
             r.InitMax(),
             r.DataMax(),
             r.ReductionDepth(),
+            r.OutputLayer(),
             r.Default("default", "no rule keeps it in fp32: lowered to {low}"),
         )
     if policy == "full":

@@ -286,6 +286,7 @@ def compile(
     calibration_data: Sequence[Sequence[torch.Tensor]] | None = None,
     device: str = "cpu",
     amp_enabled: bool = True,
+    inference_mode: bool = False,
     lowering: PassManager | None = None,
     decompositions: DecompositionTable | None = None,
     verify: bool = True,
@@ -296,7 +297,11 @@ def compile(
     in eager), ``full`` (whole graph low), ``rule`` (rule-based classifier),
     ``amp`` (PyTorch AMP policy for ``device``; with ``amp_enabled=False`` it
     is the plain eager behaviour), ``explicit`` (node-name regex -> dtype).
-    With ``verify`` the result is run once on the example inputs (see verify.py).
+    The exact policies reproduce eager run with grad enabled or under ``torch.no_grad``;
+    with ``inference_mode`` they reproduce eager under ``torch.inference_mode``, where
+    autocast's casts of parameters do not require grad (some CPU kernels differ in the last
+    bits between the two). With ``verify`` the result is run once on the example inputs
+    (see verify.py).
     """
     if policy not in POLICIES:
         raise HarnessError(f"unknown compiler policy {policy!r}; valid: {', '.join(POLICIES)}")
@@ -360,6 +365,7 @@ def compile(
             clip_fp16=not exact_amp,
             cast_outputs_back=settings.keep_io_types and not exact_amp,
             mixed_norms=not exact_amp,
+            copies_require_grad=not inference_mode,
         )
         if not settings.keep_io_types and not exact_amp:
             retype_inputs(gm)

@@ -36,6 +36,7 @@ FIELDS = {
     "init_max": "init_max",
     "max_reduction_depth": "max_depth_of_reduction",
     "keep_io_types": "keep_io_types",
+    "fp32_output_tail": "fp32_output_tail",
     "calibration_data": "calibration_data",
 }
 LIST_KEYS = ("exclude", "exclude_op", "include", "include_op")
@@ -51,6 +52,7 @@ SCHEMA: dict[str, Any] = {
         "init_max": _THRESHOLD,
         "max_reduction_depth": {"anyOf": [{"type": "integer", "minimum": 1}, {"const": OFF}]},
         "keep_io_types": {"type": "boolean"},
+        "fp32_output_tail": {"type": "boolean"},
         "calibration_data": {"type": "string", "minLength": 1},
     },
 }
@@ -75,6 +77,9 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
                        "(conv, matmul K, sum, softmax ...) (default: off)")
     group.add_argument("--keep-io-types", action=argparse.BooleanOptionalAction, default=None,
                        help=f"keep the model's input and output dtypes (default: {DEFAULT_KEEP_IO_TYPES})")
+    group.add_argument("--fp32-output-tail", action=argparse.BooleanOptionalAction, default=None,
+                       help="with --keep-io-types, run the layers after the last join in fp32 where that "
+                       "costs no cast (default: on)")
     group.add_argument("--calibration-data", metavar="FILE",
                        help="safetensors file of calibration batches: tensors input0, input1, ... with "
                        "the batches stacked on a new first dimension (default: the model's own)")

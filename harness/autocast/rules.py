@@ -292,6 +292,57 @@ class ReductionDepth:
         return None
 
 
+_HEAVY = frozenset({
+    "linear", "mm", "bmm", "matmul", "addmm", "baddbmm", "addbmm", "addmv", "mv", "dot", "einsum",
+    "conv1d", "conv2d", "conv3d", "convolution", "_convolution", "conv_transpose1d", "conv_transpose2d",
+    "conv_transpose3d", "scaled_dot_product_attention", "_scaled_dot_product_flash_attention_for_cpu",
+})  # fmt: skip
+
+
+def _activations(node: torch.fx.Node) -> set[torch.fx.Node]:
+    """The floating-point tensors ``node`` reads that are no weights."""
+    return {
+        a for a in input_nodes(node)
+        if a.op != "get_attr" and isinstance(v := a.meta.get("val"), torch.Tensor) and v.is_floating_point()
+    }  # fmt: skip
+
+
+class OutputLayer:
+    """With ``keep_io_types`` (and ``fp32_output_tail``), the model's last layers keep fp32 where that costs no cast.
+
+    The outputs are cast back to fp32 anyway. The layer that computes an
+    output from one activation, and before it any chain of light layers
+    (no matrix product, convolution or attention) each reading one
+    activation and feeding only that tail, run in fp32: the one cast moves to
+    the tail's input (none if that input is fp32 already), and the outputs
+    are not rounded to the low precision last.
+    """
+
+    def __init__(self) -> None:
+        self._tail: dict[torch.fx.Node, bool] = {}
+
+    def __call__(self, node: torch.fx.Node, ctx: Context) -> Decision | None:
+        settings = ctx.settings
+        if not (settings.keep_io_types and settings.fp32_output_tail) or not self.in_tail(node):
+            return None
+        return _cast("output_layer", "computes the outputs from one activation: fp32 costs no cast", FP32)
+
+    def in_tail(self, node: torch.fx.Node) -> bool:
+        if node not in self._tail:
+            val = node.meta.get("val")
+            users = list(node.users)
+            single = isinstance(val, torch.Tensor) and val.is_floating_point() and len(_activations(node)) == 1
+            if not single or not users:
+                self._tail[node] = False
+            elif all(u.op == "output" for u in users):
+                self._tail[node] = True
+            else:
+                target = node.target
+                light = isinstance(target, torch._ops.OpOverload) and target.overloadpacket.__name__ not in _HEAVY
+                self._tail[node] = light and all(u.op != "output" and self.in_tail(u) for u in users)
+        return self._tail[node]
+
+
 class Default:
     def __init__(self, rule: str, reason: str) -> None:
         self.rule, self.reason = rule, reason

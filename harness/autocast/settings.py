@@ -92,6 +92,8 @@ class AutocastSettings:
     calibration_data: Sequence[Sequence[torch.Tensor]] | None = None
     keep_io_types: bool = DEFAULT_KEEP_IO_TYPES
     custom_rules: Sequence[CustomRule] = ()
+    # With keep_io_types: the last layers run fp32 where that costs no cast (rules.OutputLayer).
+    fp32_output_tail: bool = True
     # derived, validated forms
     low: torch.dtype = field(init=False)
     exclude_patterns: tuple[re.Pattern[str], ...] = field(init=False)
@@ -119,8 +121,9 @@ class AutocastSettings:
         depth = self.max_depth_of_reduction
         if depth is not None and (isinstance(depth, bool) or not isinstance(depth, int) or depth <= 0):
             raise HarnessError(f"max_depth_of_reduction must be a positive integer or None, got {depth!r}")
-        if not isinstance(self.keep_io_types, bool):
-            raise HarnessError(f"keep_io_types must be true or false, got {self.keep_io_types!r}")
+        for flag in ("keep_io_types", "fp32_output_tail"):
+            if not isinstance(getattr(self, flag), bool):
+                raise HarnessError(f"{flag} must be true or false, got {getattr(self, flag)!r}")
         for rule in self.custom_rules:
             if not callable(rule):
                 raise HarnessError(f"custom_rules: {rule!r} is not callable (expected f(node, context) -> reason or None)")
@@ -141,6 +144,7 @@ class AutocastSettings:
             "init_max": self.init_max,
             "max_depth_of_reduction": self.max_depth_of_reduction,
             "keep_io_types": self.keep_io_types,
+            "fp32_output_tail": self.fp32_output_tail,
             "calibration_data": None if self.calibration_data is None else _tensors_digest(self.calibration_data),
             "custom_rules": [f"{getattr(r, '__module__', '?')}.{getattr(r, '__qualname__', repr(r))}" for r in self.custom_rules],
         }

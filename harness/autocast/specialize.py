@@ -21,7 +21,7 @@ from harness.autocast.compiler import CompiledGraph, compile
 from harness.frontend.export import export_program
 from harness.globalstate import preserves_global_state
 
-StateKey = tuple[bool, torch.dtype | None]
+StateKey = tuple[bool, torch.dtype | None, bool]
 
 
 class AutocastModule(torch.nn.Module):
@@ -38,20 +38,22 @@ class AutocastModule(torch.nn.Module):
         self.specializations: dict[StateKey, CompiledGraph] = {}
 
     def state(self) -> StateKey:
-        """The caller's autocast state for this module's device."""
+        """The caller's autocast state for this module's device, and whether inference mode is on."""
+        inference = torch.is_inference_mode_enabled()
         if not torch.is_autocast_enabled(self._device):
-            return (False, None)
-        return (True, torch.get_autocast_dtype(self._device))
+            return (False, None, inference)
+        return (True, torch.get_autocast_dtype(self._device), inference)
 
     def specialization(self, key: StateKey) -> CompiledGraph:
         if key not in self.specializations:
-            enabled, dtype = key
+            enabled, dtype, inference = key
             self.specializations[key] = compile(
                 self._program,
                 self._examples,
                 policy="amp",
                 low_precision_type=dtype or torch.get_autocast_dtype(self._device),
                 amp_enabled=enabled,
+                inference_mode=inference,
                 device=self._device,
             )
         return self.specializations[key]

@@ -401,6 +401,9 @@ def gate(
     if changed:
         notes.append("settings differ: " + ", ".join(changed))
     notes += gpu_notes(baseline_doc, current_doc)
+    for side, doc in (("baseline", baseline_doc), ("current run", current_doc)):
+        if doc.get("imported_from") is not None:
+            notes.append(f"{side}: {doc['imported_from']['note']}")
     commits = (baseline_doc["git"]["commit"], current_doc["git"]["commit"])
     verdicts = [
         _check_case(base_cases[key], cur, s, commits) if key in base_cases

@@ -53,12 +53,12 @@ import torch.utils._pytree as pytree
 from harness.bench.accuracy import compare_outputs, output_digest
 from harness.bench.memory import MemoryReport
 from harness.bench.peer_names import PEER_NAMES
-from harness.bench.results import PEER_PREFIX, CaseKey, CaseResult
+from harness.bench.results import PEER_PREFIX, SINGLE_STREAM, CaseKey, CaseResult
 from harness.engines.device import CudaQuery, DeviceQuery
 from harness.errors import HarnessError
 from harness.extras import ONNX_EXPORT_MODULES, ONNX_MODULES, require_all
 from harness.outputs import OutputSpec, flat_tensors
-from harness.weights import module_weights_digest
+from harness.sources import model_identity
 
 if TYPE_CHECKING:
     from harness.bench.runner import BenchRunner
@@ -447,7 +447,7 @@ class PeerCase:
         return f"{self.model} {self.backend} {self.precision}" + ("" if self.batch is None else f" b{self.batch}")
 
     def key(self, runner: BenchRunner) -> CaseKey:
-        return (runner.name_of(self.model), self.precision, self.backend, self.batch)
+        return (runner.name_of(self.model), self.precision, self.backend, self.batch, SINGLE_STREAM)
 
     def run(self, runner: BenchRunner) -> dict[str, Any]:
         return runner.measured_case(
@@ -484,7 +484,7 @@ class PeerCase:
             accuracy=accuracy,
             telemetry=telemetry,
             output_digest=output_digest(outputs),
-            model_weights_digest=module_weights_digest(spec.module),
+            model_weights_digest=model_identity(spec),
         )
         record = {"name": self.peer.name, "precision": self.precision, "setup_seconds": setup_s, "details": run.details}
         return case, {"peer": record}

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from harness.bench.results import is_peer
+from harness.bench.scenarios import SINGLE_STREAM, label_of
 from harness.errors import HarnessError
 from harness.extras import require
 from harness.fileio import atomic_write_bytes, check_writable
@@ -221,23 +222,26 @@ def _file_part(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("._") or "model"
 
 
-PlotKind = Literal["latency", "throughput"]
+PlotKind = Literal["latency", "throughput", "scenarios"]
 
 
 def plot_path(results_path: str | os.PathLike[str], model: str, kind: PlotKind = "latency") -> Path:
-    """Where a model's plot goes: ``<stem>-<model>.png`` (``-throughput.png``) beside the results."""
+    """Where a model's plot goes: ``<stem>-<model>.png`` (``-throughput.png``, ``-scenarios.png``) beside the results."""
     results = Path(results_path)
-    suffix = "-throughput" if kind == "throughput" else ""
+    suffix = "" if kind == "latency" else f"-{kind}"
     return results.parent / f"{results.stem}-{_file_part(model)}{suffix}.png"
 
 
-def check_plot_paths(results_path: str | os.PathLike[str], models: Iterable[str], sweep: bool) -> None:
+def check_plot_paths(
+    results_path: str | os.PathLike[str], models: Iterable[str], sweep: bool, scenarios: bool = False
+) -> None:
     """Refuse, before a run or a report, plot paths that cannot be written.
 
     A directory named like a plot, or a read-only results directory, would
     otherwise end a finished run with a traceback at the last step.
     """
     kinds: tuple[PlotKind, ...] = ("latency", "throughput") if sweep else ("latency",)
+    kinds += ("scenarios",) if scenarios else ()
     for model in models:
         for kind in kinds:
             path = plot_path(results_path, model, kind)
@@ -262,7 +266,15 @@ def plot_results(
     for case in doc["cases"]:
         by_model.setdefault(case["model"], []).append(case)
     written = []
-    for model, cases in sorted(by_model.items()):
+    for model, every in sorted(by_model.items()):
+        loaded = _plot_scenarios(model, every)
+        if loaded is not None:
+            path = plot_path(results_path, model, "scenarios")
+            save_figure(loaded, path)
+            written.append(path)
+        cases = [c for c in every if label_of(c) == SINGLE_STREAM]
+        if not cases:
+            continue
         sweep = _plot_throughput(model, cases)
         if sweep is not None:
             path = plot_path(results_path, model, "throughput")
@@ -326,6 +338,56 @@ def _plot_throughput(model: str, cases: list[Mapping[str, Any]]) -> Figure | Non
     ax.set_xlabel("batch size")
     ax.set_ylabel("throughput (items/s, from the mean latency)")
     ax.set_title(f"{model}: throughput against batch size")
+    ax.grid(True, which="major", alpha=0.3)
+    ax.legend(loc="best", fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def _plot_scenarios(model: str, cases: list[Mapping[str, Any]]) -> Figure | None:
+    """p99 latency against throughput per precision mode (None without scenario cases).
+
+    One colour per mode, one marker per scenario: each scenario case is a
+    point (items/s achieved, p99: of its queries from their arrival; of each
+    call for offline, where every call arrives at the start), and a
+    ``--find-rate`` search draws every rate it probed as a line, the mode's
+    latency-throughput curve under Poisson load. The bound is drawn where one was set.
+    """
+    markers = {"server": "o", "multi-stream": "^", "offline": "s"}
+    series: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    bounds: set[float] = set()
+    for c in cases:
+        record = c.get("scenario")
+        if c["status"] == "failed" or not isinstance(record, Mapping):
+            continue
+        key = (f"{c['mode']} ({c['backend']})", str(record["name"]))
+        per_query = float(record["samples_per_query"])
+        search = record.get("search")
+        if search:
+            series.setdefault(key, []).extend((p["achieved"] * per_query, p["p99_ns"] / 1e6) for p in search["probes"])
+        else:
+            series.setdefault(key, []).append((float(record["throughput_per_s"]), float(record["p99_ns"]) / 1e6))
+        if record.get("latency_bound_ns"):
+            bounds.add(float(record["latency_bound_ns"]) / 1e6)
+    if not series:
+        return None
+    fig = new_figure((7, 5))
+    ax = fig.add_subplot()
+    modes = sorted({mode for mode, _ in series})
+    colours = {mode: f"C{i % 10}" for i, mode in enumerate(modes)}
+    for (mode, name), points in sorted(series.items()):
+        points.sort()
+        style = "-" if len(points) > 1 else ""
+        ax.plot([p[0] for p in points], [p[1] for p in points], style, marker=markers.get(name, "o"),
+                color=colours[mode], label=f"{mode}, {name}")  # fmt: skip
+    for bound in sorted(bounds):
+        ax.axhline(bound, color="tab:red", linestyle="--", linewidth=1, label=f"latency bound {bound:g} ms")
+    ax.set_xlabel("throughput (items/s achieved)")
+    ax.set_ylabel("p99 latency (ms; queries from arrival, offline per call)")
+    ys = [p[1] for points in series.values() for p in points]
+    if ys and min(ys) > 0 and max(ys) / min(ys) > LOG_LATENCY_SPAN:
+        ax.set_yscale("log")
+    ax.set_title(f"{model}: latency against throughput per precision mode")
     ax.grid(True, which="major", alpha=0.3)
     ax.legend(loc="best", fontsize=8)
     fig.tight_layout()

@@ -6,8 +6,10 @@ One JSON document per run::
      "machine": {...machine_info()...}, "git": {"commit": ..., "dirty": ...},
      "settings": {...runner settings...}, "cases": [case, ...]}
 
-A case is one (model, mode, backend) measurement; see ``_CASE`` below for
-its fields. :class:`ResultsWriter` rewrites the whole file atomically after
+A case is one (model, mode, backend, batch, scenario) measurement; see
+``_CASE`` below for its fields. A case without a ``scenario`` (every file
+written before scenarios existed) is a single-stream case
+(:mod:`harness.bench.scenarios`). :class:`ResultsWriter` rewrites the whole file atomically after
 every case, with ``complete: false`` until :meth:`ResultsWriter.finish`: an
 interrupted run leaves a valid file holding every case that finished, and
 says that it is partial. Raw latency samples are kept (``samples_ns``) so
@@ -52,6 +54,7 @@ from harness.fileio import (
     read_json,
     validate,
 )
+from harness.limits import MAX_BATCH_SIZE, MAX_ITERS, MAX_THREADS
 from harness.machine import check_machine_id
 from harness.nvml import CLOCK_SETTINGS
 
@@ -66,6 +69,10 @@ _OPT_INT = {"type": ["integer", "null"], "minimum": 0}
 _OPT_STR = {"type": ["string", "null"]}
 _DIGEST = {"type": "string", "pattern": "^sha256:[0-9a-f]{64}$"}
 _OPT_DIGEST = {"anyOf": [_DIGEST, {"type": "null"}]}
+# The bounds a run's settings are given within (harness.limits; 1000%: harness.cli.argtypes.threshold_value).
+_BATCH = {"type": "integer", "minimum": 1, "maximum": MAX_BATCH_SIZE}
+_THREADS = {"type": "integer", "minimum": 1, "maximum": MAX_THREADS}
+MAX_SPREAD_THRESHOLD = 10
 
 
 def _object(properties: dict[str, Any], optional: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -90,8 +97,8 @@ _SUMMARY = _object(
 _LATENCY = _object(
     {
         "timer": {"enum": ["cpu", "cuda"]},
-        "batch_size": {"type": "integer", "minimum": 1},
-        "iterations": {"type": "integer", "minimum": 1},
+        "batch_size": _BATCH,
+        "iterations": {"type": "integer", "minimum": 1, "maximum": MAX_ITERS},
         "duration_s": _NONNEG,
         "warmup_iterations": _COUNT,
         "warmup_s": _NONNEG,
@@ -100,7 +107,9 @@ _LATENCY = _object(
         # seconds for the hundreds of thousands of samples of a full run
         "samples_ns": {"type": "array", "minItems": 1},
         "throughput_per_s": _POS,
-        "spread_threshold": _NONNEG,
+        # total items over the loop's wall time (harness.bench.latency.LatencyResult); absent from older files
+        "offline_throughput_per_s": _POS,
+        "spread_threshold": {**_NONNEG, "maximum": MAX_SPREAD_THRESHOLD},
         "unstable": {"type": "boolean"},
         "slow_phase": {
             "anyOf": [
@@ -122,7 +131,7 @@ _LATENCY = _object(
             }
         ),
     },
-    optional=("clocks", "device"),
+    optional=("clocks", "device", "offline_throughput_per_s"),
 )
 
 _MEMORY = _object(
@@ -149,12 +158,16 @@ _OUTPUT = {
     },
 }
 
+# A cosine computed in float64 may land a rounding error outside -1..1; nothing further.
+_COSINE_SLACK = 1e-6
+_FRACTION = {"type": "number", "minimum": 0, "maximum": 1}
+
 _ACCURACY = _object(
     {
-        **{
-            k: _OPT_NUM
-            for k in ("max_abs_error", "mean_abs_error", "max_rel_error", "cosine", "snr_db", "top1_agreement")
-        },
+        **{k: {**_OPT_NUM, "minimum": 0} for k in ("max_abs_error", "mean_abs_error", "max_rel_error")},
+        "cosine": {**_OPT_NUM, "minimum": -1 - _COSINE_SLACK, "maximum": 1 + _COSINE_SLACK},
+        "snr_db": _OPT_NUM,
+        "top1_agreement": {**_FRACTION, "type": ["number", "null"]},
         "nan_count": _COUNT,
         "inf_count": _COUNT,
         "identical": {"type": "boolean"},
@@ -163,7 +176,7 @@ _ACCURACY = _object(
 )
 
 _TASK_ACCURACY = _object(
-    {"name": {"type": "string"}, "value": _NUM, "samples": {"type": "integer", "minimum": 1}}
+    {"name": {"type": "string"}, "value": _FRACTION, "samples": {"type": "integer", "minimum": 1}}
 )
 
 # The GPU a case ran on and its clock settings (harness.bench.telemetry); absent from older files.
@@ -193,6 +206,39 @@ _LOAD = {"type": "array", "items": _NONNEG, "minItems": 3, "maxItems": 3}
 
 STATUSES = ("ok", "non-finite", "failed")
 
+_PROBE = _object({"rate": _POS, "achieved": _NONNEG, "p50_ns": _NONNEG, "p99_ns": _NONNEG, "met": {"type": "boolean"}})
+_SCENARIO: dict[str, Any] = {
+    "type": "object",
+    "required": ["name", "label", "params"],
+    "properties": {
+        "name": {"enum": ["offline", "multi-stream", "server"]},
+        "label": {"type": "string", "minLength": 1},
+        "params": {"type": "object"},
+        "queries": _COUNT,
+        "samples_per_query": {"type": "integer", "minimum": 1},
+        "concurrency": {"type": "integer", "minimum": 1},
+        "achieved_rate": _NONNEG,
+        "throughput_per_s": _NONNEG,
+        "p50_ns": _NONNEG,
+        "p99_ns": _NONNEG,
+        "latency_bound_ns": _OPT_NUM,
+        "met_bound": {"type": ["boolean", "null"]},
+        "search": {
+            "anyOf": [
+                {"type": "null"},
+                _object(
+                    {
+                        "found": {"anyOf": [_PROBE, {"type": "null"}]},
+                        "above": {"anyOf": [_PROBE, {"type": "null"}]},
+                        "ceiling": _POS,
+                        "probes": {"type": "array", "items": _PROBE},
+                    }
+                ),
+            ]
+        },
+    },
+}
+
 _CASE: dict[str, Any] = {
     "type": "object",
     "required": ["model", "mode", "backend", "status"],
@@ -201,7 +247,7 @@ _CASE: dict[str, Any] = {
         "model": {"type": "string", "minLength": 1},
         "mode": {"type": "string", "minLength": 1},
         "backend": {"type": "string", "minLength": 1},
-        "batch": {"type": ["integer", "null"], "minimum": 1},
+        "batch": {**_BATCH, "type": ["integer", "null"]},
         "status": {"enum": list(STATUSES)},
         "error": _OPT_STR,
         "latency": {"anyOf": [_LATENCY, {"type": "null"}]},
@@ -214,7 +260,7 @@ _CASE: dict[str, Any] = {
         "model_weights_digest": _OPT_DIGEST,
         "from_cache": {"type": "boolean"},
         "output_digest": _OPT_STR,
-        "threads": {"type": ["integer", "null"], "minimum": 1},
+        "threads": {**_THREADS, "type": ["integer", "null"]},
         "load_average": {
             "anyOf": [_object({"start": _LOAD, "end": _LOAD, "cpus": {"type": "integer", "minimum": 1}}), {"type": "null"}]
         },
@@ -245,6 +291,19 @@ _CASE: dict[str, Any] = {
                 "note": _OPT_STR,
             },
             optional=("autocast_digest", "batch_profile", "reused", "note"),
+        ),
+        # a serving scenario's parameters and figures (harness.bench.scenarios); absent: single-stream
+        "scenario": _SCENARIO,
+        # the model file a case's model came from (harness.sources): kind, file name, digest, inputs
+        "source": {"type": "object", "required": ["kind", "digest"], "properties": {"digest": _DIGEST}},
+        # what the engine computed in against the mode's low type (harness.engines.protocol.ExecutedPrecision)
+        "executed_precision": _object(
+            {
+                "asked": {"enum": ["fp16", "bf16"]},
+                "layers": _COUNT,
+                "ran_fp32": {"type": "array", "items": {"type": "string"}},
+                "chosen_by_backend": {"type": "boolean"},
+            }
         ),
         "layers": {
             "type": ["array", "null"],
@@ -294,6 +353,8 @@ RESULTS_SCHEMA: dict[str, Any] = {
     "properties": {
         "schema_version": {"const": SCHEMA_VERSION},
         "created": {"type": "string", "minLength": 1},
+        # when the run completed (absent from an interrupted run and from older files)
+        "finished": {"type": "string", "minLength": 1},
         "complete": {"type": "boolean"},
         "machine": _MACHINE,
         "git": {
@@ -303,11 +364,27 @@ RESULTS_SCHEMA: dict[str, Any] = {
         },
         "settings": {
             "type": "object",
-            # set only by a run with --lock-clocks (harness.bench.clocks)
-            "properties": {"lock_clocks": {"anyOf": [{"enum": list(NAMED_CLOCKS)}, {"type": "integer", "minimum": 1}]}},
+            # what readers compare (the gate: threads, quick, lock_clocks); the rest is shown
+            "properties": {
+                "threads": {**_THREADS, "type": ["integer", "null"]},
+                "quick": {"type": "boolean"},
+                "batch_sizes": {"anyOf": [{"type": "array", "items": _BATCH, "uniqueItems": True}, {"type": "null"}]},
+                # set only by a run with --lock-clocks (harness.bench.clocks)
+                "lock_clocks": {"anyOf": [{"enum": list(NAMED_CLOCKS)}, {"type": "integer", "minimum": 1}]},
+            },
         },
         "cases": {"type": "array", "items": _CASE},
         "digest": _DIGEST,
+        # set only on a baseline promoted by promote_baseline: from which run, when, over which doubts
+        "promoted": _object(
+            {
+                "from": {"type": "string"},
+                "at": {"type": "string"},
+                "forced_over": {"type": "array", "items": {"type": "string"}},
+            }
+        ),
+        # set only on a document read from another tool's format (harness.bench.pytest_benchmark)
+        "imported_from": _object({"format": {"const": "pytest-benchmark"}, "note": {"type": "string"}}),
         # set only on a document upgraded on read from an older schema (see upgrade_results)
         "upgraded_from": _object(
             {"schema_version": {"type": "integer", "minimum": 1}, "digest": {"const": None}, "note": {"type": "string"}}
@@ -315,7 +392,9 @@ RESULTS_SCHEMA: dict[str, Any] = {
     },
 }
 
-CaseKey = tuple[str, str, str, "int | None"]
+CaseKey = tuple[str, str, str, "int | None", str]
+# The scenario of a case that records none (harness.bench.scenarios.SINGLE_STREAM).
+SINGLE_STREAM = "single-stream"
 
 # The backend of a peer's case: a plain runtime measured as a reference (harness.bench.peers),
 # never one of the harness's engines; its mode is the precision it ran at.
@@ -327,27 +406,40 @@ def is_peer(case: Mapping[str, Any]) -> bool:
     return str(case["backend"]).startswith(PEER_PREFIX)
 
 
+# How the warning a case stores when the machine was busier than its cores begins
+# (harness.bench.runner.load_warnings): the table says it once, in a footnote.
+BUSY_PREFIX = "the machine was busier than its"
+
+
 def case_key(case: Mapping[str, Any]) -> CaseKey:
-    """(model, mode, backend, batch): what identifies a case within a run and across runs.
+    """(model, mode, backend, batch, scenario): what identifies a case within a run and across runs.
 
-    ``batch`` is the batch size a sweep asked for, None for the model's own.
+    ``batch`` is the batch size a sweep asked for, None for the model's own;
+    ``scenario`` the scenario's label with its parameters (``server[rate=50/s,bound=10ms]``),
+    ``single-stream`` for a case that records none, so the gate compares like with like.
     """
-    return (case["model"], case["mode"], case["backend"], case.get("batch"))
+    scenario = case.get("scenario")
+    label = str(scenario["label"]) if isinstance(scenario, Mapping) else SINGLE_STREAM
+    return (case["model"], case["mode"], case["backend"], case.get("batch"), label)
 
 
-def case_order(key: CaseKey) -> tuple[str, str, str, int]:
+def case_order(key: CaseKey) -> tuple[str, str, str, int, str]:
     """A sort key for case keys: a sweep's batch sizes in order, the model's own batch (None) first.
 
     Sorting the keys themselves compares None with an int when one run holds
     both kinds of case, which Python refuses.
     """
-    model, mode, backend, batch = key
-    return (model, mode, backend, -1 if batch is None else batch)
+    model, mode, backend, batch, scenario = key
+    return (model, mode, backend, -1 if batch is None else batch, "" if scenario == SINGLE_STREAM else scenario)
 
 
 def format_key(key: CaseKey) -> str:
-    model, mode, backend, batch = key
-    return f"{model}/{mode}/{backend}" + ("" if batch is None else f"/b{batch}")
+    model, mode, backend, batch, scenario = key
+    return (
+        f"{model}/{mode}/{backend}"
+        + ("" if batch is None else f"/b{batch}")
+        + ("" if scenario == SINGLE_STREAM else f"/{scenario}")
+    )
 
 
 @dataclass
@@ -374,6 +466,9 @@ class CaseResult:
     load_average: dict[str, Any] | None = None
     warnings: list[str] = field(default_factory=list)
     layers: list[dict[str, str]] | None = None
+    scenario: dict[str, Any] | None = None  # absent: single-stream (harness.bench.scenarios)
+    source: dict[str, Any] | None = None  # the model file the model came from (harness.sources)
+    executed_precision: dict[str, Any] | None = None  # ExecutedPrecision.to_json(); None: no low type asked
 
     def __post_init__(self) -> None:
         acc = self.accuracy
@@ -381,8 +476,11 @@ class CaseResult:
             self.status = "non-finite"  # outputs hold NaN/Inf: never shown as fine
 
     @classmethod
-    def failed(cls, model: str, mode: str, backend: str, error: str, batch: int | None = None) -> CaseResult:
-        return cls(model=model, mode=mode, backend=backend, status="failed", error=error, batch=batch)
+    def failed(
+        cls, model: str, mode: str, backend: str, error: str, batch: int | None = None,
+        scenario: dict[str, Any] | None = None,
+    ) -> CaseResult:  # fmt: skip
+        return cls(model=model, mode=mode, backend=backend, status="failed", error=error, batch=batch, scenario=scenario)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -408,6 +506,10 @@ class CaseResult:
             "load_average": self.load_average,
             "warnings": list(self.warnings),
             "layers": self.layers,
+            # only where there is one: a single-stream case of a factory model is written as before
+            **({} if self.scenario is None else {"scenario": self.scenario}),
+            **({} if self.source is None else {"source": self.source}),
+            **({} if self.executed_precision is None else {"executed_precision": self.executed_precision}),
         }
 
 
@@ -434,9 +536,14 @@ def _check_latency(lat: Mapping[str, Any], where: str) -> None:
             f"{where}: the latency summary disagrees with its raw samples ({', '.join(wrong) or 'unit'}); "
             "the file was edited or corrupted"
         )
-    throughput = actual.throughput(lat["batch_size"])
-    if throughput is None or not _close(lat["throughput_per_s"], throughput):
+    # Files written before the figures said their clock stored the mean's throughput.
+    mean_based = "clocks" not in lat
+    seconds = (actual.mean if mean_based else actual.median) * 1e-9
+    if not _close(lat["throughput_per_s"], lat["batch_size"] / seconds):
         raise HarnessError(f"{where}: throughput_per_s disagrees with the samples")
+    offline = lat.get("offline_throughput_per_s")
+    if offline is not None and not _close(offline, lat["iterations"] * lat["batch_size"] / lat["duration_s"]):
+        raise HarnessError(f"{where}: offline_throughput_per_s disagrees with the iterations and duration")
     phase = lat["slow_phase"]
     if phase is not None and not phase["start"] < phase["end"] <= len(samples):
         raise HarnessError(f"{where}: slow_phase lies outside the samples")
@@ -503,12 +610,22 @@ def load_results(path: str | os.PathLike[str], *, upgrade: bool = False) -> dict
     old file is refused: the gate, baselines, merges and resumes need what
     only a current file has (a verified digest, weights digests, pinned threads).
     """
-    where = f"results file {path}"
-    doc = read_json(path, None, "results file")
+    return results_from_json(read_json(path, None, "results file"), f"results file {path}", upgrade=upgrade)
+
+
+def results_from_json(doc: Any, where: str, *, upgrade: bool = False) -> dict[str, Any]:
+    """A parsed results document, validated (and upgraded, with ``upgrade``) as :func:`load_results` does."""
     if upgrade and isinstance(doc, dict) and doc.get("schema_version") in UPGRADABLE_VERSIONS:
         doc = upgrade_results(doc, where)
     check_results(doc, where)
     return dict(doc)
+
+
+def peek_results(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """A results file's top-level fields as written, not validated (to choose among runs cheaply;
+    the one chosen is read with :func:`load_results`). A file that is no JSON object reads as {}."""
+    doc = read_json(path, None, "results file")
+    return {k: v for k, v in doc.items() if k != "cases"} if isinstance(doc, dict) else {}
 
 
 UPGRADABLE_VERSIONS = (1,)
@@ -599,6 +716,7 @@ def _upgrade_latency_1(lat: Mapping[str, Any], where: str) -> dict[str, Any]:
         "iterations": len(samples),
         "summary": summary.stats_dict(),
         "throughput_per_s": summary.throughput(lat["batch_size"]),
+        "clocks": dict.fromkeys(("summary", "throughput_per_s"), "host" if timer == "cpu" else "cuda-event"),
         "spread_threshold": threshold,
         "unstable": summary.spread > threshold or phase is not None,
         "slow_phase": dataclasses.asdict(phase) if phase is not None else None,
@@ -748,8 +866,10 @@ class ResultsWriter:
     def doc(self) -> dict[str, Any]:
         return self._doc
 
-    def has(self, model: str, mode: str, backend: str, batch: int | None = None) -> bool:
-        return any(case_key(c) == (model, mode, backend, batch) for c in self._doc["cases"])
+    def has(
+        self, model: str, mode: str, backend: str, batch: int | None = None, scenario: str = SINGLE_STREAM
+    ) -> bool:
+        return any(case_key(c) == (model, mode, backend, batch, scenario) for c in self._doc["cases"])
 
     def add(self, case: CaseResult | Mapping[str, Any]) -> bool:
         """Record a case; False when another writer of this file recorded it meanwhile (theirs is kept).
@@ -773,7 +893,13 @@ class ResultsWriter:
         return bool(added)
 
     def finish(self) -> dict[str, Any]:
-        self._update(lambda doc: doc.__setitem__("complete", True))
+        """Mark the run complete, with the time it finished (the gate's "newest run" is by it)."""
+
+        def finished(doc: dict[str, Any]) -> None:
+            doc["complete"] = True
+            doc["finished"] = utc_now()
+
+        self._update(finished)
         return self._doc
 
     def _update(self, change: Callable[[dict[str, Any]], None]) -> None:
@@ -878,9 +1004,12 @@ def merge_results(paths: Iterable[str | os.PathLike[str]]) -> dict[str, Any]:
                 )
             origin[key] = path
             cases.append(case)
+    finished = [d.get("finished") for d in docs]
     merged = {
-        **first,
+        **{k: v for k, v in first.items() if k != "finished"},
         "created": min(d["created"] for d in docs),
+        # the run finished when its last shard did (a shard without a finish time: not finished)
+        **({"finished": max(f for f in finished if f)} if all(finished) else {}),
         "complete": all(d["complete"] for d in docs),
         "git": {
             "commit": first["git"]["commit"],
@@ -913,8 +1042,11 @@ def promote_baseline(
     """Make a finished run the baseline of its machine; returns the baseline path.
 
     The run is validated first, so a corrupt or partial file never replaces
-    a good baseline. A ``--quick`` run is refused unless ``force``: its tiny
-    timing windows give samples too few and too noisy to gate later runs on.
+    a good baseline. Refused unless ``force`` (and then recorded in the
+    baseline's ``promoted`` record, with why): a ``--quick`` run, whose tiny
+    timing windows give samples too few and too noisy to gate later runs on;
+    a run with unstable cases; and a run that was measured while the machine
+    was busier than its cores (:func:`doubts`).
     """
     doc = load_results(run_path)
     if not doc["complete"]:
@@ -922,11 +1054,28 @@ def promote_baseline(
             f"results file {run_path} is incomplete (the run was interrupted); "
             "finish or rerun it before promoting it to a baseline"
         )
-    if doc["settings"].get("quick") and not force:
+    reasons = doubts(doc)
+    if reasons and not force:
         raise HarnessError(
-            f"results file {run_path} is a --quick run: its timing windows are too short for its "
-            "samples to gate later runs against; run the benchmark without --quick, or pass --force"
+            f"results file {run_path} would be a poor baseline: {'; '.join(reasons)}. Re-run the benchmark "
+            "on a quiet machine (without --quick), or pass --force to promote it anyway"
         )
     dest = check_writable(baseline_path(root, doc["machine"]["id"]), "baseline")  # <root>/<machine> may be a file
-    write_results(dest, doc)
+    promoted = {"from": os.fspath(run_path), "at": utc_now(), "forced_over": reasons}
+    write_results(dest, {**doc, "promoted": promoted})
     return dest
+
+
+def doubts(doc: Mapping[str, Any]) -> list[str]:
+    """Why a run should not gate later runs: --quick, unstable cases, a machine busier than its cores."""
+    reasons = []
+    if doc["settings"].get("quick"):
+        reasons.append("it is a --quick run (its timing windows are too short)")
+    engine_cases = [c for c in doc["cases"] if not is_peer(c) and c.get("latency")]
+    unstable = [format_key(case_key(c)) for c in engine_cases if c["latency"]["unstable"]]
+    if unstable:
+        reasons.append(f"{len(unstable)} of {len(engine_cases)} cases are unstable ({', '.join(unstable)})")
+    busy = [format_key(case_key(c)) for c in engine_cases if any(w.startswith(BUSY_PREFIX) for w in c.get("warnings", []))]
+    if busy:
+        reasons.append(f"{len(busy)} of {len(engine_cases)} cases ran while the machine was busier than its cores")
+    return reasons

@@ -38,6 +38,7 @@ from harness.bench.accuracy import TaskAccuracy, compare_outputs, output_digest
 from harness.bench.latency import measure_device_latency, measure_latency, measure_overhead
 from harness.bench.memory import MemoryReport, measure_memory
 from harness.bench.results import BUSY_PREFIX, CaseKey, CaseResult, ResultsWriter, is_peer
+from harness.bench.scenarios import Scenario
 from harness.bench.stats import Summary
 from harness.bench.telemetry import TelemetrySampler
 from harness.build import BuildResult, build_engine
@@ -63,7 +64,6 @@ from harness.limits import (
 )
 from harness.outputs import tensor_paths
 from harness.precision import PrecisionMode
-from harness.weights import module_weights_digest
 
 DEFAULT_MODELS = ("resnet", "transformer", "digits")
 # Zoo models of DEFAULT_MODELS that need an extra: (module it imports, the extra).
@@ -283,6 +283,7 @@ class BenchRunner:
         load_model: ModelLoader = _load_model,
         ignore_cache_mismatch: bool = False,
         batch_sizes: Sequence[int] = (),
+        scenarios: Sequence[Scenario] = (Scenario(),),
     ) -> None:
         self.backend = backend
         # None: no timing cache; every case's build times every layer (``--disable-cache``)
@@ -300,27 +301,41 @@ class BenchRunner:
         self._shared: dict[tuple[str, str], _Shared] = {}
         # (model, mode) sweeps whose typed graph fixes the batch size: one engine per size, and why.
         self._per_size: dict[tuple[str, str], str] = {}
+        # Every engine case is measured in each scenario, on one build (harness.bench.scenarios).
+        self.scenarios = tuple(scenarios) or (Scenario(),)
+        self._recent: tuple[tuple[str, str, int | None], BuildResult, dict[str, Any]] | None = None
 
     def reference(self, model: str, batch: int | None = None) -> _Reference:
-        """fp32 eager outputs on the spec's fixed example inputs, once per model and batch size."""
+        """fp32 eager outputs on the spec's fixed example inputs, once per model and batch size;
+        for an ONNX file, the file's own fp32 run in ONNX Runtime (:mod:`harness.sources`)."""
         if (model, batch) not in self._references:
+            from harness.sources import reference_outputs
+
             spec = self.load_model(model, batch)
-            module = spec.module.float().eval()
-            with torch.inference_mode():
-                outputs = module(*spec.example_inputs)
+            outputs = reference_outputs(spec)
+            if outputs is None:
+                module = spec.module.float().eval()
+                with torch.inference_mode():
+                    outputs = module(*spec.example_inputs)
             self._references[model, batch] = _Reference(
                 outputs, _is_logits([t for _, t in tensor_paths(outputs, "reference")])
             )
         return self._references[model, batch]
 
-    def run_case(self, model: str, mode: PrecisionMode, batch: int | None = None) -> dict[str, Any]:
-        """One engine case as a results entry (see :meth:`measured_case`)."""
+    def run_case(
+        self, model: str, mode: PrecisionMode, batch: int | None = None, scenario: Scenario | None = None
+    ) -> dict[str, Any]:
+        """One engine case as a results entry (see :meth:`measured_case`), in ``scenario``
+        (single-stream when None)."""
+        scenario = scenario or Scenario()
 
         def measure(stage: list[str]) -> tuple[CaseResult, dict[str, Any]]:
-            case, build = self._measure_case(model, mode, batch, stage)
+            case, build = self._measure_case(model, mode, batch, stage, scenario)
             return case, {"build": build}
 
-        return self.measured_case(model, mode, self.backend.name, batch, measure, gpu_index=self._gpu_index())
+        return self.measured_case(
+            model, mode, self.backend.name, batch, measure, gpu_index=self._gpu_index(), scenario=scenario
+        )
 
     @preserves_global_state
     def measured_case(
@@ -332,6 +347,7 @@ class BenchRunner:
         measure: Callable[[list[str]], tuple[CaseResult, dict[str, Any]]],
         *,
         gpu_index: int | None = None,
+        scenario: Scenario | None = None,
     ) -> dict[str, Any]:
         """A case as a results entry; any failure becomes a ``failed`` entry naming its stage.
 
@@ -359,8 +375,11 @@ class BenchRunner:
             )
             return {**case.to_dict(), **extra}
         except Exception as exc:  # recorded, and the matrix goes on; Ctrl-C is not an Exception
+            from harness.bench.scenario_run import scenario_stub
+
             name = self.name_of(model)
-            return CaseResult.failed(name, mode, backend, _error_text(stage[0], exc), batch).to_dict()
+            stub = None if scenario is None or scenario.single_stream else scenario_stub(scenario)
+            return CaseResult.failed(name, mode, backend, _error_text(stage[0], exc), batch, stub).to_dict()
 
     def name_of(self, model: str) -> str:
         """The name results use for a model reference: its ModelSpec's name (never a file path)."""
@@ -421,6 +440,10 @@ class BenchRunner:
             name += f"-b{batch}"
         return cache_file(self.cache_dir, name, config, self.backend.name)
 
+    def gpu_index(self) -> int | None:
+        """The CUDA device a GPU backend runs on (GPU memory is recorded for it), else None."""
+        return self._gpu_index()
+
     def _gpu_index(self) -> int | None:
         """The CUDA device a GPU backend runs on (GPU memory is recorded for it), else None."""
         if self.backend.name not in GPU_BACKENDS or not torch.cuda.is_available():
@@ -428,17 +451,29 @@ class BenchRunner:
         return int(torch.cuda.current_device())
 
     def _measure_case(
-        self, model: str, mode: PrecisionMode, batch: int | None, stage: list[str]
+        self, model: str, mode: PrecisionMode, batch: int | None, stage: list[str], scenario: Scenario | None = None
     ) -> tuple[CaseResult, dict[str, Any]]:
         """The case (memory: the engine's parts only) and its build record.
 
         ``stage[0]`` names the step in progress, for the error of a failed case.
+        The scenarios of one (model, mode, batch) run on one build: the first
+        builds it, the others reuse it (their build record says so).
         """
+        from harness.sources import model_identity, source_of
+
+        scenario = scenario or Scenario()
         spec = self.load_model(model, batch)
         stage[0] = "fp32 eager reference"
         ref = self.reference(model, batch)
         stage[0] = "build"
-        built, build = self._build(model, mode, batch, spec)
+        recent = self._recent
+        if recent is not None and recent[0] == (model, mode, batch):
+            built, build = recent[1], {**recent[2], "reused": True}
+        else:
+            self._recent = None  # the previous case's engine goes before this one is built
+            built, build = self._build(model, mode, batch, spec)
+            if len(self.scenarios) > 1:
+                self._recent = ((model, mode, batch), built, build)
         engine = built.engine
         inputs = engine_inputs(engine, spec.example_inputs)  # the reference ran on the originals
         stage[0] = "run"
@@ -447,8 +482,18 @@ class BenchRunner:
         stage[0] = "accuracy"
         accuracy = compare_outputs(outputs, ref.outputs, logits=ref.logits)
         task = self._task_accuracy(spec, engine)
-        stage[0] = "latency"
-        latency, telemetry = self._latency(engine, inputs, spec.batch_dim)
+        stage[0] = "latency" if scenario.single_stream else f"scenario {scenario.label()}"
+        record = None
+        if scenario.single_stream:
+            latency, telemetry = self._latency(engine, inputs, spec.batch_dim)
+        else:
+            from harness.bench.scenario_run import measure_scenario
+
+            latency, telemetry, record = measure_scenario(
+                self, engine, inputs, _batch_size(inputs, spec.batch_dim), scenario
+            )
+        source = source_of(spec)
+        executed = engine.executed_precision()
         stage[0] = "memory"
         return CaseResult(
             model=spec.name,
@@ -468,9 +513,16 @@ class BenchRunner:
             timing_cache_digest=_cache_digest(built),
             from_cache=built.cache_hits > 0 and built.cache_misses == 0,
             output_digest=output_digest(outputs),
-            model_weights_digest=module_weights_digest(spec.module),
+            model_weights_digest=model_identity(spec),
             layers=[layer.to_json() for layer in engine.layers()],
-            warnings=[*built.log.warnings, *(engine.run_warnings if isinstance(engine, DeviceEngine) else ())],
+            warnings=[
+                *built.log.warnings,
+                *(engine.run_warnings if isinstance(engine, DeviceEngine) else ()),
+                *(record.get("warnings", []) if record else ()),
+            ],
+            scenario=None if record is None else {k: v for k, v in record.items() if k != "warnings"},
+            source=None if source is None else source.to_json(),
+            executed_precision=None if executed is None else executed.to_json(),
         ), build
 
     def _build(self, model: str, mode: PrecisionMode, batch: int | None, spec: Any) -> tuple[BuildResult, dict[str, Any]]:
@@ -603,7 +655,8 @@ class BenchRunner:
         """
         from tqdm import tqdm
 
-        todo = [item for item in _with_extra(matrix, extra) if not writer.has(*self._key(item))]
+        cases = [(*case, scenario) for case in matrix for scenario in self.scenarios]
+        todo = [item for item in _with_extra(cases, extra) if not writer.has(*self._key(item))]
         # disable=None: no bar where stderr is no terminal (a CI log would get its \r fragments)
         bar = tqdm(todo, desc="bench", unit="case", file=sys.stderr, disable=None if progress else True)
         try:
@@ -613,10 +666,10 @@ class BenchRunner:
             bar.close()
         return writer.finish()
 
-    def _key(self, item: Case | ExtraCase) -> CaseKey:
+    def _key(self, item: ScenarioCase | ExtraCase) -> CaseKey:
         if isinstance(item, tuple):
-            model, mode, batch = item
-            return (self.name_of(model), mode, self.backend.name, batch)
+            model, mode, batch, scenario = item
+            return (self.name_of(model), mode, self.backend.name, batch, scenario.label())
         return item.key(self)
 
     def _run_cases(self, bar: Any, writer: ResultsWriter, on_case: CaseHook | None) -> None:
@@ -627,9 +680,11 @@ class BenchRunner:
         busy = 0
         for item in bar:
             if isinstance(item, tuple):
-                model, mode, batch = item
-                bar.set_postfix_str(f"{model} {mode}" + ("" if batch is None else f" b{batch}"))
-                entry = self.run_case(model, mode, batch)
+                model, mode, batch, scenario = item
+                where = "" if scenario.single_stream else f" {scenario.name}"
+                bar.set_postfix_str(f"{model} {mode}" + ("" if batch is None else f" b{batch}") + where)
+                # a single-stream case is called as before scenarios existed (overrides of run_case keep working)
+                entry = self.run_case(model, mode, batch) if scenario.single_stream else self.run_case(model, mode, batch, scenario)
             else:
                 bar.set_postfix_str(item.label)
                 entry = item.run(self)
@@ -665,13 +720,16 @@ class ExtraCase(Protocol):
     def run(self, runner: BenchRunner) -> dict[str, Any]: ...
 
 
-def _with_extra(matrix: Sequence[Case], extra: Sequence[ExtraCase]) -> list[Case | ExtraCase]:
+ScenarioCase = tuple[str, PrecisionMode, "int | None", Scenario]  # a matrix case in one scenario
+
+
+def _with_extra(matrix: Sequence[ScenarioCase], extra: Sequence[ExtraCase]) -> list[ScenarioCase | ExtraCase]:
     """The matrix with each extra case just before the first engine case of its model and batch size.
 
     Extra cases of a model and batch size the matrix lacks (another shard's) come last.
     """
     pending = list(extra)
-    items: list[Case | ExtraCase] = []
+    items: list[ScenarioCase | ExtraCase] = []
     for case in matrix:
         here = [e for e in pending if (e.model, e.batch) == (case[0], case[2])]
         pending = [e for e in pending if (e.model, e.batch) != (case[0], case[2])]

@@ -16,7 +16,9 @@ from tabulate import tabulate
 from harness.bench.compare import Comparison
 from harness.bench.gate import GateReport
 from harness.bench.results import BUSY_PREFIX, case_key, format_key, is_peer
-from harness.precision import precision_of
+from harness.bench.scenario_tables import scenario_rows
+from harness.bench.scenarios import SINGLE_STREAM, label_of
+from harness.precision import PRECISION_MODES, ExecutedPrecision, precision_of
 
 _TIME_UNITS = ((1e9, "s"), (1e6, "ms"), (1e3, "µs"), (1.0, "ns"))
 _BYTE_UNITS = ((1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB"))
@@ -54,8 +56,9 @@ def _speedup(reference_ns: float | None, median_ns: float | None) -> str:
 
 
 def _status(case: Mapping[str, Any], width: int = 60) -> str:
-    """``ok`` or ``non-finite (NaN n, Inf m)`` with the case's stored warnings (but the busy-machine
-    one, which the table's footnote says once: :func:`busy_note`), or the whole failure reason.
+    """``ok`` or ``non-finite (NaN n, Inf m)``, what did not run at the mode's precision
+    ("fp16 asked, 41 of 52 layers ran fp32"), the case's stored warnings (but the busy-machine
+    one, which the table's footnote says once: :func:`busy_note`); or the whole failure reason.
 
     Long text is wrapped to ``width`` (never cut): each line is a line of the
     terminal table's cell, or a ``<br>`` in Markdown (see :func:`_table`).
@@ -66,8 +69,13 @@ def _status(case: Mapping[str, Any], width: int = 60) -> str:
     if case["status"] == "non-finite":
         acc = case["accuracy"]
         text = f"non-finite (NaN {acc['nan_count']}, Inf {acc['inf_count']})"
+    executed = case.get("executed_precision")
+    ran = None if executed is None else ExecutedPrecision.from_json(executed).describe()
     warnings = [w for w in case.get("warnings", []) if not w.startswith(BUSY_PREFIX)]
-    return "\n".join([text, *(textwrap.fill(f"warning: {w}", width) for w in warnings)])
+    return "\n".join([
+        text, *([textwrap.fill(ran, width)] if ran else []),
+        *(textwrap.fill(f"warning: {w}", width) for w in warnings),
+    ])  # fmt: skip
 
 
 def _busy(case: Mapping[str, Any]) -> bool:
@@ -133,10 +141,14 @@ def _fastest_peers(doc: Mapping[str, Any]) -> dict[tuple[str, int | None, str], 
 
 
 def results_rows(doc: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]:
-    """Header and rows of the per-case table (model x mode x backend), peers' reference rows after the engines'."""
+    """Header and rows of the per-case table (model x mode x backend), peers' reference rows after the engines'.
+
+    Single-stream cases only: scenario cases have a table of their own (:func:`scenario_table`).
+    """
+    single = [c for c in doc["cases"] if label_of(c) == SINGLE_STREAM]
     reference_median = {
         (c["model"], c["backend"], c.get("batch")): c["latency"]["summary"]["median"]
-        for c in doc["cases"]
+        for c in single
         if c["mode"] == REFERENCE_MODE and c["status"] != "failed"
     }
     fastest_peer = _fastest_peers(doc)
@@ -146,7 +158,7 @@ def results_rows(doc: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]:
         "IQR/median", "max abs err", "cosine", "top-1", "task acc", "weights", "engine", "peak RSS", "status",
     ]  # fmt: skip
     rows = []
-    for c in sorted(doc["cases"], key=lambda c: (c["model"], is_peer(c), c["backend"], c.get("batch") or 0)):
+    for c in sorted(single, key=lambda c: (c["model"], is_peer(c), c["backend"], c.get("batch") or 0)):
         lat, acc, mem, task = (
             c.get("latency"),
             c.get("accuracy"),
@@ -155,7 +167,7 @@ def results_rows(doc: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]:
         )
         median = lat["summary"]["median"] if lat else None
         ref = reference_median.get((c["model"], c["backend"], c.get("batch")))
-        precision = c["mode"] if is_peer(c) else precision_of(c["mode"])
+        precision = _precision(c)
         best_peer = fastest_peer.get((c["model"], c.get("batch"), precision or ""))
         rows.append(
             [
@@ -182,6 +194,14 @@ def results_rows(doc: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]:
     return header, rows
 
 
+def _precision(case: Mapping[str, Any]) -> str | None:
+    """The precision a case ran at: a peer's mode is one; another tool's case (a pytest-benchmark
+    parameter as its mode) has none the harness knows."""
+    if is_peer(case):
+        return str(case["mode"])
+    return precision_of(case["mode"]) if case["mode"] in PRECISION_MODES else None
+
+
 def results_table(doc: Mapping[str, Any], fmt: str = "simple") -> str:
     """A title line (machine, commit, completeness) and the per-case table."""
     git = doc["git"]
@@ -190,13 +210,23 @@ def results_table(doc: Mapping[str, Any], fmt: str = "simple") -> str:
     title = f"machine {doc['machine']['id']}, {commit}, {len(doc['cases'])} cases"
     if not doc["complete"]:
         title += ", INCOMPLETE (interrupted run)"
-    if doc.get("upgraded_from"):
-        title += f"\nnote: {doc['upgraded_from']['note']}"
+    for mark in ("upgraded_from", "imported_from"):
+        if doc.get(mark):
+            title += f"\nnote: {doc[mark]['note']}"
     if any(is_peer(c) for c in doc["cases"]):
         title += f"\nnote: {PEER_NOTE}"
     header, rows = results_rows(doc)
     busy = busy_note(doc["cases"])
-    return title + "\n\n" + _table(rows, header, fmt) + (f"\n{busy}" if busy else "")
+    table = _table(rows, header, fmt) if rows else "(no single-stream cases)"
+    return title + "\n\n" + table + scenario_table(doc, fmt) + (f"\n{busy}" if busy else "")
+
+
+def scenario_table(doc: Mapping[str, Any], fmt: str = "simple") -> str:
+    """The scenario cases' table (latency against throughput per mode), or "" when there are none."""
+    header, rows = scenario_rows(doc)
+    if not rows:
+        return ""
+    return "\n\nscenarios (latency from each query's arrival; items/s achieved under the load):\n\n" + _table(rows, header, fmt)
 
 
 def gate_table(report: GateReport, fmt: str = "simple") -> str:

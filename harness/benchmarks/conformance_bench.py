@@ -20,7 +20,7 @@ a source checkout, the re-creations in ``tests/conformance/recreations.py``.
 
 ``--conformance-table`` instead runs the conformance suite itself
 (``pytest tests/conformance``, from a source checkout) and prints its outcome
-as a Markdown model x stage table (the README's); ``--report FILE`` renders a
+as a Markdown model x stage table (a conformance benchmark page's); ``--report FILE`` renders a
 report an earlier run wrote (``HARNESS_CONFORMANCE_REPORT=FILE pytest
 tests/conformance``) without running the suite again.
 """

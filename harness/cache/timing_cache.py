@@ -35,7 +35,10 @@ _HASH_PATTERN = "^(0x)?[0-9a-fA-F]{1,64}$"
 # file written before this was allowed still matches, so schema_version stays 1.
 UNKNOWN_HASH = ""
 _ENTRY_HASH_PATTERN = "^((0x)?[0-9a-fA-F]{1,64})?$"
-_TIME = {"type": "number", "minimum": 0}
+# A layer's time, in ms: an hour is beyond any kernel a build times, so a file that says
+# more was not written by one (the range is named in the error).
+MAX_TIME_MS = 3_600_000
+_TIME = {"type": "number", "minimum": 0, "maximum": MAX_TIME_MS}
 
 SCHEMA: dict[str, Any] = {
     "$schema": "https://json-schema.org/draft/2020-12/schema",

@@ -6,8 +6,9 @@ with what would be valid; argparse then prints the usage and ``argument
 project file's values are checked by its schema and again where they are
 used (:mod:`harness.limits`), with the same ranges.
 
-This module imports nothing but the standard library and
-:mod:`harness.limits`: parsers of the light commands (``gate``) use it.
+This module imports nothing but the standard library, :mod:`harness.limits`
+and :func:`harness.fileio.shown` (a value echoed cut short): parsers of the
+light commands (``gate``) use it.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import math
 import re
 from collections.abc import Callable
 
+from harness.fileio import shown
 from harness.limits import MAX_BATCH_SIZE, MAX_ITERS, MAX_REBUILDS, MAX_THREADS
 
 
@@ -24,7 +26,7 @@ def _int(text: str, least: int, most: int | None) -> int:
     valid = f"{least}..{most}" if most is not None else f"an integer >= {least}"
     raw = text.strip()
     if not re.fullmatch(r"[+-]?\d{1,12}", raw):
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer; valid: {valid}")
+        raise argparse.ArgumentTypeError(f"{shown(text)} is not an integer; valid: {valid}")
     value = int(raw)
     if value < least or (most is not None and value > most):
         raise argparse.ArgumentTypeError(f"{value} is out of range; valid: {valid}")
@@ -43,6 +45,7 @@ def int_range(least: int, most: int | None, name: str = "int") -> Callable[[str]
 
 threads = int_range(1, MAX_THREADS, "threads")
 positive_int = int_range(1, None, "positive_int")
+non_negative_int = int_range(0, 1_000_000, "non_negative_int")
 iterations = int_range(1, MAX_ITERS, "iterations")
 warmup_runs = int_range(0, MAX_ITERS, "warmup_runs")
 rebuild_times = int_range(2, MAX_REBUILDS, "rebuild_times")
@@ -52,9 +55,9 @@ def _float(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        raise argparse.ArgumentTypeError(f"{shown(text)} is not a number") from None
     if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a finite number")
+        raise argparse.ArgumentTypeError(f"{shown(text)}: expected a finite number")
     return value
 
 
@@ -62,7 +65,7 @@ def non_negative(text: str) -> float:
     """A finite number >= 0 (an accepted drop or growth of an error metric)."""
     value = _float(text)
     if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a finite number >= 0")
+        raise argparse.ArgumentTypeError(f"{shown(text)}: expected a finite number >= 0")
     return value
 
 
@@ -70,7 +73,7 @@ def probability(text: str) -> float:
     """A number strictly between 0 and 1 (a significance level)."""
     value = _float(text)
     if not 0 < value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a number strictly between 0 and 1, e.g. 0.01")
+        raise argparse.ArgumentTypeError(f"{shown(text)}: expected a number strictly between 0 and 1, e.g. 0.01")
     return value
 
 
@@ -80,7 +83,7 @@ def seconds(most: float) -> Callable[[str], float]:
     def parse(text: str) -> float:
         value = _float(text)
         if not 0 < value <= most:
-            raise argparse.ArgumentTypeError(f"{text!r}: expected a number of seconds above 0 and at most {most:g}")
+            raise argparse.ArgumentTypeError(f"{shown(text)}: expected a number of seconds above 0 and at most {most:g}")
         return value
 
     parse.__name__ = "seconds"
@@ -96,16 +99,16 @@ def threshold_value(text: str) -> float:
     try:
         value = float(raw[:-1]) / 100 if raw.endswith("%") else float(raw)
     except ValueError:
-        raise ValueError(f"{text!r}: expected a percentage such as 5% or a fraction such as 0.05") from None
+        raise ValueError(f"{shown(text)}: expected a percentage such as 5% or a fraction such as 0.05") from None
     if not math.isfinite(value):
-        raise ValueError(f"{text!r}: expected a percentage such as 5% or a fraction such as 0.05")
+        raise ValueError(f"{shown(text)}: expected a percentage such as 5% or a fraction such as 0.05")
     if not raw.endswith("%") and value >= 1:
         raise ValueError(
-            f"{text!r}: read as the fraction {value:g}, i.e. {value:.0%}; "
+            f"{shown(text)}: read as the fraction {value:g}, i.e. {value:.0%}; "
             f"write {raw}% for {raw} percent, or a fraction below 1 such as {value / 100:g}"
         )
     if not 0 <= value < 10:
-        raise ValueError(f"{text!r}: must be between 0% and 1000%")
+        raise ValueError(f"{shown(text)}: must be between 0% and 1000%")
     return value
 
 
@@ -121,10 +124,10 @@ def shard(text: str) -> tuple[int, int]:
     """``"i/n"`` with 1 <= i <= n: run every n-th case starting at the i-th."""
     match = re.fullmatch(r"\s*(\d{1,9})\s*/\s*(\d{1,9})\s*", text)
     if not match:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected i/n, e.g. 1/2 (shard i of n, 1-based)")
+        raise argparse.ArgumentTypeError(f"{shown(text)}: expected i/n, e.g. 1/2 (shard i of n, 1-based)")
     index, count = int(match.group(1)), int(match.group(2))
     if count < 1 or not 1 <= index <= count:
-        raise argparse.ArgumentTypeError(f"{text!r}: need 1 <= i <= n and n >= 1")
+        raise argparse.ArgumentTypeError(f"{shown(text)}: need 1 <= i <= n and n >= 1")
     return index, count
 
 
@@ -141,7 +144,7 @@ def lock_clocks(text: str) -> str | int:
         return _int(raw, 1, MAX_CLOCK_MHZ)
     except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(
-            f"{text!r}: expected base, max or a clock in MHz (1..{MAX_CLOCK_MHZ}), e.g. 1410"
+            f"{shown(text)}: expected base, max or a clock in MHz (1..{MAX_CLOCK_MHZ}), e.g. 1410"
         ) from None
 
 
@@ -149,15 +152,15 @@ def batch_sizes(text: str) -> list[int]:
     """``N,N,...``: distinct batch sizes, each within 1..MAX_BATCH_SIZE."""
     parts = [part.strip() for part in text.split(",") if part.strip()]
     if not parts:
-        raise argparse.ArgumentTypeError(f"{text!r}: give at least one batch size, e.g. 1,8")
+        raise argparse.ArgumentTypeError(f"{shown(text)}: give at least one batch size, e.g. 1,8")
     sizes = []
     for part in parts:
         if not part.isdigit() or len(part) > 9:
-            raise argparse.ArgumentTypeError(f"{text!r}: {part[:30]!r} is not an integer; valid: 1..{MAX_BATCH_SIZE}")
+            raise argparse.ArgumentTypeError(f"{shown(text)}: {shown(part)} is not an integer; valid: 1..{MAX_BATCH_SIZE}")
         size = int(part)
         if not 1 <= size <= MAX_BATCH_SIZE:
-            raise argparse.ArgumentTypeError(f"{text!r}: {size} is out of range; valid: 1..{MAX_BATCH_SIZE}")
+            raise argparse.ArgumentTypeError(f"{shown(text)}: {size} is out of range; valid: 1..{MAX_BATCH_SIZE}")
         sizes.append(size)
     if len(set(sizes)) != len(sizes):
-        raise argparse.ArgumentTypeError(f"{text!r}: a batch size appears twice")
+        raise argparse.ArgumentTypeError(f"{shown(text)}: a batch size appears twice")
     return sizes

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.autocast import options
-from harness.cli import argtypes
+from harness.cli import argtypes, bench_load
 from harness.cli.results_cmd import DEFAULT_ROOT, parse_threshold, plots_missing, report_run
 from harness.errors import HarnessError
 from harness.precision import PrecisionMode
@@ -35,8 +35,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         help="benchmark models x precision modes on one backend",
         description="Build, check accuracy of, and time every (model, mode) case; write one results JSON.",
     )
-    p.add_argument("--models", default=None,
-                   help="comma-separated zoo names or path/to/file.py:factory "
+    p.add_argument("--models", "--model", default=None,
+                   help="comma-separated zoo names, path/to/file.py:factory, or model files: path/model.onnx, "
+                   "path/model.pt2 (torch.export.save), hf:path/to/dir (config.json and safetensors) "
                    f"(default: the project file's, else {','.join(DEFAULT_MODELS)}; digits only with the "
                    "'digits' extra installed)")
     p.add_argument("--modes", default=None, help="comma-separated precision modes "
@@ -84,6 +85,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--no-plots", action="store_true", help="skip the latency-vs-error PNGs")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     options.add_flags(p)
+    bench_load.add_flags(p)
     p.set_defaults(func=run_bench)
 
 
@@ -153,9 +155,9 @@ def _check_caches(cache_dir: Path, matrix: list[Any], runner: Any) -> None:
             load_cache(path, runner.backend, config)
 
 
-def _plans(refs: list[str], project: Any, args: argparse.Namespace) -> dict[str, Any]:
-    """Per model: its autocast settings (defaults < project file < flags) and explicit file."""
-    from harness import models
+def _plans(refs: list[str], project: Any, args: argparse.Namespace, load: Any) -> dict[str, Any]:
+    """Per model: its autocast settings (defaults < project file < flags) and explicit file
+    (``load``: the run's model loader, which gives model files their input options)."""
     from harness.autocast import options
     from harness.bench.runner import ModelPlan
     from harness.engines.modes import load_explicit
@@ -165,7 +167,7 @@ def _plans(refs: list[str], project: Any, args: argparse.Namespace) -> dict[str,
     examples: dict[str, Any] = {}
     cli = options.given(args)
     for ref in refs:
-        spec = models.load(ref)
+        spec = load(ref, None)
         name, examples[ref] = spec.name, spec.example_inputs
         if name in names:
             raise HarnessError(
@@ -173,7 +175,7 @@ def _plans(refs: list[str], project: Any, args: argparse.Namespace) -> dict[str,
                 "its ModelSpec.name (or factory name), so give them different names"
             )
         names[name] = ref
-    project.check_model_tables({ref: name for name, ref in names.items()}, lambda ref: models.load(ref).name)
+    project.check_model_tables({ref: name for name, ref in names.items()}, lambda ref: load(ref, None).name)
     for name, ref in names.items():
         explicit = args.explicit or project.explicit_for(ref, name)
         if explicit is not None:
@@ -245,6 +247,10 @@ class _Run:
     peer_matrix: list[Any]
     notes: list[str]
     clock_lock: contextlib.AbstractContextManager[object]
+    engine_cases: int = 0  # the matrix's cases times the scenarios
+
+    def total(self) -> int:
+        return (self.engine_cases or len(self.matrix)) + len(self.peer_matrix)
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -254,12 +260,30 @@ def run_bench(args: argparse.Namespace) -> int:
     run = _resolve(args)
     for note in run.notes:
         print(f"note: {note}", file=sys.stderr)
-    with run.clock_lock:  # taken before the results file is written; released on every way out
+    # both taken before the results file is written; released on every way out
+    with run.clock_lock, _cache_lock(run.runner.cache_dir):
         doc = _measure(run, args)
     if doc is None:
         return 130
     report_run(doc, run.output, args.no_plots, args.summary_md)
-    return _failures(doc, len(run.matrix) + len(run.peer_matrix))
+    return _failures(doc, run.total())
+
+
+def _cache_lock(directory: Path | None) -> contextlib.AbstractContextManager[object]:
+    """The cache directory, held for the whole run: a second bench on the same directory
+    waits (saying so) rather than mix its tactics into this run's caches."""
+    if directory is None:
+        return contextlib.nullcontext()
+    from harness.fileio import locked_directory
+
+    def waiting() -> None:
+        print(
+            f"waiting: another process holds the cache directory {directory} "
+            "(a bench holds it for its whole run); this run starts when it is released",
+            file=sys.stderr, flush=True,
+        )  # fmt: skip
+
+    return locked_directory(directory, "--cache-dir", waiting)
 
 
 def _resolve(args: argparse.Namespace) -> _Run:
@@ -273,8 +297,8 @@ def _resolve(args: argparse.Namespace) -> _Run:
         build_matrix,
         default_models,
     )
+    from harness.bench.scenario_run import check_cores
     from harness.fileio import check_writable
-    from harness.models import load as models_load
     from harness.precision import run_precisions
     from harness.project import load_project, portable_path
 
@@ -299,7 +323,10 @@ def _resolve(args: argparse.Namespace) -> _Run:
     clock_lock = _clock_lock(args.lock_clocks, backend)
     if args.cuda_graph:
         _require_gpu_backend("--cuda-graph", "captures a GPU engine's enqueue in a CUDA graph", backend)
-    plans = _plans(refs, project, args)
+    scenarios = bench_load.scenarios_from(args, project)
+    input_options = bench_load.input_options_for(refs, args, project)
+    load = bench_load.loader(input_options)
+    plans = _plans(refs, project, args, load)
     with_explicit = [ref for ref, plan in plans.items() if plan.explicit is not None]
     modes_text = args.modes if args.modes is not None else (",".join(project.get("modes") or []) or None)
     modes = _modes(modes_text, backend, with_explicit)
@@ -307,6 +334,10 @@ def _resolve(args: argparse.Namespace) -> _Run:
         lacking = ", ".join(r for r in refs if r not in with_explicit)
         raise HarnessError(f"mode 'explicit' needs an explicit precision file for every model; none for {lacking}")
     measure = _measure_settings(args, project, threads)
+    from harness.bench.runner import GPU_BACKENDS
+
+    for scenario in scenarios if backend.name not in GPU_BACKENDS else ():  # GPU workers are streams
+        check_cores(scenario, measure.threads)
     if args.summary_md is not None:
         check_writable(args.summary_md, "--summary-md")
     machine = machine_info()
@@ -315,7 +346,7 @@ def _resolve(args: argparse.Namespace) -> _Run:
     batch_sizes = project.setting("batch_sizes", args.batch_sizes)
     for ref in refs if batch_sizes else ():
         for size in batch_sizes:
-            models_load(ref, size)  # a model that cannot sweep is refused now
+            load(ref, size)  # a model that cannot sweep is refused now
     matrix = build_matrix(refs, modes, shard, batch_sizes or (None,))
     peer_matrix, peer_notes = peer_cases(refs, peers, run_precisions(modes), batch_sizes or (None,), shard)
     if peers and not run_precisions(modes):
@@ -327,13 +358,18 @@ def _resolve(args: argparse.Namespace) -> _Run:
         plans=plans,
         ignore_cache_mismatch=args.ignore_mismatch,
         batch_sizes=batch_sizes or (),
+        load_model=load,
+        scenarios=scenarios,
     )
     if not args.disable_cache:
         _check_caches(cache_dir, matrix, runner)
     if not args.no_plots and plots_missing() is None:  # missing: said after the run, with the table
         from harness.bench.plots import check_plot_paths
 
-        check_plot_paths(output, [runner.name_of(r) for r in refs], sweep=len(batch_sizes or ()) > 1)
+        check_plot_paths(
+            output, [runner.name_of(r) for r in refs], sweep=len(batch_sizes or ()) > 1,
+            scenarios=any(not s.single_stream for s in scenarios),
+        )  # fmt: skip
     # Shards of one run must carry equal settings (merge checks them), so the
     # shard is in the file name and the measured overhead in each case, not here;
     # paths are relative to the current directory (portable_path), so shards run
@@ -352,8 +388,36 @@ def _resolve(args: argparse.Namespace) -> _Run:
         "ignore_cache_mismatch": args.ignore_mismatch,
         "peers": peer_names,
         **({} if args.lock_clocks is None else {"lock_clocks": args.lock_clocks}),
-    }
-    return _Run(output, machine, settings, runner, matrix, peer_matrix, notes + peer_notes, clock_lock)
+        # only where they differ from today's one single-stream measurement of factory models
+        **({} if [s.label() for s in scenarios] == ["single-stream"] else {
+            "scenarios": [{"name": s.name, "label": s.label(), **s.params()} for s in scenarios]
+        }),
+        **({} if not input_options else {
+            "inputs": {runner.name_of(ref): o.to_json() for ref, o in input_options.items()}
+        }),
+    }  # fmt: skip
+    notes += _source_notes(refs, load, backend, modes)
+    if peer_matrix and not any(s.single_stream for s in scenarios):
+        notes.append("no peer runs: peers are timed single-stream, and --scenario leaves it out")
+        peer_matrix = []
+    total = len(matrix) * len(scenarios)
+    return _Run(output, machine, settings, runner, matrix, peer_matrix, notes + peer_notes, clock_lock, total)
+
+
+def _source_notes(refs: list[str], load: Any, backend: Any, modes: list[PrecisionMode]) -> list[str]:
+    """What a reader should know about model files before the run: an ONNX file that did not
+    convert (its cases in the modes that need the conversion will fail, saying so)."""
+    from harness.sources import route, source_of
+
+    notes = []
+    for ref in refs:
+        source = source_of(load(ref, None))
+        if source is None or source.conversion_error is None:
+            continue
+        blocked = [m for m in modes if route(load(ref, None), backend.name, m) == "graph"]
+        if blocked:
+            notes.append(f"{source.conversion_error} (cases {', '.join(blocked)} on {backend.name} will fail)")
+    return notes
 
 
 def _measure_settings(args: argparse.Namespace, project: Any, threads: int) -> Any:
@@ -392,7 +456,7 @@ def _measure(run: _Run, args: argparse.Namespace) -> dict[str, Any] | None:
     except KeyboardInterrupt:
         report_run(writer.doc, run.output, args.no_plots, args.summary_md)
         print(
-            f"interrupted: {len(writer.doc['cases'])} of {len(run.matrix) + len(run.peer_matrix)} cases kept in "
+            f"interrupted: {len(writer.doc['cases'])} of {run.total()} cases kept in "
             f"{run.output} (marked incomplete; finish it by repeating the command with --resume -o {run.output})",
             file=sys.stderr,
         )

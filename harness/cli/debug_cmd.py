@@ -1,8 +1,9 @@
 """``harness debug layers`` and ``harness debug precision``: where error enters, and the plan that meets a target.
 
-``layers`` ranks the layers of a precision mode's typed graph by the error
-each introduces (with the accumulated error and each layer's impact on the
-outputs), prints a table or JSON and plots error along the graph's depth.
+``layers`` ranks the layers of a precision mode's typed graph by what keeping
+each alone in fp32 removes from the outputs' error (with each layer's impact
+when it alone runs low, the error it introduces and the accumulated error),
+prints a table or JSON and plots error along the graph's depth.
 ``precision`` searches the fastest set of fp32 layers that meets
 ``--target METRIC<=X`` on every batch, prints every step, and writes the
 explicit precision file ``harness build --mode explicit`` and ``harness
@@ -28,7 +29,7 @@ MAX_SEARCH_SECONDS = 600.0  # timing of one candidate or finalist: beyond it, a 
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    from harness.debug.layers import DEFAULT_RANK_BY, DEFAULT_RANK_ON, RANK_ON
+    from harness.debug.layers import DEFAULT_RANK_ON, RANK_ON
     from harness.debug.metrics import EAGER_AUTOCAST, ERROR_METRICS, METRICS
     from harness.debug.select import DEFAULT_MIN_SPEEDUP
     from harness.engines.registry import BACKEND_NAMES
@@ -38,18 +39,22 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
     layers = dsub.add_parser(
         "layers",
-        help="rank a precision mode's layers by the error each introduces against fp32",
+        help="rank a precision mode's layers by the output error keeping each in fp32 removes",
         description="Run the fp32 reference and the typed graph of --mode on the same batches; per layer "
-        "report the accumulated error, the error the layer introduces alone, and its impact on the outputs.",
+        "report the outputs' error keeping only it in fp32 removes, the outputs' error when only it runs "
+        "low, the error it introduces alone and the accumulated error. Views and copies count as part of "
+        "the layer that produced their input.",
     )
     _common(layers, BACKEND_NAMES)
     layers.add_argument("--mode", required=True, type=mode_argtype, choices=list(PrecisionMode), help="precision mode to debug")
     layers.add_argument("--explicit", metavar="FILE", help="explicit precision file (mode explicit)")
-    layers.add_argument("--rank-by", default=DEFAULT_RANK_BY, choices=ERROR_METRICS,
-                        help="metric of the introduced error that ranks the layers")
+    layers.add_argument("--rank-by", default=None, choices=ERROR_METRICS,
+                        help="metric that ranks the layers (default: max-abs-err for the effects on the "
+                        "outputs, removed and impact; max-rel-err for introduced and accumulated)")
     layers.add_argument("--rank-on", default=DEFAULT_RANK_ON, choices=RANK_ON,
-                        help="which error ranks the layers: introduced by the layer alone, accumulated at its "
-                        "output, or its impact on the model's outputs when only it runs low")
+                        help="which error ranks the layers: the outputs' error keeping only it in fp32 removes "
+                        "(default), the outputs' error when only it runs low (impact), the error it "
+                        "introduces alone, or the error accumulated at its output")
     layers.add_argument("--top", type=argtypes.positive_int, default=20, metavar="N",
                         help="layers shown in the table (--json: all)")
     layers.add_argument("--plot", metavar="FILE.png",

@@ -4,6 +4,10 @@ Each subcommand module exposes ``register(subparsers)``; the parser it adds
 sets ``func`` to a callable taking the parsed namespace and returning an exit
 code. :class:`HarnessError` becomes ``error: ...`` and exit code 2.
 
+Every parser is a :class:`Parser`: a flag is never taken for a longer one
+it abbreviates (``--spread`` is not ``--spread-threshold``), and an unknown flag,
+command or choice is refused with the nearest valid one suggested.
+
 Modules are imported when their command runs, not before: :data:`COMMANDS`
 names every command with its module and one-line help, the command line is
 read once to learn which command it names (:func:`command_of`), and only
@@ -17,9 +21,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import os
+import re
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextvars import ContextVar
+from typing import Any, NoReturn
 
 # (command, module that registers it, help), in the order `harness --help` lists them.
 COMMANDS = (
@@ -31,11 +39,14 @@ COMMANDS = (
      "list the layers and tactics of a saved engine, or of a trtexec build (--trt-log, --trt-layers)"),
     ("bench", "harness.cli.bench_cmd", "benchmark models x precision modes on one backend"),
     ("merge", "harness.cli.results_cmd", "join the shards of a run into one results file"),
-    ("report", "harness.cli.results_cmd", "print the table and write the plots of a stored, merged or old run"),
+    ("report", "harness.cli.results_cmd",
+     "print the table and write the plots of a stored, merged or old run (or of pytest-benchmark's JSON)"),
     ("baseline", "harness.cli.results_cmd", "manage per-machine baselines"),
     ("compare", "harness.cli.results_cmd",
      "per-case fingerprints, tactics, output digests, latency and accuracy of two runs"),
     ("gate", "harness.cli.results_cmd", "fail on latency, accuracy or determinism regressions against a baseline"),
+    ("history", "harness.cli.history_cmd",
+     "benchmark history as an HTML dashboard (and JSON, Markdown): steps, verdicts, changes"),
     ("debug", "harness.cli.debug_cmd", "precision debugging: per-layer error, and the fastest plan meeting a target"),
 )
 SUBCOMMAND_MODULES = tuple(dict.fromkeys(module for _, module, _ in COMMANDS))
@@ -60,6 +71,88 @@ class HelpFormatter(argparse.HelpFormatter):
         return f"{text} (default: %(default)s)"
 
 
+# The long flags of the command line being parsed that no parser knows (Parser.parse_command_line).
+_TYPOS: ContextVar[tuple[str, ...]] = ContextVar("harness_unknown_flags", default=())
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser that takes no abbreviation of a flag and suggests the nearest valid name.
+
+    ``allow_abbrev`` is off: a prefix is refused rather than read as the one
+    flag it happens to begin (``--spread`` for ``--spread-threshold``; a new flag could
+    later change what a script's prefix means). An unknown flag is refused by
+    the parser of the (sub)command it was given to, with that command's
+    usage and, in every error of it, the closest of its flags; an invalid
+    choice (a command, a backend) names the closest choice. Values are
+    echoed cut short.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs["allow_abbrev"] = False
+        super().__init__(*args, **kwargs)
+
+    def _check_value(self, action: argparse.Action, value: Any) -> None:
+        if action.choices is None or value in action.choices:
+            return
+        from harness.fileio import shown
+
+        choices = [str(c) for c in action.choices]
+        close = difflib.get_close_matches(str(value), choices, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise argparse.ArgumentError(action, f"invalid choice: {shown(value)} ({hint}choose from {', '.join(choices)})")
+
+    def parse_command_line(self, argv: Sequence[str] | None) -> argparse.Namespace:
+        """``parse_args``, with an unknown argument refused by the (sub)command it was given to."""
+        words = list(sys.argv[1:] if argv is None else argv)
+        words = words[: words.index("--")] if "--" in words else words
+        known = {flag for parser in self._tree() for action in parser._actions for flag in action.option_strings}
+        names = (word.partition("=")[0] for word in words if word.startswith("--"))
+        token = _TYPOS.set(tuple(dict.fromkeys(name for name in names if name not in known)))
+        try:
+            parsed, unknown = self.parse_known_args(argv)
+            if unknown:
+                from harness.fileio import shown
+
+                listed = " ".join(a if len(a) <= 80 else shown(a) for a in unknown)
+                self._chosen(parsed).error(f"unrecognized arguments: {listed}")
+            return parsed
+        finally:
+            _TYPOS.reset(token)
+
+    def _tree(self) -> list[argparse.ArgumentParser]:
+        """This parser and every subcommand parser below it."""
+        found: list[argparse.ArgumentParser] = [self]
+        for parser in found:
+            for action in parser._actions:
+                if isinstance(action, argparse._SubParsersAction):
+                    found.extend(action.choices.values())
+        return found
+
+    def _chosen(self, parsed: argparse.Namespace) -> Parser:
+        """The parser of the (sub)command ``parsed`` ran: its flags are the ones a typo meant."""
+        parser = self
+        while True:
+            sub = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+            child = sub.choices.get(str(getattr(parsed, sub.dest, ""))) if sub is not None else None
+            if not isinstance(child, Parser):
+                return parser
+            parser = child
+
+    def error(self, message: str) -> NoReturn:
+        """argparse's usage error, naming for each unknown flag of the command line the closest of ours."""
+        from harness.fileio import shown
+
+        flags = [flag for action in self._actions for flag in action.option_strings]
+        # the flags the error is about (a required one missing) first: `--modle` meant `--model`
+        named = [flag for flag in flags if re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", message)]
+        hints = []
+        for typo in _TYPOS.get():
+            close = difflib.get_close_matches(typo, named, n=1) or difflib.get_close_matches(typo, flags, n=1)
+            if close:
+                hints.append(f"{close[0]} for {shown(typo)}")
+        super().error(message + (f" (did you mean {', '.join(hints)}?)" if hints else ""))
+
+
 def _version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -71,7 +164,7 @@ def _version() -> str:
         return __version__
 
 
-def build_parser(commands: Iterable[str] | None = None) -> argparse.ArgumentParser:
+def build_parser(commands: Iterable[str] | None = None) -> Parser:
     """The parser, with the full arguments of ``commands`` (None: every command).
 
     The other commands are listed (name and help) but take no arguments of
@@ -80,7 +173,7 @@ def build_parser(commands: Iterable[str] | None = None) -> argparse.ArgumentPars
     """
     import importlib
 
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="harness",
         description="Reproducible builds and benchmarks for mixed-precision inference: "
         "autocast compiler, engine builds with editable timing caches, benchmarks and a regression gate.",
@@ -100,7 +193,7 @@ def build_parser(commands: Iterable[str] | None = None) -> argparse.ArgumentPars
         if module not in registered:
             # The module adds its parsers to a scratch parser of the same name ("harness"),
             # so their usage lines read as before; the real one then takes the parser.
-            scratch = argparse.ArgumentParser(prog=parser.prog).add_subparsers()
+            scratch = Parser(prog=parser.prog).add_subparsers()
             importlib.import_module(module).register(scratch)
             registered[module] = scratch
         sub.choices[name] = registered[module].choices[name] if name in registered[module].choices else placeholder
@@ -141,27 +234,104 @@ def _torch_state_kept() -> contextlib.AbstractContextManager[None]:
     return preserved_global_state()
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _interrupt_handled() -> None:
+    """Tell CPython that the Ctrl-C just caught was handled.
+
+    A KeyboardInterrupt raised inside ``PyRun_String`` (which pybind11 modules
+    such as torch, onnx and onnxruntime call while they are imported) sets a
+    flag that makes the interpreter kill itself with SIGINT at exit, whatever
+    code the program exits with: a Ctrl-C during start-up then ended in -2,
+    not 130. Every ``PyRun_String`` clears the flag before it runs its code,
+    so one that evaluates ``None`` clears it, whichever CPython this is (the
+    flag itself is a global up to 3.11, runtime state from 3.12; neither is
+    API). On another interpreter there is no such flag.
+    """
+    import ctypes
+
     try:
-        from harness.errors import HarnessError
+        prototype = ctypes.PYFUNCTYPE(ctypes.py_object, ctypes.c_char_p, ctypes.c_int, ctypes.py_object, ctypes.py_object)
+        run_string = prototype(("PyRun_String", ctypes.pythonapi))
+    except (AttributeError, OSError):  # not CPython
+        return
+    eval_input = 258  # Py_eval_input
+    run_string(b"None", eval_input, {}, {})
 
-        args = build_parser([command_of(argv)]).parse_args(argv)
-        if args.verbose:
-            import logging
 
-            logging.basicConfig(format="%(name)s: %(message)s", stream=sys.stderr)
-            logging.getLogger("harness").setLevel(logging.DEBUG)
+class _CtrlC:
+    """How many Ctrl-Cs (SIGINT) reached the running command, seen or not by what they interrupted."""
+
+    count = 0
+
+
+@contextlib.contextmanager
+def _ctrl_c_counted() -> Iterator[_CtrlC]:
+    """Count every Ctrl-C of the block, then raise KeyboardInterrupt as Python does.
+
+    A library may swallow the KeyboardInterrupt (torch imports numpy in C++
+    and drops whatever that import raised): numpy is then left half-loaded,
+    and the next import of it fails with a RecursionError far from the
+    Ctrl-C. Counted, that failure is still reported as the interrupt it is.
+    Only Python's own handler in the main thread is replaced (an embedding
+    program's handler, or a thread, is left alone) and it is put back after.
+    """
+    import signal
+    import threading
+
+    counted = _CtrlC()
+    if threading.current_thread() is not threading.main_thread() or (
+        signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    ):
+        yield counted
+        return
+
+    def on_sigint(signum: int, frame: Any) -> None:
+        counted.count += 1
+        signal.default_int_handler(signum, frame)
+
+    signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield counted
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def _interrupted() -> int:
+    _interrupt_handled()
+    print("interrupted", file=sys.stderr)
+    return 130
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command ``argv`` names: its exit code; 2 and one ``error:`` line for a HarnessError (a
+    failed write leaving nothing of the command behind), 130 for Ctrl-C however early it comes (also
+    when what it interrupted swallowed it and then failed)."""
+    with _ctrl_c_counted() as ctrl_c:
         try:
-            with _torch_state_kept():
-                return int(args.func(args))
-        except HarnessError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return exc.exit_code
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
-    except BrokenPipeError:
-        # The reader of our output went away (`harness ... | head`): stop quietly, and
-        # point stdout at /dev/null so the interpreter's final flush does not fail again.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 141
+            from harness.errors import HarnessError
+            from harness.fileio import nothing_left_on_write_failure
+
+            args = build_parser([command_of(argv)]).parse_command_line(argv)
+            if args.verbose:
+                import logging
+
+                logging.basicConfig(format="%(name)s: %(message)s", stream=sys.stderr)
+                logging.getLogger("harness").setLevel(logging.DEBUG)
+            try:
+                with _torch_state_kept(), nothing_left_on_write_failure():
+                    return int(args.func(args))
+            except HarnessError as exc:
+                if ctrl_c.count:
+                    return _interrupted()
+                print(f"error: {exc}", file=sys.stderr)
+                return exc.exit_code
+        except KeyboardInterrupt:
+            return _interrupted()
+        except BrokenPipeError:
+            # The reader of our output went away (`harness ... | head`): stop quietly, and
+            # point stdout at /dev/null so the interpreter's final flush does not fail again.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 141
+        except Exception:
+            if ctrl_c.count:  # the failure of what a swallowed Ctrl-C left half done
+                return _interrupted()
+            raise

@@ -33,8 +33,15 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     m.add_argument("-o", "--output", required=True, metavar="FILE", help="the merged results file to write")
     m.set_defaults(func=run_merge)
 
-    r = sub.add_parser("report", help="print the table and write the plots of a stored, merged or old run")
+    r = sub.add_parser(
+        "report",
+        help="print the table and write the plots of a stored, merged or old run (or of pytest-benchmark's JSON)",
+    )
     r.add_argument("run", metavar="RUN.json")
+    r.add_argument("--format", choices=REPORT_FORMATS, default="table",
+                   help="table: the table and plots; pytest-benchmark: the run as pytest-benchmark's JSON "
+                   "(for pytest-benchmark compare), to -o FILE or stdout")  # fmt: skip
+    r.add_argument("-o", "--output", default=None, metavar="FILE", help="where --format pytest-benchmark writes")
     r.add_argument("--summary-md", default=None, metavar="FILE", help="also write the table as Markdown")
     r.add_argument("--no-plots", action="store_true", help="skip the latency-vs-error PNGs")
     r.set_defaults(func=run_report)
@@ -44,7 +51,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     promote = bsub.add_parser("promote", help="make a finished run the baseline of its machine")
     promote.add_argument("run", metavar="RUN")
     promote.add_argument("--root", default=DEFAULT_ROOT, help="results root")
-    promote.add_argument("--force", action="store_true", help="accept a --quick run as the baseline")
+    promote.add_argument("--force", action="store_true", help="accept a --quick, unstable or busy run as the baseline (the baseline records what was overridden)")
     promote.set_defaults(func=run_promote)
 
     c = sub.add_parser("compare", help="per-case fingerprints, tactics, output digests, latency and accuracy of two runs")
@@ -150,13 +157,39 @@ def report_run(doc: dict[str, Any], output: Path, no_plots: bool, summary_md: st
         print(f"markdown summary: {summary_md}")
 
 
+REPORT_FORMATS = ("table", "pytest-benchmark")
+
+
+def write_pytest_benchmark(doc: dict[str, Any], output: str | None) -> int:
+    """The run as pytest-benchmark's JSON, to ``output`` (atomically) or stdout; the cases left out on stderr."""
+    from harness.bench.pytest_benchmark import to_pytest_benchmark
+
+    converted, left_out = to_pytest_benchmark(doc)
+    for why in left_out:
+        print(f"note: not written (pytest-benchmark records timed runs only): {why}", file=sys.stderr)
+    text = json.dumps(converted, indent=2, allow_nan=False) + "\n"
+    if output is None:
+        sys.stdout.write(text)
+    else:
+        write_text(output, text)
+        print(f"pytest-benchmark JSON: {output} ({len(converted['benchmarks'])} benchmarks)", file=sys.stderr)
+    return 0
+
+
 def run_report(args: argparse.Namespace) -> int:
-    from harness.bench.results import load_results
+    from harness.bench.runs import load_run
     from harness.fileio import check_writable
 
-    if args.summary_md is not None:
-        check_writable(args.summary_md, "--summary-md")
-    doc = load_results(args.run, upgrade=True)
+    if args.format != "pytest-benchmark" and args.output is not None:
+        raise HarnessError("-o/--output is where --format pytest-benchmark writes; the table goes to stdout")
+    if args.format == "pytest-benchmark" and args.summary_md is not None:
+        raise HarnessError("--summary-md writes the table, which --format pytest-benchmark does not print")
+    for path, flag in ((args.summary_md, "--summary-md"), (args.output, "-o")):
+        if path is not None:
+            check_writable(path, flag)
+    doc = load_run(args.run, upgrade=True)
+    if args.format == "pytest-benchmark":
+        return write_pytest_benchmark(doc, args.output)
     if not args.no_plots and plots_missing() is None:
         from harness.bench.plots import check_plot_paths
 
@@ -196,13 +229,14 @@ def run_promote(args: argparse.Namespace) -> int:
 
 def run_compare(args: argparse.Namespace) -> int:
     from harness.bench.compare import compare
-    from harness.bench.results import load_results
+    from harness.bench.runs import load_run
     from harness.bench.tables import compare_table
 
-    docs = [load_results(path, upgrade=True) for path in (args.a, args.b)]
+    docs = [load_run(path, upgrade=True) for path in (args.a, args.b)]
     for path, doc in zip((args.a, args.b), docs, strict=True):
-        if doc.get("upgraded_from"):
-            print(f"note: {path}: {doc['upgraded_from']['note']}", file=sys.stderr)
+        for mark in ("upgraded_from", "imported_from"):
+            if doc.get(mark):
+                print(f"note: {path}: {doc[mark]['note']}", file=sys.stderr)
     comparison = compare(*docs)
     if args.json:
         print(json.dumps(comparison.to_dict(), indent=2))
@@ -262,6 +296,7 @@ def _gate_inputs(args: argparse.Namespace) -> tuple[Path, Path]:
     if args.baseline is not None and args.current is not None:
         return Path(args.baseline), Path(args.current)
     from harness.bench.results import baseline_path, results_dir
+    from harness.docs_links import doc_ref
     from harness.machine import current_machine_id
 
     if Path(args.root).exists() and not Path(args.root).is_dir():
@@ -272,7 +307,7 @@ def _gate_inputs(args: argparse.Namespace) -> tuple[Path, Path]:
         raise HarnessError(
             f"no baseline for machine {machine!r} at {baseline}. A first run has nothing to gate "
             "against: run `harness bench`, then `harness baseline promote RUN` and commit the "
-            "baseline (see the README, 'Benchmarks and the regression gate'); or pass --baseline FILE"
+            f"baseline ({doc_ref('guide/gate.md', 'Start gating: the first baseline')}); or pass --baseline FILE"
         )
     current = Path(args.current) if args.current is not None else newest_run(results_dir(args.root, machine))
     return baseline, current
@@ -280,7 +315,7 @@ def _gate_inputs(args: argparse.Namespace) -> tuple[Path, Path]:
 
 def run_gate(args: argparse.Namespace) -> int:
     from harness.bench.gate import AccuracyTolerances, GateSettings, gate
-    from harness.bench.results import load_results
+    from harness.bench.runs import load_run
     from harness.bench.tables import gate_table
     from harness.fileio import check_writable
     from harness.project import load_project
@@ -322,7 +357,7 @@ def run_gate(args: argparse.Namespace) -> int:
     baseline, current = _gate_inputs(args)
     if baseline.resolve() == current.resolve():
         raise HarnessError(f"baseline and current run are the same file ({current})")
-    report = gate(load_results(baseline), load_results(current), settings)
+    report = gate(load_run(baseline), load_run(current), settings)
     if args.json:
         print(json.dumps({"baseline": str(baseline), "current": str(current), **report.to_dict()}, indent=2))
     else:

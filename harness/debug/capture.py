@@ -6,7 +6,9 @@ Attributing error to layers needs the value of every node of two graphs
 needs the reference run with that one layer's value replaced. The graph
 runs as the typed graph always runs: ambient autocast off (its dtypes are
 the ones written in it) and under inference mode. Values are held for one
-batch at a time.
+batch at a time. Measuring what keeping one layer in fp32 buys needs the
+typed graph run with that layer's fp32 value, handed on as a recompiled graph
+would: rounded for consumers that run low, kept for casts and the outputs.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from contextlib import ExitStack
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 
 from harness.autocast import CompiledGraph
 
@@ -36,6 +39,37 @@ class _Recorder(torch.fx.Interpreter):
         return result
 
 
+class _KeptWide(_Recorder):
+    """Runs with node ``name`` yielding ``value``, a wider value than the graph's own there.
+
+    Inserted casts and the graph's outputs take the wide value (a graph
+    recompiled with that node in fp32 casts from the fp32 value, and returns
+    it as is); every other consumer takes it in the dtype the typed graph
+    has there (the cast a recompiled graph inserts in front of a low consumer).
+    """
+
+    def __init__(self, gm: torch.fx.GraphModule, name: str, value: Any) -> None:
+        super().__init__(gm, keep=False, overrides={name: value})
+        self.name = name
+        node = next(n for n in gm.graph.nodes if n.name == name)
+        self.node = node
+        self.narrow = pytree.tree_map(
+            lambda v, like: v.to(like.dtype) if isinstance(v, torch.Tensor) and isinstance(like, torch.Tensor) else v,
+            value,
+            node.meta.get("val"),
+        )
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        if self.node not in n.all_input_nodes or n.op == "output" or n.meta.get("inserted_cast"):
+            return super().run_node(n)
+        wide = self.env[self.node]
+        self.env[self.node] = self.narrow
+        try:
+            return super().run_node(n)
+        finally:
+            self.env[self.node] = wide
+
+
 def _run(recorder: _Recorder, compiled: CompiledGraph, batch: Sequence[torch.Tensor]) -> Any:
     with ExitStack() as stack:
         for device in {"cpu", compiled.device}:
@@ -49,6 +83,11 @@ def node_values(compiled: CompiledGraph, batch: Sequence[torch.Tensor]) -> dict[
     recorder = _Recorder(compiled.graph_module, keep=True, overrides={})
     _run(recorder, compiled, batch)
     return recorder.values
+
+
+def outputs_kept_wide(compiled: CompiledGraph, batch: Sequence[torch.Tensor], name: str, value: Any) -> Any:
+    """The graph's flat outputs on ``batch`` when node ``name`` yields the wider ``value`` (see :class:`_KeptWide`)."""
+    return _run(_KeptWide(compiled.graph_module, name, value), compiled, batch)
 
 
 def outputs_with(compiled: CompiledGraph, batch: Sequence[torch.Tensor], overrides: Mapping[str, Any]) -> Any:

@@ -54,7 +54,8 @@ def plot_layers(report: LayerReport, path: str | os.PathLike[str], named: int = 
                    label="non-finite (NaN/Inf)", zorder=3)  # fmt: skip
     worst = report.ranked()[:named]
     position = {layer.name: i for i, layer in enumerate(layers)}
-    marked = [(depth[position[w.name]], ys[report.rank_on][position[w.name]]) for w in worst]
+    shown = report.rank_on if report.rank_on in series else "impact"  # "removed" is drawn by its impact
+    marked = [(depth[position[w.name]], ys[shown][position[w.name]]) for w in worst]
     ax.scatter([x for x, _ in marked], [y for _, y in marked], s=160, facecolors="none", edgecolors="tab:red",
                label=f"worst {len(worst)} by {report.rank_on}", zorder=3)  # fmt: skip
     label_points(ax, marked, [f"#{rank}" for rank in range(1, len(worst) + 1)])

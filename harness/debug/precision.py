@@ -229,7 +229,7 @@ def search_precision(
     all_low = compile(program, spec.example_inputs, policy="explicit", explicit={".*": low})
     layers = tuple(row.name for row in all_low.report.rows if row.rule == "explicit")
     reference = reference_graph(program, spec.example_inputs, all_low.policy)
-    measured, _, _ = attribute_errors(all_low, reference, batches)
+    measured, _, _ = attribute_errors(all_low, reference, batches, kept=False)
     decidable = set(layers)
     ranking = target.ranking_metric
     sensitive = sorted(
@@ -237,6 +237,8 @@ def search_precision(
         key=lambda layer: (-layer.impact.value(ranking), layer.index),
     )
     order = [layer.name for layer in sensitive]
+    # A layer kept in fp32 keeps the views and copies folded into it: lowered alone they would round its result.
+    group = {layer.name: layer.nodes for layer in measured}
     evaluator = Evaluator(spec, program, backend, batches, target, threads=threads, cache=cache, meter=meter, seconds=seconds)
     steps: list[Step] = []
 
@@ -245,7 +247,7 @@ def search_precision(
     bar = tqdm(desc="precision search", unit="plan", file=sys.stderr, disable=not progress)
 
     def run(phase: str, kept: Sequence[str], change: str) -> Evaluation:
-        plan = PrecisionPlan.keeping(low, layers, kept)
+        plan = PrecisionPlan.keeping(low, layers, [n for name in kept for n in group.get(name, (name,)) if n in decidable])
         if evaluator.verified(plan):
             change += " (verified before)"
         evaluation = evaluator(plan)

@@ -18,7 +18,7 @@ from harness.autocast.settings import AutocastSettings
 from harness.dtypes import EXPLICIT_DTYPES
 from harness.engines.protocol import effective_settings
 from harness.errors import HarnessError
-from harness.fileio import read_json
+from harness.fileio import read_json, shown
 from harness.precision import PrecisionMode
 
 if TYPE_CHECKING:
@@ -40,7 +40,7 @@ def load_explicit(path: str | Path) -> dict[str, torch.dtype]:
             re.compile(pattern)
         except re.error as exc:
             raise HarnessError(
-                f"explicit precision file {path}: entry {pattern!r} is not a valid regular expression ({exc})"
+                f"explicit precision file {path}: entry {shown(pattern)} is not a valid regular expression ({exc})"
             ) from None
     return {pattern: EXPLICIT_DTYPES[name] for pattern, name in obj.items()}
 

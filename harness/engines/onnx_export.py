@@ -22,12 +22,19 @@ nodes are renamed after those typed-graph nodes (``conv2d``, ``x_fp16``;
 names and build log speak the compiler's names. A ``Cast`` whose origin is
 not a compiler cast was placed by the exporter; the known sources are
 implicit type promotion (``aten.add(fp32, bf16)`` runs in fp32 in PyTorch,
-while ONNX ``Add`` needs equal types), as in AMP graphs, and layer and batch norms
-with fp32 parameters under a low-precision input (:func:`_widen_mixed_norms`).
-Those are recorded separately, not hidden.
+while ONNX ``Add`` needs equal types), as in AMP graphs, and batch norms (or
+layer norms with computed parameters) with fp32 parameters under a
+low-precision input (:func:`_widen_mixed_norms`). Those are recorded
+separately, not hidden. A layer norm whose fp32 scale and bias are weights is
+written all in its input's dtype instead (:func:`_narrow_mixed_layer_norms`),
+as ModelOpt AutoCast writes it: runtimes normalize a low-precision
+``LayerNormalization`` in fp32 inside the kernel, so a Cast pair around it
+only moves data.
 
-Opset: 18 by default; 22 when the graph holds bf16 tensors, because ONNX
-types ``Conv``, ``MaxPool`` and the other pooling ops in bf16 only from 22.
+Opset: the newest that the exporter, the ``onnx`` package and ONNX Runtime
+(when installed) all support, at most :data:`MAX_OPSET` (the newest TensorRT's
+parser reads) and at least :data:`BF16_OPSET` (ONNX types ``Conv``, ``MaxPool``
+and the other pooling ops in bf16 only from 22; ``Gelu`` is one node from 20).
 Shapes are static (the example inputs' shapes); the engines are built for them.
 With ``batch_dim`` (TensorRT's one engine for a batch sweep) that dimension of
 every input is dynamic instead (``-1`` in the recorded :class:`TensorSpec`);
@@ -39,15 +46,16 @@ with :class:`StaticBatchError`.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import logging
 import os
 import warnings
 from collections import Counter, defaultdict
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import onnx
 import onnx.numpy_helper
@@ -64,7 +72,7 @@ from harness.naming import fresh_name
 if TYPE_CHECKING:
     from harness.autocast import CompiledGraph
 
-DEFAULT_OPSET = 18
+MAX_OPSET = 21
 BF16_OPSET = 22
 # Cast to bfloat16 exists from 13; the exporter's translations target 18.
 MIN_OPSET = 18
@@ -197,6 +205,8 @@ class OnnxExport:
     outputs: tuple[TensorSpec, ...]
     casts: tuple[CastRecord, ...]
     initializers: dict[str, str]  # name -> dtype
+    # layer norm weights written in their input's dtype: typed-graph name -> initializer name
+    narrowed: dict[str, str] = field(default_factory=dict)
 
     @property
     def cast_count(self) -> int:
@@ -240,14 +250,47 @@ def compiler_casts(gm: torch.fx.GraphModule) -> dict[str, torch.dtype]:
     }
 
 
+@functools.cache
+def newest_opset() -> int:
+    """The newest default-domain opset the exporter, ``onnx`` and ONNX Runtime all take, at most :data:`MAX_OPSET`."""
+    newest = min(MAX_OPSET, torch.onnx._constants.ONNX_MAX_OPSET, onnx.defs.onnx_opset_version())
+    try:
+        import onnxruntime
+    except ImportError:
+        return newest
+    for opset in range(newest, MIN_OPSET - 1, -1):
+        graph = onnx.helper.make_graph(
+            [onnx.helper.make_node("Identity", ["x"], ["y"])], "probe",
+            [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1])],
+            [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])],
+        )  # fmt: skip
+        model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", opset)], ir_version=10)
+        try:
+            onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+        except Exception:  # noqa: BLE001 - ORT refuses an opset it does not know with its own error types
+            continue
+        return opset
+    return MIN_OPSET
+
+
 def default_opset(gm: torch.fx.GraphModule) -> int:
+    """The opset a typed graph is exported at: :func:`newest_opset`, and never below :data:`BF16_OPSET` with bf16."""
+    newest = newest_opset()
     for node in gm.graph.nodes:
         val = node.meta.get("val")
         if isinstance(val, torch.Tensor) and val.dtype == torch.bfloat16:
-            return BF16_OPSET
+            return max(newest, BF16_OPSET)
     if any(t.dtype == torch.bfloat16 for t in (*gm.parameters(), *gm.buffers())):
-        return BF16_OPSET
-    return DEFAULT_OPSET
+        return max(newest, BF16_OPSET)
+    return newest
+
+
+@runtime_checkable
+class GivenModel(Protocol):
+    """A user's ONNX file standing for the typed graph (:class:`~harness.engines.given_onnx.GivenOnnx`):
+    it writes itself, as it is, where an export would be written."""
+
+    def export(self, path: str | os.PathLike[str], *, batch_dim: int | None = None) -> OnnxExport: ...
 
 
 def export_onnx(
@@ -267,7 +310,12 @@ def export_onnx(
     the result is not a valid ONNX model (e.g. an op with mixed input types
     that PyTorch accepted but ONNX does not), or when a compiler cast or a
     weight dtype did not survive the export.
+
+    A user's ONNX file taken as given (:class:`~harness.engines.given_onnx.GivenOnnx`)
+    is written as it is, its input shapes fixed.
     """
+    if isinstance(compiled, GivenModel):
+        return compiled.export(path, batch_dim=batch_dim)
     gm = compiled.graph_module
     bare = [n.name for n in gm.graph.nodes if n.op == "call_function" and not n.meta]
     if bare:
@@ -290,12 +338,14 @@ def export_onnx(
     protected = {n for n, origin in origins.items() if n.op_type == "Cast" and origin in placed}
     _clean(model, protected, set(weights))
     names = _rename(model.graph, origins)
+    narrowed = _narrow_mixed_layer_norms(model.graph)
+    _drop_widening_pairs(model.graph, protected, model.opset_imports.get("", MIN_OPSET))
     _widen_mixed_norms(model.graph)
     _global_average_pools(model)
     proto = ir.to_proto(model)
     _check(proto, path)
-    record = _record(model, Path(path), opset, names, placed, dynamic=batch_dim is not None)
-    _verify(record, placed, weights)
+    record = _record(model, Path(path), opset, names, placed, narrowed, dynamic=batch_dim is not None)
+    _verify(record, placed, {name: dtype for name, dtype in weights.items() if name not in narrowed}, narrowed)
     atomic_write_bytes(path, proto.SerializeToString())
     return record
 
@@ -317,7 +367,7 @@ def _torch_export(compiled: CompiledGraph, opset: int, output_count: int, batch_
         dynamic_shapes = tuple({batch_dim: batch} for _ in compiled.example_inputs)
     try:
         # The typed graph must be traced as written: no ambient autocast.
-        with torch.autocast("cpu", enabled=False), quiet_exporter():
+        with torch.autocast("cpu", enabled=False), quiet_exporter(), _contiguous_weights(gm):
             program = torch.onnx.export(
                 gm,
                 tuple(compiled.example_inputs),
@@ -333,6 +383,28 @@ def _torch_export(compiled: CompiledGraph, opset: int, output_count: int, batch_
         raise HarnessError(f"the typed graph cannot be exported to ONNX (opset {opset}): {exc}") from None
     assert program is not None, "the dynamo exporter always returns a program"
     return program.model
+
+
+@contextlib.contextmanager
+def _contiguous_weights(gm: torch.fx.GraphModule) -> Iterator[None]:
+    """The graph's weights in contiguous layout while it is traced for export, given back after.
+
+    The compiler stores convolution weights channels-last for PyTorch's and the
+    CPU engine's kernels; traced with them, activations are channels-last too,
+    and the exporter writes a layout-restoring ``as_strided`` (Reshape + Gather)
+    after every global pooling. ONNX has no memory layout: the values are the
+    same, and runtimes optimize the plain graph better.
+    """
+    changed = []
+    for tensor in (*gm.parameters(), *gm.buffers()):
+        if not tensor.is_contiguous():
+            changed.append((tensor, tensor.data))
+            tensor.data = tensor.data.contiguous()
+    try:
+        yield
+    finally:
+        for tensor, data in changed:
+            tensor.data = data
 
 
 @contextlib.contextmanager
@@ -429,6 +501,112 @@ def _rename(graph: ir.Graph, origins: dict[ir.Node, str | None]) -> dict[str, st
     return names
 
 
+def _narrow_mixed_layer_norms(graph: ir.Graph) -> dict[str, str]:
+    """Write each layer norm with a low-precision input and fp32 weights all in the input's dtype.
+
+    The compiler keeps a lowered layer norm's scale and bias fp32 (PyTorch's
+    mixed kernel normalizes in fp32 and rounds once). ONNX types X, Scale and
+    B alike; ONNX Runtime's and TensorRT's low-precision LayerNormalization
+    compute their statistics in fp32 as well, so the weights are converted
+    to the input's dtype (as ModelOpt AutoCast writes the node) instead of a
+    Cast pair around an fp32 node. Returns each converted weight's name ->
+    the name of its low-precision copy (the fp32 weight stays while anything
+    else reads it).
+    """
+    narrowed: dict[str, str] = {}
+    copies: dict[tuple[str, ir.DataType], ir.Value] = {}
+    for node in list(graph):
+        if node.op_type != "LayerNormalization" or node.domain not in ("", "ai.onnx"):
+            continue
+        x, params = node.inputs[0], [(i, v) for i, v in enumerate(node.inputs) if i > 0 and v is not None]
+        if x is None or x.dtype is None or x.dtype not in _LOW_ONNX:
+            continue
+        wide = [(i, v) for i, v in params if v.dtype != x.dtype]
+        if not wide or not all(v.name in graph.initializers and v.const_value is not None for _, v in wide):
+            continue  # a computed scale: widened instead
+        for i, value in wide:
+            key = (str(value.name), x.dtype)
+            if key not in copies:
+                array = value.const_value.numpy().astype(x.dtype.numpy())  # type: ignore[union-attr]
+                name = f"{value.name}_{onnx_dtype_name(int(x.dtype))}"
+                copy = ir.Value(name=name, shape=value.shape, type=ir.TensorType(x.dtype), const_value=ir.tensor(array, name=name))
+                graph.register_initializer(copy)
+                copies[key] = copy
+                narrowed[str(value.name)] = name
+            node.replace_input_with(i, copies[key])
+    for original in narrowed:
+        value = graph.initializers[original]
+        if not value.uses() and not value.is_graph_output():
+            graph.initializers.pop(original)
+    return {name: copy for name, copy in narrowed.items() if name not in graph.initializers}
+
+
+_LOW_ONNX = (ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
+
+
+def _widening(node: ir.Node | None, protected: set[ir.Node]) -> bool:
+    """An exporter ``Cast`` from a low precision to a wider float type."""
+    if node is None or node.op_type != "Cast" or node.domain not in ("", "ai.onnx") or node in protected:
+        return False
+    source, target = node.inputs[0], node.outputs[0]
+    return source is not None and source.dtype in _LOW_ONNX and target.dtype in (ir.DataType.FLOAT, ir.DataType.DOUBLE)
+
+
+def _takes(node: ir.Node, dtype: ir.DataType, opset: int) -> bool:
+    """Whether ONNX types ``node``'s op at ``opset`` for ``dtype`` (its first type constraint)."""
+    try:
+        schema = onnx.defs.get_schema(node.op_type, opset, node.domain or "")
+    except onnx.defs.SchemaError:
+        return False
+    wanted = f"tensor({dtype.name.lower()})"
+    return bool(schema.type_constraints) and wanted in schema.type_constraints[0].allowed_type_strs
+
+
+def _drop_widening_pairs(graph: ir.Graph, protected: set[ir.Node], opset: int) -> None:
+    """Remove the exporter's Cast pairs around one node that runs in the low precision anyway.
+
+    PyTorch's decompositions compute some low-precision ops in fp32
+    (``abs``, ``sum``, ``cumsum``, ``prod``: up, op, down); the typed graph
+    put the op in the low precision, and ONNX types it there, so the node
+    takes the low-precision inputs and gives its result in that type, as
+    ModelOpt AutoCast writes it. A pair is dropped only when every floating
+    input comes through such a widening cast from one low type and every use
+    of the single output is a cast back to it; the compiler's casts are never
+    touched.
+    """
+    for node in list(graph):
+        if node.op_type == "Cast" or len(node.outputs) != 1:
+            continue
+        widened = [(i, v) for i, v in enumerate(node.inputs) if v is not None and v.dtype in (ir.DataType.FLOAT, ir.DataType.DOUBLE)]
+        ups = [v.producer() for _, v in widened]
+        if not widened or not all(_widening(up, protected) for up in ups):
+            continue
+        lows = {up.inputs[0].dtype for up in ups if up is not None and up.inputs[0] is not None}
+        out = node.outputs[0]
+        downs = [use.node for use in out.uses()]
+        if len(lows) != 1 or not downs or out.is_graph_output():
+            continue
+        (low,) = lows
+        if low is None:
+            continue
+        back = all(
+            d.op_type == "Cast" and d not in protected and d.attributes["to"].as_int() == int(low) for d in downs
+        )
+        if not back or not _takes(node, low, opset):
+            continue
+        for (i, _), up in zip(widened, ups, strict=True):
+            assert up is not None
+            node.replace_input_with(i, up.inputs[0])
+        out.dtype = low
+        for down in downs:
+            down.outputs[0].replace_all_uses_with(out, replace_graph_outputs=True)
+            if down.outputs[0].is_graph_output():
+                continue
+            graph.remove(down, safe=True)
+        for up in {u for u in ups if u is not None}:
+            if not up.outputs[0].uses():
+                graph.remove(up, safe=True)
+
 # Normalizations the exporter widens when their input and scale dtypes differ.
 _NORMALIZATIONS = ("LayerNormalization", "BatchNormalization")
 
@@ -489,7 +667,7 @@ def _global_average_pools(model: ir.Model) -> None:
     ``torch.onnx.export`` from eager, which writes GlobalAveragePool).
     TensorRT reads either as a reduction over the same axes.
     """
-    opset = model.opset_imports.get("", DEFAULT_OPSET)
+    opset = model.opset_imports.get("", MIN_OPSET)
     for node in list(model.graph):
         if node.op_type != "ReduceMean" or node.domain not in ("", "ai.onnx") or len(node.inputs) != 2:
             continue
@@ -564,6 +742,7 @@ def _record(
     opset: int,
     names: dict[str, str | None],
     placed: dict[str, torch.dtype],
+    narrowed: dict[str, str],
     dynamic: bool = False,
 ) -> OnnxExport:
     graph = model.graph
@@ -594,11 +773,20 @@ def _record(
         outputs=tuple(_tensor_spec(v, dynamic) for v in graph.outputs),
         casts=tuple(casts),
         initializers=initializers,
+        narrowed=narrowed,
     )
 
 
-def _verify(record: OnnxExport, placed: dict[str, torch.dtype], weights: dict[str, torch.dtype]) -> None:
-    """Every compiler cast exactly once with its dtype; every weight in its converted dtype."""
+def _verify(
+    record: OnnxExport,
+    placed: dict[str, torch.dtype],
+    weights: dict[str, torch.dtype],
+    narrowed: dict[str, str] | None = None,
+) -> None:
+    """Every compiler cast exactly once with its dtype; every weight in its converted dtype.
+
+    A weight ``narrowed`` for a layer norm is checked as its low-precision copy.
+    """
     counts = Counter(c.origin for c in record.compiler_casts)
     problems = [f"cast {name} is missing" for name in placed if counts[name] == 0]
     problems += [f"cast {name} appears {n} times" for name, n in counts.items() if n > 1]
@@ -607,6 +795,9 @@ def _verify(record: OnnxExport, placed: dict[str, torch.dtype], weights: dict[st
         for c in record.compiler_casts
         if c.origin is not None and c.target != dtype_name(placed[c.origin])
     ]
+    for name in (narrowed or {}).values():
+        if name not in record.initializers:
+            problems.append(f"layer norm weight {name} is not an initializer")
     for name, dtype in weights.items():
         exported = record.initializers.get(name)
         if exported is None:

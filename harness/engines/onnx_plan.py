@@ -12,10 +12,12 @@ reports about itself (:class:`ModelEngine`).
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from typing import Any, Protocol, TypedDict
 
 import onnx
 import torch
+from google.protobuf.message import DecodeError
 
 from harness.engines.onnx_export import (
     CAST_SCHEMA,
@@ -27,7 +29,7 @@ from harness.engines.onnx_export import (
 )
 from harness.engines.protocol import EngineBase
 from harness.engines.saved import DIGEST_SCHEMA, PLAN_FILE, PlanFormat, read_payload
-from harness.errors import HarnessError
+from harness.errors import HarnessError, first_line
 from harness.fileio import digest, json_bytes
 from harness.outputs import OutputSpec
 from harness.precision import PRECISION_MODES
@@ -131,9 +133,46 @@ def check_output_count(structure: OutputSpec, outputs: tuple[TensorSpec, ...], w
 
 
 def read_model_plan(plan: PlanFormat, path: str | os.PathLike[str]) -> tuple[bytes, dict[str, Any], str]:
-    """The model bytes (checked against the plan's digest), the plan and its "engine plan FILE" prefix."""
+    """The model bytes (checked against the plan's digest), the plan and its "engine plan FILE" prefix.
+
+    The bytes are parsed by the engine (:class:`ModelEngine`, through
+    :func:`parse_model`); a loader names ``where`` in front of its errors.
+    """
     directory, obj, where = plan.read(path)
     return read_payload(directory, obj["model_file"], obj["model_digest"], "engine model"), obj, where
+
+
+def parse_model(model_bytes: bytes) -> onnx.ModelProto:
+    """The one guarded reader of an engine's ``model.onnx``: refused (a HarnessError) when it is
+    not an ONNX model, or names external data files a runtime would read from wherever they point.
+
+    The digest in the plan says only that the file is the one the plan was
+    written with; a plan re-signed over damaged bytes still reaches here.
+    """
+    try:
+        model = onnx.load_from_string(model_bytes)
+    except (DecodeError, ValueError, RuntimeError) as exc:
+        raise HarnessError(f"{MODEL_FILE} is not an ONNX model ({first_line(exc)}); rebuild the engine") from None
+    external = [t.name for t in _tensors(model.graph) if t.data_location == onnx.TensorProto.EXTERNAL]
+    if external:
+        raise HarnessError(
+            f"{MODEL_FILE} stores tensors in external files ({', '.join(external[:5])}); engines "
+            "made by the harness hold every weight inside model.onnx"
+        )
+    return model
+
+
+def _tensors(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:
+    """Every tensor a graph stores: initializers and attribute tensors, subgraphs included."""
+    yield from graph.initializer
+    yield from (sparse.values for sparse in graph.sparse_initializer)
+    for node in graph.node:
+        for attribute in node.attribute:
+            if attribute.HasField("t"):
+                yield attribute.t
+            yield from attribute.tensors
+            for subgraph in (*([attribute.g] if attribute.HasField("g") else []), *attribute.graphs):
+                yield from _tensors(subgraph)
 
 
 class ModelEngine(EngineBase):
@@ -148,12 +187,12 @@ class ModelEngine(EngineBase):
     plan: PlanFormat
     _fingerprint: str
 
-    def __init__(self, model_bytes: bytes, model: onnx.ModelProto, record: ExportedRecord) -> None:
+    def __init__(self, model_bytes: bytes, record: ExportedRecord) -> None:
         self.mode = record.mode
         self.record = record
         self.outputs = record.structure
         self._model_bytes = model_bytes
-        self._onnx = model  # the parsed model_bytes
+        self._onnx = parse_model(model_bytes)
 
     def _runtime_json(self) -> dict[str, Any]:
         return {}

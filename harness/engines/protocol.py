@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from harness.autocast.settings import AutocastSettings
+from harness.dtypes import FLOAT_DTYPES
 from harness.errors import HarnessError
 from harness.fileio import canonical_json, digest
 from harness.fxutil import cast_floating
@@ -27,6 +28,7 @@ from harness.outputs import OutputSpec
 from harness.precision import (
     PRECISION_MODES as PRECISION_MODES,  # the modes engines are asked to build
 )
+from harness.precision import ExecutedPrecision as ExecutedPrecision  # what engines report
 from harness.precision import PrecisionMode
 
 if TYPE_CHECKING:
@@ -196,6 +198,25 @@ class LayerInfo:
         }
 
 
+def precision_of_layers(layers: Sequence[LayerInfo], mode: PrecisionMode) -> ExecutedPrecision | None:
+    """The executed precision that an engine's layer dtypes show (None: the mode asks no low type).
+
+    Under weak typing the builder picked each layer's type: every layer with a
+    floating output counts, and those whose floating outputs are all fp32 ran
+    wider. Otherwise the layers carry the typed graph's types, which the engine
+    computes in: the layers with a ``mode.low`` output count, none ran wider.
+    """
+    low = mode.low
+    if low is None:
+        return None
+    floats = [[d for d in layer.output_dtypes if d in FLOAT_DTYPES] for layer in layers]
+    if mode.weak:
+        counted = [(layer, dtypes) for layer, dtypes in zip(layers, floats, strict=True) if dtypes]
+        wider = tuple(layer.name for layer, dtypes in counted if set(dtypes) == {"fp32"})
+        return ExecutedPrecision(low, len(counted), wider, chosen=True)
+    return ExecutedPrecision(low, sum(1 for dtypes in floats if low in dtypes))
+
+
 # A LayerInfo as saved engine plans store it; ``key`` is null for a layer that
 # was not autotuned (nothing for ``harness cache verify`` to check).
 LAYER_SCHEMA: dict[str, Any] = {
@@ -308,6 +329,10 @@ class Engine(Protocol):
         """Activation memory the engine needs on its device (TensorRT); None on the host."""
         ...
 
+    def executed_precision(self) -> ExecutedPrecision | None:
+        """What its layers ran in against what the mode asked (None: the mode asks no low type)."""
+        ...
+
     def compiler_settings(self) -> dict[str, Any] | None:
         """The autocast settings its graph was compiled under, as JSON (None: they did not apply).
 
@@ -341,6 +366,7 @@ class EngineBase:
     """
 
     outputs: OutputSpec
+    mode: str
 
     def run(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         raise NotImplementedError
@@ -355,6 +381,14 @@ class EngineBase:
         from harness.engines.saved import write_engine_dir
 
         write_engine_dir(path, self.files())
+
+    def layers(self) -> list[LayerInfo]:
+        raise NotImplementedError
+
+    def executed_precision(self) -> ExecutedPrecision | None:
+        """By default what the layers' dtypes show (:func:`precision_of_layers`); a backend that
+        can see the type each layer was given overrides it."""
+        return precision_of_layers(self.layers(), PrecisionMode(self.mode))
 
 
 class Backend(Protocol):

@@ -28,12 +28,21 @@ from harness.fileio import (
     check_writable_dir,
     current_umask,
     digest,
+    directories_for,
+    path_errors_named,
     read_json,
     read_regular_file,
+    record_created,
+    shown,
     validate,
+    write_failures_named,
 )
 
 PLAN_FILE = "plan.json"
+# The backends that save engines: harness.engines.registry's, without "auto" (it imports the
+# engine protocol, which imports this module, so the names are given here; a test holds them
+# equal). A plan naming another was not saved by this harness.
+ENGINE_BACKENDS = ("cpu", "onnxruntime", "openvino", "tensorrt")
 # The schema of every digest a plan records (fileio.digest).
 DIGEST_SCHEMA: dict[str, Any] = {"type": "string", "pattern": "^sha256:[0-9a-f]{64}$"}
 
@@ -118,21 +127,27 @@ def write_engine_dir(path: str | os.PathLike[str], files: Mapping[str, bytes]) -
     Every file is written into a sibling temporary directory first; then the
     two directories trade places in one atomic ``renameat2(RENAME_EXCHANGE)``
     (or, for a new engine, one rename). A run interrupted at any point leaves
-    the previous engine or the new one, never a plan with the other's weights.
+    the previous engine or the new one, never a plan with the other's weights;
+    a write the system refuses (a full disk) is one :class:`WriteFailed`
+    naming ``path``, and leaves the previous engine, no staging directory and
+    no directory made for the engine.
     """
     target = engine_directory(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
-    try:
-        os.chmod(staging, 0o777 & ~current_umask())
-        for name, data in files.items():
-            atomic_write_bytes(staging / name, data)
-        if target.exists():
-            _exchange(staging, target)  # staging now holds the previous engine
-        else:
-            os.rename(staging, target)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    existed = target.exists()
+    with write_failures_named(path), directories_for(target.parent):
+        staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
+        try:
+            os.chmod(staging, 0o777 & ~current_umask())
+            for name, data in files.items():
+                atomic_write_bytes(staging / name, data)
+            if existed:
+                _exchange(staging, target)  # staging now holds the previous engine
+            else:
+                os.rename(staging, target)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    if not existed:
+        record_created(target)
     return target
 
 
@@ -161,9 +176,11 @@ def _exchange(a: Path, b: Path) -> None:
 def plan_backend(path: str | os.PathLike[str]) -> tuple[Path, str]:
     """(engine directory, backend name) of a saved engine, given its directory or its plan.json."""
     given = Path(path)
-    if given.is_dir():
+    with path_errors_named("engine", given):
+        is_directory, is_plan = given.is_dir(), given.name == PLAN_FILE and given.is_file()
+    if is_directory:
         directory = given
-    elif given.name == PLAN_FILE and given.is_file():
+    elif is_plan:
         directory = given.parent
     else:
         raise HarnessError(
@@ -175,6 +192,11 @@ def plan_backend(path: str | os.PathLike[str]) -> tuple[Path, str]:
     backend = obj.get("backend") if isinstance(obj, dict) else None
     if not isinstance(backend, str):
         raise HarnessError(f'engine plan {plan_path}: no "backend" field; this is not a saved engine plan')
+    if backend not in ENGINE_BACKENDS:
+        raise HarnessError(
+            f'engine plan {plan_path}: "backend" is {shown(backend)}, no backend of this harness; '
+            f"valid: {', '.join(ENGINE_BACKENDS)}"
+        )
     return directory, backend
 
 

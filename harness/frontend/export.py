@@ -25,6 +25,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 from torch.overrides import TorchFunctionMode
 
 from harness.errors import HarnessError, first_line
+from harness.frontend.provenance import DtypeProvenance, confirm_links, probe_calls
 from harness.globalstate import preserves_global_state
 from harness.naming import fresh_name
 
@@ -98,9 +99,12 @@ def _in_eval_mode(module: torch.nn.Module) -> Iterator[None]:
 def export_program(module: torch.nn.Module, example_inputs: Sequence[Any]) -> ExportedProgram:
     """``torch.export.export`` with failures turned into one clear error.
 
-    Export runs the model's Python ``forward``: whatever it does to the process
-    (reseeding, thread count, grad mode) is undone, and the module keeps its
-    ``training`` flags.
+    Nodes whose dtype argument follows another tensor at run time carry a link
+    to it (:mod:`harness.frontend.provenance`; a bare ``dtype=`` argument costs a
+    second, float64 trace on the ``meta`` device to confirm). Export runs the
+    model's Python ``forward``: whatever it does to the process (reseeding,
+    thread count, grad mode) is undone, and the module keeps its ``training``
+    flags and its parameters.
     """
     if not isinstance(module, torch.nn.Module):
         raise HarnessError(f"expected a torch.nn.Module or ExportedProgram, got {type(module).__name__}")
@@ -108,19 +112,33 @@ def export_program(module: torch.nn.Module, example_inputs: Sequence[Any]) -> Ex
     if not args or not all(isinstance(a, torch.Tensor) for a in args):
         kinds = ", ".join(type(a).__name__ for a in args) or "nothing"
         raise HarnessError(f"example inputs must be a non-empty tuple of tensors (got {kinds})")
+    provenance = DtypeProvenance()
     try:
-        with _in_eval_mode(module), _CastsCopy(), warnings.catch_warnings(), _torch_output_captured() as captured:
-            # A torch.autocast(cpu, float32) region is recorded as disabled; the
-            # precision report says so per node, so PyTorch's warning is noise here.
-            warnings.filterwarnings("ignore", "In CPU autocast, but the target dtype is not supported")
-            return torch.export.export(module, args)
+        ep = _trace(module, args, provenance)
     except Exception as exc:  # export raises many unrelated types; the user needs the text
-        _log.debug("torch.export output before the failure:\n%s", captured.getvalue())
         first = first_line(exc)
         raise HarnessError(
             f"model {type(module).__name__} failed to export with torch.export: {type(exc).__name__}: {first}. "
             "The model must be traceable by torch.export (no data-dependent Python control flow)."
         ) from exc
+    finally:
+        provenance.release()
+    if provenance.pending:
+        confirm_links(ep, provenance.calls, probe_calls(module, args, _trace))
+    return ep
+
+
+def _trace(module: torch.nn.Module, args: tuple[torch.Tensor, ...], provenance: TorchFunctionMode) -> ExportedProgram:
+    """One ``torch.export`` of ``module`` in eval mode, casts traced as copies, ``provenance`` watching the calls."""
+    with _in_eval_mode(module), _CastsCopy(), provenance, warnings.catch_warnings(), _torch_output_captured() as captured:
+        # A torch.autocast(cpu, float32) region is recorded as disabled; the
+        # precision report says so per node, so PyTorch's warning is noise here.
+        warnings.filterwarnings("ignore", "In CPU autocast, but the target dtype is not supported")
+        try:
+            return torch.export.export(module, args)
+        except Exception:
+            _log.debug("torch.export output before the failure:\n%s", captured.getvalue())
+            raise
 
 
 def _attr_name(target: str, taken: set[str]) -> str:

@@ -6,7 +6,12 @@ Each factory is loaded the way a user's model file is (``file.py:factory``):
 - ``no_grad_rotary``: a ``@torch.no_grad()`` method (a rotary embedding), which
   export records as ``wrap_with_set_grad_enabled``;
 - ``nested_outputs``: a dict holding a tensor, a tuple and a list;
-- ``engine_ops``: ops outside the CPU engine's former allow-list.
+- ``engine_ops``: ops outside the CPU engine's former allow-list;
+- ``token_mixer``: MLP-Mixer blocks, whose token-mixing linear takes a transposed
+  3-D activation (in fp16 eager picks its kernel by whether the weight requires grad);
+- ``dtype_followers``: every way of writing a dtype that follows a tensor at run
+  time (``x.to(y.device)``, ``x.to(y)``, ``type_as``, ``dtype=y.dtype``, ``new_zeros``,
+  ``full_like``), which a trace records as constants.
 """
 
 from __future__ import annotations
@@ -128,7 +133,67 @@ def engine_ops() -> ModelSpec:
     return _spec("engine_ops", EngineOps(), torch.randn(2, 8))
 
 
-RECREATIONS = ("shifted_window_mask", "no_grad_rotary", "nested_outputs", "engine_ops")
+class MixerBlock(nn.Module):
+    def __init__(self, tokens: int, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.token1, self.token2 = nn.Linear(tokens, hidden), nn.Linear(hidden, tokens)
+        self.channel1, self.channel2 = nn.Linear(dim, hidden), nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mixed = self.token2(nn.functional.gelu(self.token1(self.norm1(x).transpose(1, 2))))
+        x = x + mixed.transpose(1, 2)
+        return x + self.channel2(nn.functional.gelu(self.channel1(self.norm2(x))))
+
+
+class TokenMixer(nn.Module):
+    """Patches (4x4 convolution) -> two Mixer blocks -> mean over tokens -> head."""
+
+    def __init__(self, dim: int = 64, hidden: int = 96) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, dim, 4, 4)
+        self.blocks = nn.Sequential(MixerBlock(49, dim, hidden), MixerBlock(49, dim, hidden))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, 96)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        tokens = self.stem(images).flatten(2).transpose(1, 2)
+        return self.head(self.norm(self.blocks(tokens)).mean(1))
+
+
+def token_mixer() -> ModelSpec:
+    return _spec("token_mixer", TokenMixer(), torch.randn(2, 3, 28, 28))
+
+
+class DtypeFollowers(nn.Module):
+    """A block whose dtypes are read off tensors at run time, each in another way."""
+
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        self.proj = nn.Linear(dim, dim)
+        self.pos = nn.Conv1d(dim, dim, 3, padding=1)
+        self.gain = nn.Parameter(torch.ones(dim))
+        self.register_buffer("offset", torch.linspace(-1.0, 1.0, dim))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        h = self.proj(x)
+        pos = self.pos(h.transpose(1, 2)).transpose(1, 2)
+        h = h + pos.to(h.device)  # wav2vec2's position embedding: pos keeps its own dtype
+        dtype = h.dtype
+        scale = self.gain.to(h) * self.offset.type_as(h)
+        zeros = torch.zeros(h.shape[-1], dtype=h.dtype, device=h.device)
+        steps = torch.arange(h.shape[-1], dtype=dtype) * 0.1
+        fill = torch.full_like(x, 0.3, dtype=dtype) + h.new_zeros(h.shape) + torch.full_like(h, 0.7)
+        wide = h.to(torch.float32)  # a literal dtype stays
+        normed = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return h * scale + zeros + steps, fill, normed.to(dtype)
+
+
+def dtype_followers() -> ModelSpec:
+    return _spec("dtype_followers", DtypeFollowers(), torch.randn(2, 8, 16))
+
+
+RECREATIONS = ("shifted_window_mask", "no_grad_rotary", "nested_outputs", "engine_ops", "token_mixer", "dtype_followers")
 
 # What each re-creation is for, in the form of models/thirdparty.py's EXERCISES (checked by
 # test_patterns.py), plus "nested-output" (a tensor at least two containers deep under that
@@ -141,4 +206,7 @@ EXERCISES: dict[str, tuple[tuple[str, str], ...]] = {
         ("aten-op", op)
         for op in ("new_zeros", "new_ones", "__and__", "diff", "sin", "cos", "expand_as", "addcmul", "reshape_as")
     ),
+    "token_mixer": (("aten-op", "linear"), ("aten-op", "transpose")),
+    # "dtype-follows": a node of that op carries the frontend's link to the tensor its dtype follows.
+    "dtype_followers": tuple(("dtype-follows", op) for op in ("to", "zeros", "arange", "full_like")),
 }

@@ -23,6 +23,7 @@ from torch.export import ExportedProgram
 
 from harness import models
 from harness.frontend.export import export_program
+from harness.frontend.provenance import DTYPE_FOLLOWS
 from harness.lowering.functionalize import is_view
 from harness.outputs import tensor_paths
 from tests.conformance.recreations import EXERCISES as RECREATION_EXERCISES
@@ -72,6 +73,13 @@ def _aten_op(ep: ExportedProgram, spec: models.ModelSpec, where: str) -> bool:
     )
 
 
+def _dtype_follows(ep: ExportedProgram, spec: models.ModelSpec, where: str) -> bool:
+    return any(
+        isinstance(node.target, torch._ops.OpOverload) and node.target._opname == where and DTYPE_FOLLOWS in node.meta
+        for node in _calls(ep)
+    )
+
+
 def _nested_output(ep: ExportedProgram, spec: models.ModelSpec, where: str) -> bool:
     with torch.inference_mode():
         out = spec.module(*spec.example_inputs)
@@ -83,6 +91,7 @@ DETECTORS: dict[str, Callable[[ExportedProgram, models.ModelSpec, str], bool]] =
     "set-grad-region": _set_grad_region,
     "aten-op": _aten_op,
     "nested-output": _nested_output,
+    "dtype-follows": _dtype_follows,
 }
 
 

@@ -86,6 +86,7 @@ from harness.engines.protocol import (
     LAYER_SCHEMA,
     BuildConfig,
     BuildLog,
+    ExecutedPrecision,
     LayerInfo,
 )
 from harness.errors import HarnessError
@@ -225,7 +226,7 @@ PLAN = model_plan_format(
             "additionalProperties": False,
             "properties": {
                 "graph_optimization_level": {"enum": list(OPTIMIZATION_LEVELS)},
-                "intra_op_num_threads": {"type": "integer", "minimum": 1},
+                "intra_op_num_threads": {"type": "integer", "minimum": 1, "maximum": MAX_THREADS},
             },
         },
     },
@@ -238,7 +239,7 @@ class OnnxRuntimeEngine(ModelEngine):
     plan = PLAN
 
     def __init__(self, model_bytes: bytes, record: EngineRecord) -> None:
-        super().__init__(model_bytes, onnx.load_from_string(model_bytes), record)
+        super().__init__(model_bytes, record)
         self.record: EngineRecord = record
         self._session, executed = _open_session(model_bytes, self._onnx, record.settings)
         self._input_names = [spec.name for spec in record.inputs]
@@ -253,6 +254,7 @@ class OnnxRuntimeEngine(ModelEngine):
         self._run_options = ort.RunOptions()
         self._layers = _layers(executed, self._onnx)
         self.notes = _precision_notes(self._onnx, executed, record.casts)
+        self._executed_precision = _executed_precision(self._onnx, executed, PrecisionMode(record.mode))
         self._fingerprint = digest(
             canonical_json(
                 {
@@ -312,6 +314,9 @@ class OnnxRuntimeEngine(ModelEngine):
     def _layers_json(self) -> list[dict[str, Any]]:
         return [layer.to_json() for layer in self._layers]
 
+    def executed_precision(self) -> ExecutedPrecision | None:
+        return self._executed_precision
+
     @staticmethod
     def load(path: str | os.PathLike[str]) -> OnnxRuntimeEngine:
         model_bytes, obj, where = read_model_plan(PLAN, path)
@@ -321,7 +326,10 @@ class OnnxRuntimeEngine(ModelEngine):
                 f"{where}: built with onnxruntime {obj['onnxruntime_version']}, this is onnxruntime "
                 f"{ort.__version__}, whose kernels and graph optimizations may differ; rebuild the engine"
             )
-        engine = OnnxRuntimeEngine(model_bytes, record)
+        try:
+            engine = OnnxRuntimeEngine(model_bytes, record)
+        except HarnessError as exc:
+            raise HarnessError(f"{where}: {exc}") from None
         if engine.fingerprint() != obj["fingerprint"]:
             raise HarnessError(
                 f"{where}: fingerprint mismatch: onnxruntime executes a different graph, or the plan was "
@@ -464,7 +472,33 @@ def _value_dtypes(model: onnx.ModelProto) -> dict[str, str]:
     for value in (*graph.input, *graph.value_info, *graph.output):
         if value.type.HasField("tensor_type") and value.type.tensor_type.elem_type:
             dtypes[value.name] = onnx_dtype_name(value.type.tensor_type.elem_type)
+    # Values inference could not type (after a node ORT's own op feeds, or one ORT rewired around
+    # its fp32 fallbacks): typed from the node's inputs where its ONNX schema ties the two.
+    for node in graph.node:  # nodes are stored in topological order
+        for j, out in enumerate(node.output):
+            if out and out not in dtypes and (dtype := _output_dtype(node, j, dtypes)) is not None:
+                dtypes[out] = dtype
     return dtypes
+
+
+def _output_dtype(node: onnx.NodeProto, index: int, dtypes: Mapping[str, str]) -> str | None:
+    """The type of ``node``'s output ``index`` from the types of its inputs, where the op's schema
+    gives the output the type variable of an input (Gemm's ``T``), or from a Cast's target; None
+    for an op without a schema here (ORT's contrib ops) or an output typed otherwise."""
+    if node.op_type == "Cast" and node.domain in ("", "ai.onnx"):
+        to = next((a.i for a in node.attribute if a.name == "to"), None)
+        return None if to is None else onnx_dtype_name(to)
+    try:
+        schema = onnx.defs.get_schema(node.op_type, domain=node.domain)
+    except onnx.defs.SchemaError:
+        return None
+    if not schema.outputs or not schema.inputs:
+        return None
+    variable = schema.outputs[min(index, len(schema.outputs) - 1)].type_str
+    for i, value in enumerate(node.input):
+        if schema.inputs[min(i, len(schema.inputs) - 1)].type_str == variable and value in dtypes:
+            return dtypes[value]
+    return None
 
 
 def _op_name(node: onnx.NodeProto) -> str:
@@ -533,6 +567,27 @@ def _layers(executed: onnx.ModelProto, model: onnx.ModelProto) -> list[LayerInfo
         key = "0x" + hashlib.sha256(canonical_json(key_material)).hexdigest()[:32]
         layers.append(LayerInfo(name, _op_name(node), key, inputs, outputs, TACTIC, TACTIC_HASH))
     return layers
+
+
+def _executed_precision(
+    model: onnx.ModelProto, executed: onnx.ModelProto, mode: PrecisionMode
+) -> ExecutedPrecision | None:
+    """Of the ONNX model's nodes with a ``mode.low`` output, those ONNX Runtime runs with fp32
+    outputs instead (no kernel of its provider for the low type)."""
+    low = mode.low
+    if low is None:
+        return None
+    original = {n.name: n for n in model.graph.node if n.op_type != "Cast"}
+    before, after = _value_dtypes(model), _value_dtypes(executed)
+    asked = {name for name, node in original.items() if low in {before.get(v) for v in node.output}}
+    wider = tuple(
+        node.name
+        for node in executed.graph.node
+        if node.name in asked
+        and any(before.get(old) == low and after.get(new) == "fp32"
+                for old, new in zip(original[node.name].output, node.output, strict=False))
+    )  # fmt: skip
+    return ExecutedPrecision(low, len(asked), wider)
 
 
 def _precision_notes(

@@ -18,12 +18,10 @@ fingerprint over the record, the graph and the layers must match.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from typing import Any
 
 import onnx
 import torch
-from google.protobuf.message import DecodeError
 
 from harness.engines.onnx_export import TensorSpec, check_inputs, graph_description
 from harness.engines.onnx_plan import ModelEngine, read_model_plan
@@ -33,6 +31,7 @@ from harness.engines.openvino.layers import (
     StableNames,
     deviations,
     executed_layers,
+    executed_precision,
     graph_float_dtypes,
 )
 from harness.engines.openvino.plan import BACKEND, PLAN, EngineRecord
@@ -49,9 +48,10 @@ from harness.engines.openvino.runtime import (
     to_torch,
 )
 from harness.engines.openvino.settings import CompileSettings
-from harness.engines.protocol import LayerInfo
+from harness.engines.protocol import ExecutedPrecision, LayerInfo
 from harness.errors import HarnessError
 from harness.fileio import canonical_json, digest
+from harness.precision import PrecisionMode
 
 
 class OpenVinoEngine(ModelEngine):
@@ -59,7 +59,7 @@ class OpenVinoEngine(ModelEngine):
     plan = PLAN
 
     def __init__(self, model_bytes: bytes, record: EngineRecord) -> None:
-        super().__init__(model_bytes, _parse(model_bytes), record)
+        super().__init__(model_bytes, record)
         self.record: EngineRecord = record
         self.model = _read(model_bytes)  # the graph as OpenVINO read it, before its own passes
         self.compiled = _compile(self.model, record.settings)
@@ -69,7 +69,9 @@ class OpenVinoEngine(ModelEngine):
         self._outputs = _ports(self.compiled.outputs, record.outputs, "output")
         names = StableNames(_model_names(self._onnx))
         self.executed: list[ExecutedLayer] = executed_layers(self.compiled, names)
-        self.deviations: list[Deviation] = deviations(self.executed, graph_float_dtypes(self.model, names))
+        graph = graph_float_dtypes(self.model, names)
+        self.deviations: list[Deviation] = deviations(self.executed, graph)
+        self._executed_precision = executed_precision(self.executed, graph, PrecisionMode(record.mode))
         self._fingerprint = digest(
             canonical_json(
                 {
@@ -94,6 +96,9 @@ class OpenVinoEngine(ModelEngine):
 
     def layers(self) -> list[LayerInfo]:
         return [layer.info() for layer in self.executed]
+
+    def executed_precision(self) -> ExecutedPrecision | None:
+        return self._executed_precision
 
     def compiled_property(self, name: str) -> Any:
         """A property of the compiled model as OpenVINO reports it (what it really applied)."""
@@ -130,39 +135,11 @@ class OpenVinoEngine(ModelEngine):
         return engine
 
 
-def _parse(model_bytes: bytes) -> onnx.ModelProto:
-    """The ONNX model, refused when it is not one or names external data files."""
-    try:
-        model = onnx.load_from_string(model_bytes)
-    except (DecodeError, ValueError) as exc:
-        raise HarnessError(f"the engine model is not an ONNX model ({exc})") from None
-    external = [t.name for t in _tensors(model.graph) if t.data_location == onnx.TensorProto.EXTERNAL]
-    if external:
-        raise HarnessError(
-            f"the engine model stores tensors in external files ({', '.join(external[:5])}); engines "
-            "made by the harness hold every weight inside model.onnx"
-        )
-    return model
-
-
 def _model_names(model: onnx.ModelProto) -> set[str]:
     """The names the exported model gives its nodes, values and weights (never renamed)."""
     graph = model.graph
     names = {node.name for node in graph.node} | {v for node in graph.node for v in (*node.input, *node.output)}
     return names | {t.name for t in graph.initializer}
-
-
-def _tensors(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:
-    """Every tensor a graph stores: initializers and attribute tensors, subgraphs included."""
-    yield from graph.initializer
-    yield from (sparse.values for sparse in graph.sparse_initializer)
-    for node in graph.node:
-        for attribute in node.attribute:
-            if attribute.HasField("t"):
-                yield attribute.t
-            yield from attribute.tensors
-            for subgraph in (*([attribute.g] if attribute.HasField("g") else []), *attribute.graphs):
-                yield from _tensors(subgraph)
 
 
 def _read(model_bytes: bytes) -> Any:

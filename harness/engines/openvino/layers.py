@@ -27,7 +27,8 @@ from typing import Any
 from harness.dtypes import FLOAT_DTYPES, dtype_from_name
 from harness.engines.onnx_export import listed
 from harness.engines.openvino.runtime import dtype_of
-from harness.engines.protocol import LayerInfo
+from harness.engines.protocol import ExecutedPrecision, LayerInfo
+from harness.precision import PrecisionMode
 
 # Runtime-model nodes that run no kernel: weights, and the request's input and output ports.
 NOT_KERNELS = frozenset(("Const", "Input", "Output"))
@@ -201,3 +202,21 @@ def precision_summary(layers: list[ExecutedLayer]) -> str:
 def layers_in(layers: list[ExecutedLayer], precision: str) -> str:
     """The graph-op layers computing in ``precision``, listed for a build note."""
     return listed([layer.name for layer in layers if layer.from_graph and layer.precision == precision])
+
+
+def executed_precision(
+    layers: list[ExecutedLayer], graph: dict[str, frozenset[str]], mode: PrecisionMode
+) -> ExecutedPrecision | None:
+    """What the layers computing the graph's ops ran in against ``mode``'s low type: under weak
+    typing OpenVINO chose, every such layer counts and those in fp32 ran wider; otherwise the layers
+    whose source ops the graph gives that type count, and those computing in a type the graph does
+    not give them ran wider (the widened :func:`deviations`: a narrower one is refused at build)."""
+    low = mode.low
+    if low is None:
+        return None
+    ops = [layer for layer in layers if layer.from_graph and layer.precision in FLOAT_DTYPES]
+    if mode.weak:
+        return ExecutedPrecision(low, len(ops), tuple(op.name for op in ops if op.precision == "fp32"), chosen=True)
+    wanted = {op.name: frozenset().union(*(graph.get(name, frozenset()) for name in op.origins)) for op in ops}
+    asked = [op for op in ops if low in wanted[op.name]]  # a cast to it included: its graph types are both
+    return ExecutedPrecision(low, len(asked), tuple(op.name for op in asked if op.precision not in wanted[op.name]))

@@ -23,13 +23,13 @@ import numpy as np
 import torch
 
 from harness.dtypes import DTYPES, dtype_name
+from harness.extras import install_command
 
 try:
     import openvino as ov
 except (ImportError, OSError) as exc:  # OSError: a wheel whose native libraries do not load
     raise ImportError(
-        f"OpenVINO is not installed or does not load ({exc}); install it with "
-        "pip install 'mixed-precision-harness[openvino]'"
+        f"OpenVINO is not installed or does not load ({exc}); install it with {install_command('openvino')}"
     ) from exc
 
 VERSION: str = ov.__version__

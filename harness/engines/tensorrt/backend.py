@@ -55,6 +55,7 @@ even when every layer runs the same tactic.
 
 from __future__ import annotations
 
+import copy
 import os
 import tempfile
 import time
@@ -331,6 +332,23 @@ class TensorRTEngine(EngineBase):
         a CUDA graph of the enqueue)."""
         check_inputs(inputs, self.record.inputs, "tensorrt engine")
         return CudaQuery(inputs, self._enqueue, device=self._device(), cuda_graph=cuda_graph)
+
+    def replica(self) -> TensorRTEngine:
+        """This engine on an execution context and a CUDA stream of its own: what a worker of a
+        serving scenario runs (``trtexec --streams``; :mod:`harness.bench.scenario_run`).
+
+        The deserialized engine (plan, weights) is shared; the context, its
+        activation memory and the stream are the replica's, so replicas run
+        concurrently on the GPU, each enqueueing on its own stream.
+        """
+        context = self._engine.create_execution_context()
+        if context is None:
+            raise HarnessError("TensorRT could not create another execution context (out of GPU memory?)")
+        twin = copy.copy(self)
+        twin._context = context
+        twin._stream = None  # made on first use, on the replica's device
+        twin.run_warnings = []
+        return twin
 
     def _device(self) -> torch.device:
         return torch.device("cuda", torch.cuda.current_device())
