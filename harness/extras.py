@@ -14,6 +14,7 @@ path needs (compile, build, bench, cache, gate). The rest comes with extras:
 * ``plots``: matplotlib (the PNGs of ``bench``, ``report`` and ``debug``);
 * ``digits``: scikit-learn (the zoo's ``digits`` model and its data);
 * ``hf``: transformers (the zoo's ``hf-*`` models, ``--model hf:DIR``);
+* ``ray``: Ray (``harness bench --executor ray``: the matrix's cases as tasks on a cluster);
 * ``onnx-import``: onnx2torch, converting an ONNX file (``--model x.onnx``)
   for the compiler's modes and the cpu engine (not in ``all``: it requires
   torchvision, which a CPU build of torch lacks; ``pip install --no-deps
@@ -51,6 +52,7 @@ PACKAGES = {
     "sklearn": "scikit-learn",
     "transformers": "transformers",
     "onnx2torch": "onnx2torch",
+    "ray": "ray",
 }
 
 

@@ -23,7 +23,6 @@ import re
 import resource
 import shutil
 import subprocess
-import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -138,15 +137,13 @@ WRITES = [
     Write("debug-precision-o", (*DEBUG_PRECISION, "-o", "{full}/x/plan.json"), "{full}/x/plan.json"),
     Write("debug-precision-cache", (*DEBUG_PRECISION, "-o", "{work}/plan.json", "--cache", "{full}/c/cache.json"), "{full}/c/cache.json"),
     Write("debug-precision-plot", (*DEBUG_PRECISION, "-o", "{work}/plan.json", "--plot", "{full}/p/plan.png"), "{full}/p/plan.png", plots=True),
-    # A timing cache the bench cannot write is recorded as a failed case (exit 1, the results file and an empty
-    # cache directory stay): Runner.case catches every Exception. The fix, re-raising fileio.WriteFailed there,
-    # is in harness/bench/runner.py, which this change does not touch; strict, so the fix shows here.
-    Write("bench-cache-dir", (*QUICK_BENCH, "-o", "{work}/new-run.json", "--cache-dir", "{full}/caches"), "{full}/caches",
-          marks=(pytest.mark.xfail(strict=True, reason="bench records a failed cache write as a failed case (runner.py)"),)),
+    Write("bench-cache-dir", (*QUICK_BENCH, "-o", "{work}/new-run.json", "--cache-dir", "{full}/caches"), "{full}/caches"),
 ]  # fmt: skip
 HAS_PLOTS = importlib.util.find_spec("matplotlib") is not None
 # What a bench whose cases ran may warn of on stderr before its error (a busy machine, a noisy case): no error.
 CASE_WARNING = re.compile(r"case [^ ]+: (?!.*error:)")
+# What ``harness -v`` logs (``logger: message``), and a case's warnings: no error.
+LOG_LINE = re.compile(r"(?!error: )(case )?[\w.]+: (?!.*error:)")
 
 
 def _work(tmp_path: Path, good: dict[str, Path]) -> Path:  # noqa: F811
@@ -181,7 +178,12 @@ def test_a_write_on_a_full_disk_is_one_error_naming_the_file_and_leaves_nothing(
 
 def test_a_bench_that_fills_the_disk_mid_run_leaves_neither_its_results_nor_its_caches(tmp_path, good) -> None:  # noqa: F811
     """Room for the started results file and the case's timing cache, not for the results once they
-    hold the case's samples: the started file and the cache directory made for it go."""
+    hold the case's samples: the started file and the cache directory made for it go.
+
+    The run's log (``-v``) shows how far it got: the results file is started
+    before any case is built, so a case's timing cache written means the
+    file was started, and the error after it is the write of the case.
+    """
     work = _work(tmp_path, good)
     directory = tmp_path / "full"
     output = directory / "r" / "run.json"
@@ -189,26 +191,11 @@ def test_a_bench_that_fills_the_disk_mid_run_leaves_neither_its_results_nor_its_
     # them; without tmpfs, one page is a file size the first two stay under and the third exceeds.
     with full_disk(directory, free=3 * PAGE, file_limit=PAGE) as full:
         before = _snapshot(work, directory)
-        started = threading.Event()
-        finished = threading.Event()
-
-        def watch() -> None:
-            while not finished.is_set():
-                if output.exists():
-                    started.set()
-                    return
-                finished.wait(0.01)
-
-        watcher = threading.Thread(target=watch)
-        watcher.start()
-        try:
-            result = full.run([*QUICK_BENCH, "-o", str(output)], work)
-        finally:
-            finished.set()
-            watcher.join()
-        line = error_line(result.returncode, result.stderr, CASE_WARNING)
+        result = full.run(["-v", *QUICK_BENCH, "-o", str(output)], work)
+        line = error_line(result.returncode, result.stderr, LOG_LINE)
         assert str(output) in line, line
-        assert started.is_set(), "the results file was never started: the disk was full before the run"
+        cache = f"timing cache {output.parent}/caches/digits-fp32-cpu-t1.json: 2 new entries written"
+        assert cache in result.stderr, "the disk was full before the run started: " + result.stderr[-3000:]
         assert _snapshot(work, directory) == before, "the started results file or its cache directory was left"
 
 

@@ -71,7 +71,7 @@ def _requirement_names(requirements: list[str]) -> set[str]:
     return {re.split(r"[<>=!~;\s\[]", r, maxsplit=1)[0].lower() for r in requirements}
 
 
-RUNTIME_EXTRAS = ("onednn", "onnx", "openvino", "plots", "digits", "hf", "history")
+RUNTIME_EXTRAS = ("onednn", "onnx", "openvino", "plots", "digits", "hf", "history", "ray")
 # Runtime extras left out of `all` and `test`, each for its reason (pyproject.toml says it there too).
 SEPARATE_EXTRAS = {
     # onnx2torch requires torchvision; the torchvision that resolves beside a CPU torch does not import

@@ -409,6 +409,11 @@ class OnnxExports:
         self._dir = tempfile.TemporaryDirectory(prefix="harness-peers-")
         self._paths: dict[tuple[str, int | None], Path] = {}
 
+    def __reduce__(self) -> tuple[type[OnnxExports], tuple[()]]:
+        """Pickled (a peer case sent to another process: ``--executor ray``), a fresh, empty one:
+        the files are this process's; the other exports its own."""
+        return (OnnxExports, ())
+
     def path(self, key: tuple[str, int | None], spec: Any) -> Path:
         if key not in self._paths:
             path = Path(self._dir.name) / f"model-{len(self._paths)}.onnx"

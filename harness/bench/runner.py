@@ -53,6 +53,7 @@ from harness.engines.protocol import (
     engine_inputs,
 )
 from harness.errors import HarnessError, StaticBatchError
+from harness.fileio import WriteFailed
 from harness.globalstate import preserves_global_state
 from harness.limits import (
     MAX_ITERS,
@@ -374,12 +375,33 @@ class BenchRunner:
                 engine_device_bytes=engine_memory.engine_device_bytes,
             )
             return {**case.to_dict(), **extra}
+        except WriteFailed:  # a full disk or a quota ends the run (nothing of it is kept), not one case
+            raise
         except Exception as exc:  # recorded, and the matrix goes on; Ctrl-C is not an Exception
-            from harness.bench.scenario_run import scenario_stub
+            return self.failed_entry(model, mode, backend, batch, scenario, _error_text(stage[0], exc))
 
-            name = self.name_of(model)
-            stub = None if scenario is None or scenario.single_stream else scenario_stub(scenario)
-            return CaseResult.failed(name, mode, backend, _error_text(stage[0], exc), batch, stub).to_dict()
+    def failed_entry(
+        self, model: str, mode: str, backend: str, batch: int | None, scenario: Scenario | None, error: str
+    ) -> dict[str, Any]:
+        """The results entry of a case that failed with ``error`` (its stage and reason)."""
+        from harness.bench.scenario_run import scenario_stub
+
+        stub = None if scenario is None or scenario.single_stream else scenario_stub(scenario)
+        return CaseResult.failed(self.name_of(model), mode, backend, error, batch, stub).to_dict()
+
+    def replica(self, cache_dir: str | os.PathLike[str] | None) -> BenchRunner:
+        """A fresh runner of this configuration (nothing built or measured yet) keeping its timing
+        caches in ``cache_dir`` (None: none)."""
+        return BenchRunner(
+            self.backend,
+            cache_dir=cache_dir,
+            settings=self.settings,
+            plans=self.plans,
+            load_model=self.load_model,
+            ignore_cache_mismatch=self.ignore_cache_mismatch,
+            batch_sizes=self.batch_sizes,
+            scenarios=self.scenarios,
+        )
 
     def name_of(self, model: str) -> str:
         """The name results use for a model reference: its ModelSpec's name (never a file path)."""
@@ -655,8 +677,7 @@ class BenchRunner:
         """
         from tqdm import tqdm
 
-        cases = [(*case, scenario) for case in matrix for scenario in self.scenarios]
-        todo = [item for item in _with_extra(cases, extra) if not writer.has(*self._key(item))]
+        todo = self.pending(matrix, writer, extra)
         # disable=None: no bar where stderr is no terminal (a CI log would get its \r fragments)
         bar = tqdm(todo, desc="bench", unit="case", file=sys.stderr, disable=None if progress else True)
         try:
@@ -666,11 +687,28 @@ class BenchRunner:
             bar.close()
         return writer.finish()
 
-    def _key(self, item: ScenarioCase | ExtraCase) -> CaseKey:
+    def pending(
+        self, matrix: Sequence[Case], writer: ResultsWriter, extra: Sequence[ExtraCase] = ()
+    ) -> list[ScenarioCase | ExtraCase]:
+        """The run's cases in the order :meth:`run` runs them (each matrix case in every scenario,
+        each extra case before its model's first), less those ``writer`` already holds."""
+        cases = [(*case, scenario) for case in matrix for scenario in self.scenarios]
+        return [item for item in _with_extra(cases, extra) if not writer.has(*self.key_of(item))]
+
+    def key_of(self, item: ScenarioCase | ExtraCase) -> CaseKey:
+        """The key the results give the case ``item``."""
         if isinstance(item, tuple):
             model, mode, batch, scenario = item
             return (self.name_of(model), mode, self.backend.name, batch, scenario.label())
         return item.key(self)
+
+    def run_item(self, item: ScenarioCase | ExtraCase) -> dict[str, Any]:
+        """One case of :meth:`pending` as its results entry (a failure as a ``failed`` entry)."""
+        if isinstance(item, tuple):
+            model, mode, batch, scenario = item
+            # a single-stream case is called as before scenarios existed (overrides of run_case keep working)
+            return self.run_case(model, mode, batch) if scenario.single_stream else self.run_case(model, mode, batch, scenario)
+        return item.run(self)
 
     def _run_cases(self, bar: Any, writer: ResultsWriter, on_case: CaseHook | None) -> None:
         """Each case, recorded as it ends; what makes it doubtful said above the bar (a busy
@@ -679,15 +717,8 @@ class BenchRunner:
 
         busy = 0
         for item in bar:
-            if isinstance(item, tuple):
-                model, mode, batch, scenario = item
-                where = "" if scenario.single_stream else f" {scenario.name}"
-                bar.set_postfix_str(f"{model} {mode}" + ("" if batch is None else f" b{batch}") + where)
-                # a single-stream case is called as before scenarios existed (overrides of run_case keep working)
-                entry = self.run_case(model, mode, batch) if scenario.single_stream else self.run_case(model, mode, batch, scenario)
-            else:
-                bar.set_postfix_str(item.label)
-                entry = item.run(self)
+            bar.set_postfix_str(item_label(item))
+            entry = self.run_item(item)
             writer.add(entry)
             for line in case_messages(entry):
                 if BUSY_PREFIX in line:
@@ -721,6 +752,15 @@ class ExtraCase(Protocol):
 
 
 ScenarioCase = tuple[str, PrecisionMode, "int | None", Scenario]  # a matrix case in one scenario
+
+
+def item_label(item: ScenarioCase | ExtraCase) -> str:
+    """A case as progress shows it: ``model mode [bBATCH] [scenario]``, or the extra case's label."""
+    if not isinstance(item, tuple):
+        return item.label
+    model, mode, batch, scenario = item
+    where = "" if scenario.single_stream else f" {scenario.name}"
+    return f"{model} {mode}" + ("" if batch is None else f" b{batch}") + where
 
 
 def _with_extra(matrix: Sequence[ScenarioCase], extra: Sequence[ExtraCase]) -> list[ScenarioCase | ExtraCase]:

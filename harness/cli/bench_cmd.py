@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -84,6 +85,14 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--summary-md", default=None, metavar="FILE", help="also write the table as Markdown (CI job summary)")
     p.add_argument("--no-plots", action="store_true", help="skip the latency-vs-error PNGs")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--executor", default="local", metavar="local|ray",
+                   help="local: every case in this process, one after the other; ray: each case a task on a "
+                   "Ray cluster (the 'ray' extra), every machine kind of the cluster running the matrix into "
+                   "a results file of its own, <machine id>/ beside -o (default: local)")
+    p.add_argument("--ray-address", default=None, metavar="ADDR",
+                   help="with --executor ray: the cluster to connect to, as ray.init takes it (e.g. "
+                   "ray://head:10001, or auto) (default: a cluster this process has, else a local one started "
+                   "for the run)")
     options.add_flags(p)
     bench_load.add_flags(p)
     p.set_defaults(func=run_bench)
@@ -248,6 +257,7 @@ class _Run:
     notes: list[str]
     clock_lock: contextlib.AbstractContextManager[object]
     engine_cases: int = 0  # the matrix's cases times the scenarios
+    cache_dir_given: bool = False  # by --cache-dir or the project file (else the default beside the output)
 
     def total(self) -> int:
         return (self.engine_cases or len(self.matrix)) + len(self.peer_matrix)
@@ -257,9 +267,14 @@ def run_bench(args: argparse.Namespace) -> int:
     """Resolve every setting (defaults < project file < flags, all refusals first), run the
     matrix into the results file under the clock lock, then report: 0, 1 a case failed, 130
     interrupted."""
+    from harness.bench.ray_executor import check_executor
+
+    executor = check_executor(args.executor, args.ray_address, args.lock_clocks)
     run = _resolve(args)
     for note in run.notes:
         print(f"note: {note}", file=sys.stderr)
+    if executor == "ray":
+        return _bench_on_ray(run, args)
     # both taken before the results file is written; released on every way out
     with run.clock_lock, _cache_lock(run.runner.cache_dir):
         doc = _measure(run, args)
@@ -267,6 +282,43 @@ def run_bench(args: argparse.Namespace) -> int:
         return 130
     report_run(doc, run.output, args.no_plots, args.summary_md)
     return _failures(doc, run.total())
+
+
+def _bench_on_ray(run: _Run, args: argparse.Namespace) -> int:
+    """The matrix on a Ray cluster (:mod:`harness.bench.ray_executor`): one results file per machine
+    kind, in a directory named by its machine id where a local run's file would be (its timing caches
+    beside it, or in ``<--cache-dir>/<machine id>``); each reported as a local run is."""
+    from harness.bench import ray_executor
+    from harness.fileio import check_writable
+    from harness.project import portable_path
+
+    root = run.output.parent.parent if args.output is None else run.output.parent
+
+    def files(machine_id: str) -> ray_executor.KindFiles:
+        output = check_writable(root / machine_id / run.output.name, "-o")
+        given = run.runner.cache_dir
+        cache_dir = None if given is None else (given / machine_id if run.cache_dir_given else output.parent / "caches")
+        settings = {**run.settings, "cache_dir": None if cache_dir is None else portable_path(cache_dir)}
+        return ray_executor.KindFiles(output, cache_dir, settings)
+
+    done = ray_executor.run_on_ray(
+        run.runner, run.matrix, run.peer_matrix, address=args.ray_address, files=files, resume=args.resume,
+        progress=not args.no_progress,
+    )  # fmt: skip
+    codes = []
+    for kind in done.kinds:
+        summary = args.summary_md
+        if summary is not None and len(done.kinds) > 1:  # one table per machine kind, never one across them
+            summary = os.fspath(Path(summary).with_name(f"{Path(summary).stem}-{kind.id}{Path(summary).suffix}"))
+        report_run(kind.doc, kind.files.output, args.no_plots, summary)
+        codes.append(_failures(kind.doc, len(kind.doc["cases"])))
+        if done.interrupted:
+            print(
+                f"interrupted: {len(kind.doc['cases'])} cases kept in {kind.files.output} (marked incomplete; finish "
+                f"it by repeating the command with --resume -o {root / run.output.name})",
+                file=sys.stderr,
+            )  # fmt: skip
+    return 130 if done.interrupted else max(codes, default=0)
 
 
 def _cache_lock(directory: Path | None) -> contextlib.AbstractContextManager[object]:
@@ -401,7 +453,8 @@ def _resolve(args: argparse.Namespace) -> _Run:
         notes.append("no peer runs: peers are timed single-stream, and --scenario leaves it out")
         peer_matrix = []
     total = len(matrix) * len(scenarios)
-    return _Run(output, machine, settings, runner, matrix, peer_matrix, notes + peer_notes, clock_lock, total)
+    given = args.cache_dir is not None or project.setting("cache_dir", None, None) is not None
+    return _Run(output, machine, settings, runner, matrix, peer_matrix, notes + peer_notes, clock_lock, total, given)
 
 
 def _source_notes(refs: list[str], load: Any, backend: Any, modes: list[PrecisionMode]) -> list[str]:

@@ -147,9 +147,10 @@ class Parser(argparse.ArgumentParser):
         named = [flag for flag in flags if re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", message)]
         hints = []
         for typo in _TYPOS.get():
-            close = difflib.get_close_matches(typo, named, n=1) or difflib.get_close_matches(typo, flags, n=1)
+            # two at most, as near as each other can be: `--modle` is as near `--modes` as `--models`
+            close = difflib.get_close_matches(typo, named, n=1) or difflib.get_close_matches(typo, flags, n=2)
             if close:
-                hints.append(f"{close[0]} for {shown(typo)}")
+                hints.append(f"{' or '.join(close)} for {shown(typo)}")
         super().error(message + (f" (did you mean {', '.join(hints)}?)" if hints else ""))
 
 
