@@ -16,10 +16,13 @@ from harness.bench.runner import cache_file
 from harness.cache.operations import pin
 from harness.cache.timing_cache import TimingCache
 from harness.cli import main as cli_main
+from harness.engines.cpu import CpuBackend
 from harness.engines.protocol import BuildConfig
 from tests.test_telemetry_gpus import B, NvmlDouble, cuda_double, gpus
 
 MACHINE = "test-machine"
+CPU = CpuBackend()
+DIGITS_FP32_CACHE = cache_file("", "digits", BuildConfig("fp32", threads=1), CPU).name
 
 
 @pytest.fixture(autouse=True)
@@ -57,7 +60,7 @@ def test_bench_prints_table_overhead_and_markdown(capsys, tmp_path):
     assert doc["settings"]["quick"] is True and doc["settings"]["backend"] == "cpu"
     assert "measurement overhead per iteration" in out and "x1.00" in out
     # caches default to caches/ next to the results file; plots too
-    assert cache_file(tmp_path / "caches", "digits", BuildConfig("bf16", threads=1), "cpu").is_file()
+    assert cache_file(tmp_path / "caches", "digits", BuildConfig("bf16", threads=1), CPU).is_file()
     assert (tmp_path / "run-digits.png").is_file()
     text = md.read_text()
     assert text.startswith("machine test-machine") and "| model " in text and "| digits " in text
@@ -314,7 +317,7 @@ def test_a_pinned_slower_tactic_is_what_the_engine_runs(capsys, tmp_path):
     case = ("--models", "digits", "--modes", "weak-bf16")
     first = tmp_path / "a.json"
     assert bench(capsys, tmp_path, first, *case)[0] == 0
-    path = cache_file(tmp_path / "caches", "digits", BuildConfig("weak-bf16", threads=1), "cpu")
+    path = cache_file(tmp_path / "caches", "digits", BuildConfig("weak-bf16", threads=1), CPU)
     cache = TimingCache.load(path)
     heaviest = max(cache.entries(), key=lambda e: e.time_ms)
     slowest = max(heaviest.candidates, key=lambda c: c.time_ms)
@@ -459,7 +462,7 @@ def test_spread_threshold_decides_the_unstable_flag(capsys, tmp_path):
         (("--backend", "onnxruntime", "--modes", "bf16"), "cannot build bf16"),
         (("--modes", "explicit", "--explicit", "{bad_regex}"), "not a valid regular expression"),
         (("--cache-dir", "{a_file}"), "exists and is not a directory"),
-        (("--cache-dir", "{corrupt_caches}"), "digits-fp32-cpu-t1.json"),
+        (("--cache-dir", "{corrupt_caches}"), DIGITS_FP32_CACHE),
         (("--summary-md", "{a_dir}"), "--summary-md"),
         (("--disable-cache", "--cache-dir", "{a_dir}"), "--disable-cache and --cache-dir contradict"),
         (("--disable-cache", "--ignore-mismatch"), "--disable-cache and --ignore-mismatch contradict"),
@@ -471,7 +474,7 @@ def test_what_would_fail_is_refused_before_anything_is_written(capsys, tmp_path,
     (tmp_path / "bad.json").write_text('{"(": "fp16"}')
     (tmp_path / "file").write_text("x")
     (tmp_path / "corrupt").mkdir()
-    (tmp_path / "corrupt" / "digits-fp32-cpu-t1.json").write_text('{"truncated": ')
+    (tmp_path / "corrupt" / DIGITS_FP32_CACHE).write_text('{"truncated": ')
     (tmp_path / "dir").mkdir()
     values = {"bad_regex": tmp_path / "bad.json", "a_file": tmp_path / "file",
               "corrupt_caches": tmp_path / "corrupt", "a_dir": tmp_path / "dir"}  # fmt: skip
@@ -518,15 +521,15 @@ def test_threads_and_load_are_recorded_per_case_and_in_the_cache(capsys, tmp_pat
     (case,) = doc["cases"]
     assert doc["settings"]["threads"] == 2 and case["threads"] == 2
     assert len(case["load_average"]["start"]) == 3 and case["load_average"]["cpus"] >= 1
-    cache = TimingCache.load(cache_file(tmp_path / "caches", "digits", BuildConfig("fp32", threads=2), "cpu"))
+    cache = TimingCache.load(cache_file(tmp_path / "caches", "digits", BuildConfig("fp32", threads=2), CPU))
     assert cache.provenance.builder_options["num_threads"] == 2
     # another thread count gets a cache of its own instead of failing against this one
     code, _, _ = bench(capsys, tmp_path, tmp_path / "r2.json", "--models", "digits", "--modes", "fp32", "--threads", "1")
     assert code == 0
-    assert TimingCache.load(cache_file(tmp_path / "caches", "digits", BuildConfig("fp32", threads=1), "cpu")).provenance.builder_options["num_threads"] == 1
+    assert TimingCache.load(cache_file(tmp_path / "caches", "digits", BuildConfig("fp32", threads=1), CPU)).provenance.builder_options["num_threads"] == 1
     # a cache of this configuration that another thread count wrote is refused up front, naming the setting
-    mine = cache_file(tmp_path / "caches", "digits", BuildConfig("fp32", threads=1), "cpu")
-    mine.write_bytes(cache_file(tmp_path / "caches", "digits", BuildConfig("fp32", threads=2), "cpu").read_bytes())
+    mine = cache_file(tmp_path / "caches", "digits", BuildConfig("fp32", threads=1), CPU)
+    mine.write_bytes(cache_file(tmp_path / "caches", "digits", BuildConfig("fp32", threads=2), CPU).read_bytes())
     code, _, err = bench(capsys, tmp_path, tmp_path / "r3.json", "--models", "digits", "--modes", "fp32", "--threads", "1")
     assert code == 2 and "num_threads: 2 != 1" in err and not (tmp_path / "r3.json").exists()
     code, _, _ = bench(capsys, tmp_path, tmp_path / "r4.json", "--models", "digits", "--modes", "fp32",

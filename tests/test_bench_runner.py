@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import os
+import re
 
 import pytest
 import torch
@@ -96,22 +97,29 @@ def test_bad_shard_is_refused(text):
         parse_shard(text)
 
 
-def test_cache_files_are_keyed_by_model_mode_backend_threads_and_settings(tmp_path):
+def test_cache_files_are_keyed_by_model_mode_backend_threads_device_and_settings(tmp_path, monkeypatch):
     from harness.autocast import AutocastSettings
+    from harness.engines import cpu as cpu_backend
+    from harness.engines.onnxruntime import OnnxRuntimeBackend
 
+    cpu = CpuBackend()
     base = BuildConfig("autocast-bf16", threads=1)
-    path = cache_file(tmp_path, "my model/x", base, "cpu")
+    path = cache_file(tmp_path, "my model/x", base, cpu)
     assert path.parent == tmp_path and "/" not in path.name and " " not in path.name
-    assert path.name.startswith("my_model_x-autocast-bf16-cpu-t1-")
+    assert path.name.startswith("my_model_x-autocast-bf16-cpu-t1-d")
     others = {
-        cache_file(tmp_path, "my model/x", BuildConfig("autocast-bf16", threads=2), "cpu"),
-        cache_file(tmp_path, "my model/x", base, "onnxruntime"),
+        cache_file(tmp_path, "my model/x", BuildConfig("autocast-bf16", threads=2), cpu),
+        cache_file(tmp_path, "my model/x", base, OnnxRuntimeBackend()),
         cache_file(tmp_path, "my model/x", BuildConfig("autocast-bf16", threads=1,
-                   autocast=AutocastSettings(nodes_to_exclude=["^conv"])), "cpu"),
+                   autocast=AutocastSettings(nodes_to_exclude=["^conv"])), cpu),
     }  # fmt: skip
     assert path not in others and len(others) == 3
     # settings do not shape an fp32 graph: they do not split its cache
-    assert cache_file(tmp_path, "m", BuildConfig("fp32", threads=1), "cpu").name == "m-fp32-cpu-t1.json"
+    fp32 = cache_file(tmp_path, "m", BuildConfig("fp32", threads=1), cpu)
+    assert re.fullmatch(r"m-fp32-cpu-t1-d[0-9a-f]{8}\.json", fp32.name)
+    # a CPU whose kernel-relevant ISA differs under the same machine id keeps a cache of its own
+    monkeypatch.setattr(cpu_backend, "cpu_flags", lambda: frozenset({"avx2", "fma", "f16c"}))
+    assert cache_file(tmp_path, "m", BuildConfig("fp32", threads=1), cpu) != fp32
 
 
 def test_failed_cases_are_recorded_and_the_run_goes_on(tmp_path, writer):
@@ -163,7 +171,7 @@ def test_ok_case_measures_against_eager_fp32_and_pins_on_rerun(tmp_path):
     assert eager.shape == (spec.example_inputs[0].shape[0], 10)
 
     # cold cache: tactics were timed and written; the recorded digest is the file's
-    path = cache_file(cache_dir, "digits", BuildConfig("fp32", threads=TINY.threads), "cpu")
+    path = cache_file(cache_dir, "digits", BuildConfig("fp32", threads=TINY.threads), CpuBackend())
     assert first["from_cache"] is False and first["build"]["cache_misses"] > 0
     assert first["timing_cache_digest"] == TimingCache.load(path).digest()
     assert {layer["name"] for layer in first["layers"]} >= {e.layer for e in TimingCache.load(path).entries()}
@@ -183,7 +191,7 @@ def test_a_cache_timed_before_a_tactic_existed_is_a_case_warning(tmp_path):
     first = BenchRunner(CpuBackend(), cache_dir=cache_dir, settings=TINY).run_case("digits", "fp32")
     assert first["status"] == "ok", first["error"]
     assert not [w for w in first["warnings"] if "timed before" in w]
-    path = cache_file(cache_dir, "digits", BuildConfig("fp32", threads=TINY.threads), "cpu")
+    path = cache_file(cache_dir, "digits", BuildConfig("fp32", threads=TINY.threads), CpuBackend())
     cache = TimingCache.load(path)
     newest = "gemm_nn[fp32]"  # stands for a tactic a later harness added
     for entry in cache.entries():
@@ -202,7 +210,7 @@ def test_a_cache_timed_before_a_tactic_existed_is_a_case_warning(tmp_path):
 
 def test_corrupt_cache_fails_the_case_and_is_not_overwritten(tmp_path):
     cache_dir = tmp_path / "caches"
-    path = cache_file(cache_dir, "digits", BuildConfig("fp32", threads=TINY.threads), "cpu")
+    path = cache_file(cache_dir, "digits", BuildConfig("fp32", threads=TINY.threads), CpuBackend())
     path.parent.mkdir()
     path.write_text('{"schema_version": 1, "truncated')
     case = BenchRunner(CpuBackend(), cache_dir=cache_dir, settings=TINY).run_case("digits", "fp32")

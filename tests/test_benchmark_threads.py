@@ -15,6 +15,8 @@ from harness.bench.runner import DEFAULT_THREADS
 from harness.benchmarks import compile_bench, engine_bench
 from harness.engines.cpu import CpuBackend
 
+pytestmark = pytest.mark.slow  # the benchmarks build and time real models
+
 
 @pytest.fixture
 def many_threads():

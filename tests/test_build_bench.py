@@ -10,6 +10,8 @@ import torch
 from harness.benchmarks import build_bench
 from harness.benchmarks.build_bench import BuildTimes, report, time_builds
 
+pytestmark = pytest.mark.slow  # cold and warm builds of real models
+
 
 def test_cold_builds_time_every_layer_and_warm_ones_take_each_from_the_cache_into_the_same_engine():
     steps: list[str] = []

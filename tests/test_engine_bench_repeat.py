@@ -24,6 +24,8 @@ from harness.benchmarks.peer_bench import (
 )
 from harness.fileio import validate
 
+pytestmark = pytest.mark.slow  # the benchmark runs in processes of its own
+
 
 def _group(model: str, precision: str, times: dict[str, float]) -> Group:
     group = Group(model, precision)

@@ -30,9 +30,14 @@ from pathlib import Path
 
 import pytest
 
+from harness.bench.runner import cache_file
+from harness.engines.cpu import CpuBackend
+from harness.engines.protocol import BuildConfig
 from harness.fileio import WriteFailed, atomic_write_bytes, locked
 from tests.test_bad_inputs import MACHINE, TRT_LAYERS, TRT_LOG, _snapshot, good  # noqa: F401
 from tests.test_hostile_inputs import error_line, run_harness
+
+pytestmark = pytest.mark.slow  # each writer runs as a real process on a filled filesystem
 
 PAGE = 4096
 TMPFS_BYTES = 64 << 10
@@ -194,7 +199,8 @@ def test_a_bench_that_fills_the_disk_mid_run_leaves_neither_its_results_nor_its_
         result = full.run(["-v", *QUICK_BENCH, "-o", str(output)], work)
         line = error_line(result.returncode, result.stderr, LOG_LINE)
         assert str(output) in line, line
-        cache = f"timing cache {output.parent}/caches/digits-fp32-cpu-t1.json: 2 new entries written"
+        digits_fp32 = cache_file(output.parent / "caches", "digits", BuildConfig("fp32", threads=1), CpuBackend())
+        cache = f"timing cache {digits_fp32}: 2 new entries written"
         assert cache in result.stderr, "the disk was full before the run started: " + result.stderr[-3000:]
         assert _snapshot(work, directory) == before, "the started results file or its cache directory was left"
 

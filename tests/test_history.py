@@ -53,6 +53,8 @@ from harness.cli import history_cmd
 from harness.extras import install_command
 from tests.headless_chromium import CHROMIUM, open_page
 
+pytestmark = pytest.mark.slow  # the dashboard opens in a real browser
+
 # --- the planted history ----------------------------------------------------------------
 
 MACHINE_ID = "nvidia-a100-sxm4-40gb-trt10"

@@ -36,6 +36,8 @@ from harness.engines.saved import ENGINE_BACKENDS
 from harness.fileio import digest
 from tests.test_bad_inputs import ENV, _resign_cache, _resign_results, _snapshot, good  # noqa: F401
 
+pytestmark = pytest.mark.slow  # each hostile input runs as a real process
+
 REPO = Path(__file__).resolve().parent.parent
 # An error line holding an echoed value in full is longer than this (the longest value
 # echoed cut short, a path and a list of valid values fit).

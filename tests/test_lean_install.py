@@ -22,6 +22,8 @@ from test_bench_gate import case, make_doc
 
 from harness.bench.results import write_results
 
+pytestmark = pytest.mark.slow  # each test installs the package into a virtual environment of its own
+
 ROOT = Path(__file__).resolve().parents[1]
 # the import names and distribution names of every extra's packages
 EXTRAS = {"onnx", "onnxruntime", "onnxscript", "onnx_ir", "openvino", "matplotlib", "sklearn", "scikit_learn"}

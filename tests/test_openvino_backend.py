@@ -37,6 +37,7 @@ from harness.engines.protocol import BuildConfig  # noqa: E402
 from harness.engines.registry import get_backend  # noqa: E402
 from harness.engines.saved import PLAN_FILE  # noqa: E402
 from harness.errors import HarnessError  # noqa: E402
+from harness.extras import install_command  # noqa: E402
 from harness.fileio import digest  # noqa: E402
 from harness.outputs import tensor_paths  # noqa: E402
 from harness.precision import PrecisionMode  # noqa: E402
@@ -169,7 +170,7 @@ def test_a_missing_openvino_names_the_extra_to_install(monkeypatch):
     for name in [n for n in sys.modules if n == "openvino" or n.startswith(("openvino.", "harness.engines.openvino"))]:
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.setitem(sys.modules, "openvino", None)  # import openvino -> ImportError
-    with pytest.raises(HarnessError, match=r"backend 'openvino' needs openvino, which is not installed.*mixed-precision-harness\[openvino\]"):
+    with pytest.raises(HarnessError, match=rf"backend 'openvino' needs openvino, which is not installed.*{re.escape(install_command('openvino'))}"):
         get_backend("openvino")
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -133,8 +134,10 @@ def pytest_benchmark_run(tmp_path_factory) -> Path:
          f"--benchmark-json={out}", "--benchmark-save-data", "--benchmark-min-rounds=30",
          "--benchmark-max-time=0.02", "--benchmark-disable-gc"],
         capture_output=True, text=True, cwd=tmp, check=False,
+        # not an xdist worker's: pytest-benchmark turns itself off in one (and writes no file)
+        env={k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_XDIST", "PYTEST_CURRENT_TEST"))},
     )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.returncode == 0 and out.is_file(), proc.stdout + proc.stderr
     return out
 
 

@@ -18,7 +18,10 @@ from pathlib import Path
 import pytest
 
 from harness.bench.results import write_results
+from harness.bench.runner import cache_file
 from harness.cli import main as cli_main
+from harness.engines.cpu import CpuBackend
+from harness.engines.protocol import BuildConfig
 
 ray = pytest.importorskip("ray")
 
@@ -245,7 +248,7 @@ def test_two_machine_kinds_get_one_results_file_each(capsys, tmp_path, two_kinds
         assert [(c["model"], c["mode"], c["status"]) for c in doc["cases"]] == [("lenet", "fp32", "ok")]
         # each kind's caches beside its file: the build's new entries came back and were merged
         caches = sorted((path.parent / "caches").glob("*.json"))
-        assert [c.name for c in caches] == ["lenet-fp32-cpu-t1.json"]
+        assert [c.name for c in caches] == [cache_file("", "lenet", BuildConfig("fp32", threads=1), CpuBackend()).name]
         assert json.loads(caches[0].read_text())["entries"]
         assert doc["settings"]["cache_dir"].endswith(f"{path.parent.name}/caches")
         assert f"results: {path}" in out

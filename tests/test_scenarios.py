@@ -180,6 +180,7 @@ def _run(backend: str, scenarios: list[Scenario], path: Path, modes=("fp32",)) -
     return runner.run(build_matrix(["lenet"], list(modes)), writer, progress=False)
 
 
+@pytest.mark.slow  # real benches of every scenario
 @pytest.mark.parametrize("backend", ["cpu", "onnxruntime"])
 def test_the_four_scenarios_run_and_record_what_they_measured(backend, tmp_path):
     if backend == "onnxruntime":
@@ -297,6 +298,7 @@ def test_tensorrt_workers_are_execution_contexts_on_streams_of_their_own(gpu, tm
     assert doc["cases"][0]["status"] == "ok" and doc["cases"][0]["scenario"]["concurrency"] == 2
 
 
+@pytest.mark.slow  # real benches of every scenario
 def test_the_project_files_scenario_table_is_used_and_flags_override_it(tmp_path, capsys):
     config = tmp_path / "harness.toml"
     config.write_text('[scenario]\nnames = ["server"]\ntarget_rate = 40\nlatency_bound = "1s"\n')

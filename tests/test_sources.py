@@ -32,6 +32,8 @@ from harness.sources.inputs import input_options, parse_input_ranges, parse_inpu
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("onnxruntime")
 
+pytestmark = pytest.mark.slow  # model files exported, converted and benchmarked
+
 SMALL = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64}
 VOCAB = 100
 

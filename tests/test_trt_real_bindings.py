@@ -35,6 +35,8 @@ import trt_bindings
 
 from harness.engines.protocol import PRECISION_MODES
 
+pytestmark = pytest.mark.slow  # each TensorRT version's bindings load in a process of their own
+
 KEY = "0x1814870c44ff0f8574df6e3dda04cbd7"
 CACHE_FLAGS = ["EDITABLE_TIMING_CACHE", "DISABLE_COMPILATION_CACHE", "ERROR_ON_TIMING_CACHE_MISS"]
 WEAK = ("weak-fp16", "weak-bf16")

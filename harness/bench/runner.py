@@ -53,7 +53,7 @@ from harness.engines.protocol import (
     engine_inputs,
 )
 from harness.errors import HarnessError, StaticBatchError
-from harness.fileio import WriteFailed
+from harness.fileio import WriteFailed, digest
 from harness.globalstate import preserves_global_state
 from harness.limits import (
     MAX_ITERS,
@@ -192,14 +192,18 @@ def build_matrix(
     return cases[index - 1 :: count]
 
 
-def cache_file(cache_dir: str | os.PathLike[str], model: str, config: BuildConfig, backend: str) -> Path:
-    """One timing cache per (model name, mode, backend, threads, autocast settings).
+def cache_file(cache_dir: str | os.PathLike[str], model: str, config: BuildConfig, backend: Backend) -> Path:
+    """One timing cache per (model name, mode, backend, threads, device, autocast settings).
 
     Each of these decides which tactics a build may time, so each gets its own
     file: switching backend, thread count or settings starts a new cache
-    instead of failing every case against the previous run's.
+    instead of failing every case against the previous run's. The device is the
+    one the backend's caches record (:meth:`Backend.provenance`: a CPU with its
+    kernel-relevant ISA, a GPU), so machines that share a machine id but not their
+    kernels (two CPUs of one generic model name) keep their caches side by side.
     """
-    parts = [model, config.mode, backend, f"t{config.thread_count()}"]
+    device = digest(backend.provenance(config).device.encode()).removeprefix("sha256:")[:8]
+    parts = [model, config.mode, backend.name, f"t{config.thread_count()}", f"d{device}"]
     settings = config.autocast_digest()
     if settings is not None:
         parts.append(settings.removeprefix("sha256:")[:10])
@@ -460,7 +464,7 @@ class BenchRunner:
             name += f"-b{profile.min}to{profile.max}opt{profile.opt}"
         elif batch is not None:
             name += f"-b{batch}"
-        return cache_file(self.cache_dir, name, config, self.backend.name)
+        return cache_file(self.cache_dir, name, config, self.backend)
 
     def gpu_index(self) -> int | None:
         """The CUDA device a GPU backend runs on (GPU memory is recorded for it), else None."""

@@ -120,6 +120,7 @@ def test_rule_mode_stays_finite_where_eager_autocast_does(subject, low):
         assert all(torch.isfinite(t).all() for _, t in tensor_paths(out))
 
 
+@pytest.mark.slow  # a build of every subject in every mode: 4-15 s each for the hf-* subjects
 @pytest.mark.stage("engine {mode}")
 @pytest.mark.parametrize("mode", PRECISION_MODES)
 def test_cpu_engine_builds_and_runs(subject, mode, tmp_path):
