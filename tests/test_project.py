@@ -128,7 +128,8 @@ def test_the_gate_reads_its_table_and_flags_win(project, capsys):
     assert main(["bench", "--no-progress", "--no-plots", "--modes", "fp32", "-o", "a.json"]) == 0
     assert main(["bench", "--no-progress", "--no-plots", "--modes", "fp32", "-o", "b.json"]) == 0
     capsys.readouterr()
-    assert main(["gate", "--baseline", "a.json", "--current", "b.json", "--json"]) in (0, 1)
+    # any verdict (3: a busy machine's unstable cases left nothing judged): the settings it used are the point
+    assert main(["gate", "--baseline", "a.json", "--current", "b.json", "--json"]) in (0, 1, 3)
     used = json.loads(capsys.readouterr().out)["settings"]
     assert used["latency_threshold"] == 0.5 and used["allow_missing"] is True
     main(["gate", "--baseline", "a.json", "--current", "b.json", "--json", "--latency-threshold", "7%"])
@@ -193,7 +194,10 @@ def test_a_user_model_is_the_same_model_by_any_path(project, capsys):
     assert rel["cases"][0]["model"] == ab["cases"][0]["model"] == "make"
     assert rel["cases"][0]["model_weights_digest"] == ab["cases"][0]["model_weights_digest"]
     capsys.readouterr()
-    assert main(["gate", "--baseline", "rel.json", "--current", "abs.json", "--latency-threshold", "900%"]) == 0
+    # the same case in both (nothing missing); --min-judged 0: a busy machine's unstable case is not judged,
+    # and whether it is judged is not what this test is about
+    assert main(["gate", "--baseline", "rel.json", "--current", "abs.json", "--latency-threshold", "900%",
+                 "--min-judged", "0"]) == 0
 
 
 def test_two_models_with_one_name_are_refused(project, capsys):
