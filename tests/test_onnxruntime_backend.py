@@ -22,7 +22,13 @@ from harness import models
 from harness.engines.modes import compile_for_mode
 from harness.engines.onnx_plan import MODEL_FILE
 from harness.engines.onnxruntime import OnnxRuntimeBackend, OnnxRuntimeEngine
-from harness.engines.onnxruntime.backend import _TOKEN, TACTIC, _layers, _open_session
+from harness.engines.onnxruntime.backend import (
+    _TOKEN,
+    TACTIC,
+    _layers,
+    _open_session,
+    _value_dtypes,
+)
 from harness.engines.protocol import BuildConfig
 from harness.engines.saved import PLAN_FILE
 from harness.errors import HarnessError
@@ -259,7 +265,7 @@ def test_layers_do_not_depend_on_the_order_or_numbering_ort_gives_its_nodes(buil
         node = reordered.graph.node.add()
         node.CopyFrom(nodes[k])
         node.name = _TOKEN.sub(lambda _: f"_token_{next(numbers)}", node.name)
-    assert [layer.to_json() for layer in _layers(reordered, model)] == [
+    assert [layer.to_json() for layer in _layers(reordered, model, _value_dtypes(reordered))] == [
         layer.to_json() for layer in engine.layers()
     ]
     assert len({layer.name for layer in engine.layers()}) == len(nodes)

@@ -15,23 +15,11 @@ from pytest_benchmark.utils import parse_compare_fail
 from harness.bench.pytest_benchmark import WRITTEN_NOTE, stats_of, to_pytest_benchmark
 from harness.bench.results import load_results, write_results
 from harness.bench.runs import load_run
-from harness.cli import main as cli_main
-from tests.test_bench_cli import MACHINE, real_run, synthetic_timings
+from tests.test_bench_cli import fixed_machine, real_run, run, synthetic_timings
 
-__all__ = ["real_run"]  # the module-scoped fixture, shared with test_bench_cli
+__all__ = ["fixed_machine", "real_run"]  # fixtures shared with test_bench_cli
 
 PYTEST_BENCHMARK = Path(sys.executable).with_name("pytest-benchmark")
-
-
-@pytest.fixture(autouse=True)
-def fixed_machine(monkeypatch):
-    monkeypatch.setenv("HARNESS_MACHINE_ID", MACHINE)
-
-
-def run(capsys, *argv: object) -> tuple[int, str, str]:
-    code = cli_main.main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def stored(tmp_path: Path, real_run: dict, name: str, scale: float, seed: int) -> Path:

@@ -252,9 +252,11 @@ class OnnxRuntimeEngine(ModelEngine):
         self._run: Callable[..., list[Any]] = getattr(native, "run", None) or self._session.run
         # Without run options ORT makes default ones on every call (about 0.9 µs).
         self._run_options = ort.RunOptions()
-        self._layers = _layers(executed, self._onnx)
-        self.notes = _precision_notes(self._onnx, executed, record.casts)
-        self._executed_precision = _executed_precision(self._onnx, executed, PrecisionMode(record.mode))
+        # each value's type in the model and in what ORT runs (shape inference: once per graph)
+        before, after = _value_dtypes(self._onnx), _value_dtypes(executed)
+        self._layers = _layers(executed, self._onnx, after)
+        self.notes = _precision_notes(self._onnx, executed, before, after, record.casts)
+        self._executed_precision = _executed_precision(self._onnx, executed, before, after, PrecisionMode(record.mode))
         self._fingerprint = digest(
             canonical_json(
                 {
@@ -557,8 +559,8 @@ def _executed_nodes(executed: onnx.ModelProto, model: onnx.ModelProto) -> list[t
     return named
 
 
-def _layers(executed: onnx.ModelProto, model: onnx.ModelProto) -> list[LayerInfo]:
-    dtypes = _value_dtypes(executed)
+def _layers(executed: onnx.ModelProto, model: onnx.ModelProto, dtypes: Mapping[str, str]) -> list[LayerInfo]:
+    """The executed graph's layers (``dtypes``: its values' types, :func:`_value_dtypes`)."""
     layers = []
     for name, node in _executed_nodes(executed, model):
         inputs = tuple(dtypes.get(v, "?") for v in node.input if v)
@@ -570,15 +572,19 @@ def _layers(executed: onnx.ModelProto, model: onnx.ModelProto) -> list[LayerInfo
 
 
 def _executed_precision(
-    model: onnx.ModelProto, executed: onnx.ModelProto, mode: PrecisionMode
+    model: onnx.ModelProto,
+    executed: onnx.ModelProto,
+    before: Mapping[str, str],
+    after: Mapping[str, str],
+    mode: PrecisionMode,
 ) -> ExecutedPrecision | None:
     """Of the ONNX model's nodes with a ``mode.low`` output, those ONNX Runtime runs with fp32
-    outputs instead (no kernel of its provider for the low type)."""
+    outputs instead (no kernel of its provider for the low type); ``before``/``after``: the
+    values' types in the model and in the executed graph (:func:`_value_dtypes`)."""
     low = mode.low
     if low is None:
         return None
     original = {n.name: n for n in model.graph.node if n.op_type != "Cast"}
-    before, after = _value_dtypes(model), _value_dtypes(executed)
     asked = {name for name, node in original.items() if low in {before.get(v) for v in node.output}}
     wider = tuple(
         node.name
@@ -591,12 +597,16 @@ def _executed_precision(
 
 
 def _precision_notes(
-    model: onnx.ModelProto, executed: onnx.ModelProto, casts: tuple[CastRecord, ...]
+    model: onnx.ModelProto,
+    executed: onnx.ModelProto,
+    before: Mapping[str, str],
+    after: Mapping[str, str],
+    casts: tuple[CastRecord, ...],
 ) -> list[str]:
-    """Where the executed graph's precisions differ from the ONNX model's."""
+    """Where the executed graph's precisions differ from the ONNX model's (``before``/``after`` as
+    :func:`_executed_precision` takes them)."""
     original = {n.name: n for n in model.graph.node}
     executed_names = {n.name for n in executed.graph.node}
-    before, after = _value_dtypes(model), _value_dtypes(executed)
     notes = []
     changed = []
     for node in executed.graph.node:
