@@ -662,10 +662,14 @@ def test_a_case_whose_layers_ran_wider_than_its_mode_says_so_in_results_and_tabl
     assert code == 0
     [case] = load_results(ort_out)["cases"]
     ran = ExecutedPrecision.from_json(case["executed_precision"])
-    assert ran.asked == "fp16" and not ran.chosen and 0 < len(ran.wider) <= ran.layers
-    assert {"linear_1", "layer_norm"} <= set(ran.wider)
-    assert case["status"] == "ok"  # finite: these layers did not run fp16
-    assert f"fp16 asked, {len(ran.wider)} of {ran.layers} layers ran fp32" in " ".join(out.split())
+    assert ran.asked == "fp16" and not ran.chosen and len(ran.wider) <= ran.layers
+    # Which kernels ONNX Runtime's CPU provider has depends on its build and the CPU; its output says
+    # which happened: finite where fp16 overflows means layers ran wider, and the record must name them.
+    if case["status"] == "ok":
+        assert ran.wider, "a finite output that fp16 cannot give, but no layer recorded as run wider"
+        assert f"fp16 asked, {len(ran.wider)} of {ran.layers} layers ran fp32" in " ".join(out.split())
+    else:  # it ran fp16 where it overflows
+        assert case["status"] == "non-finite"
     # The cpu engine computes each layer in its graph type: nothing ran wider, and fp16 overflows.
     assert bench(capsys, tmp_path, cpu_out, "--models", "overflow", "--modes", "fp16", "--backend", "cpu")[0] == 0
     [cpu_case] = load_results(cpu_out)["cases"]
