@@ -118,7 +118,8 @@ def test_cache_files_are_keyed_by_model_mode_backend_threads_device_and_settings
     fp32 = cache_file(tmp_path, "m", BuildConfig("fp32", threads=1), cpu)
     assert re.fullmatch(r"m-fp32-cpu-t1-d[0-9a-f]{8}\.json", fp32.name)
     # a CPU whose kernel-relevant ISA differs under the same machine id keeps a cache of its own
-    monkeypatch.setattr(cpu_backend, "cpu_flags", lambda: frozenset({"avx2", "fma", "f16c"}))
+    other = cpu_backend.cpu_flags() ^ {"amx_fp16"}  # this CPU's flags with one that picks kernels toggled
+    monkeypatch.setattr(cpu_backend, "cpu_flags", lambda: other)
     assert cache_file(tmp_path, "m", BuildConfig("fp32", threads=1), cpu) != fp32
 
 
