@@ -110,6 +110,36 @@ def test_tactics_of_a_layer_differ_in_bits_but_each_is_close_to_the_exact_result
         assert not torch.equal(results["gemm_direct"], results["gemm_splitk4"])
 
 
+@pytest.mark.parametrize("name", ["transformer", "mobilenet"])
+def test_a_nodes_leaves_are_what_pytree_gives_with_none_kept(name: str) -> None:
+    """plan.iter_leaves and map_leaves walk plain containers themselves; on every node of real
+    plans, and on the containers real plans may hold but these do not (None for an omitted
+    optional, torch.Size, named tuples), they give pytree's leaves and rebuilt values."""
+    import torch.utils._pytree as pytree
+
+    from harness import models
+    from harness.engines.cpu.plan import iter_leaves, map_leaves
+
+    def is_none(x: object) -> bool:
+        return x is None
+
+    def tag(x: object) -> object:
+        return ("leaf", x)
+
+    spec = models.load(name)
+    plan, _ = lower(compile(spec.module, spec.example_inputs, policy="amp", low_precision_type="bf16").graph_module, "bf16")
+    odd = ([None, torch.Size([2, 3])], {"b": (None,), "a": [1.5, "x"]}, slice(1, 2), torch.return_types.max((1, None)))
+    values = [(node.args, node.kwargs) for node in plan.nodes] + [odd]
+    for value in values:
+        assert iter_leaves(value) == pytree.tree_leaves(value, is_leaf=is_none)
+        mapped, expected = map_leaves(value, tag), pytree.tree_map(tag, value, is_leaf=is_none)
+        assert mapped == expected and pytree.tree_structure(mapped, is_leaf=is_none) == pytree.tree_structure(
+            expected, is_leaf=is_none
+        )
+    leaves = [x for value in values[:-1] for x in iter_leaves(value)]
+    assert len(leaves) > 100 and any(isinstance(x, torch.dtype) for x in leaves)
+
+
 def test_conv_tactics_with_folded_batch_norm_and_relu_agree_with_eager(net):
     module, inputs = net
     plan, messages = lower(compile(module, inputs, policy="fp32").graph_module, "fp32")

@@ -15,6 +15,7 @@ have their own digest, so "same kernels" and "same weights" are separate facts.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import operator
@@ -239,15 +240,46 @@ def _is_value(obj: Any) -> bool:
 
 
 def iter_leaves(obj: Any) -> list[Any]:
-    """Leaves of nested args (lists, tuples, dict values), in order, None included."""
-    return pytree.tree_leaves(obj, is_leaf=_is_value)
+    """Leaves of nested args (lists, tuples, dict values), in order, None included: what
+    ``pytree.tree_leaves`` gives with None a leaf. Plain lists, tuples and dicts are walked
+    here, because a build asks for every node's references many times; their subclasses
+    (torch.Size, named tuples) go to pytree."""
+    leaves: list[Any] = []
+    _collect_leaves(obj, leaves)
+    return leaves
+
+
+def _collect_leaves(obj: Any, leaves: list[Any]) -> None:
+    kind = type(obj)
+    if kind is list or kind is tuple:
+        for item in obj:
+            _collect_leaves(item, leaves)
+    elif kind is dict:
+        for item in obj.values():
+            _collect_leaves(item, leaves)
+    elif isinstance(obj, (list, tuple, dict)):
+        leaves.extend(pytree.tree_leaves(obj, is_leaf=_is_value))
+    else:
+        leaves.append(obj)
 
 
 def map_leaves(obj: Any, fn: Callable[[Any], Any]) -> Any:
-    """Rebuild nested args with ``fn`` applied to every leaf, None included (containers keep their types)."""
-    return pytree.tree_map(fn, obj, is_leaf=_is_value)
+    """Rebuild nested args with ``fn`` applied to every leaf, None included (containers keep
+    their types): ``pytree.tree_map`` with None a leaf, plain containers walked as in
+    :func:`iter_leaves`."""
+    kind = type(obj)
+    if kind is list:
+        return [map_leaves(item, fn) for item in obj]
+    if kind is tuple:
+        return tuple(map_leaves(item, fn) for item in obj)
+    if kind is dict:
+        return {key: map_leaves(item, fn) for key, item in obj.items()}
+    if isinstance(obj, (list, tuple, dict)):
+        return pytree.tree_map(fn, obj, is_leaf=_is_value)
+    return fn(obj)
 
 
+@functools.cache
 def unrunnable_reason(op: torch._ops.OpOverload) -> str | None:
     """Why the engine may not run ``op`` (None when it may): see the rules above."""
     arguments = op._schema.arguments
