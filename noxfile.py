@@ -30,7 +30,7 @@ GPU_TORCH = "torch>=2.13,<2.14"  # pyproject.toml's tested range; PyPI's default
 # What `harness gate` imports (harness/cli/results_cmd.py and the modules it reads
 # results with): the gate session installs the project without its dependencies and
 # only these, taken with their bounds from pyproject.toml. No torch, no ONNX, no plots.
-GATE_PACKAGES = ("jsonschema", "numpy", "scipy", "tabulate", "psutil", "nvidia-ml-py", "tomli")
+GATE_PACKAGES = ("jsonschema", "pydantic", "numpy", "scipy", "tabulate", "psutil", "nvidia-ml-py", "tomli")
 
 
 def _is_gpu_machine() -> bool:

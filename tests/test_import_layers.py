@@ -17,7 +17,7 @@ LAYERS: tuple[frozenset[str], ...] = tuple(
     frozenset(names.split())
     for names in (
         # vocabulary and plumbing every part shares
-        "errors naming nvml dtypes extras fileio globalstate limits opnames outputs precision fxutil weights machine modelspec docs_links",
+        "errors naming nvml dtypes extras fileio documents globalstate limits opnames outputs precision fxutil weights machine modelspec docs_links",
         "frontend",
         "lowering",
         "autocast",

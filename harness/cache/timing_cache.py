@@ -16,14 +16,18 @@ however they were assembled.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from collections.abc import Iterable
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any, Literal
 
+from pydantic import Field
+from pydantic.dataclasses import dataclass
+
+from harness.documents import DOCUMENT, document_json, read_document, schema_of
 from harness.errors import HarnessError
-from harness.fileio import atomic_write_json, canonical_json, digest, read_json, validate
+from harness.fileio import atomic_write_json, canonical_json, digest, read_json
 
 SCHEMA_VERSION = 1
 SUPPORTED_SCHEMA_VERSIONS = (1,)
@@ -38,74 +42,11 @@ _ENTRY_HASH_PATTERN = "^((0x)?[0-9a-fA-F]{1,64})?$"
 # A layer's time, in ms: an hour is beyond any kernel a build times, so a file that says
 # more was not written by one (the range is named in the error).
 MAX_TIME_MS = 3_600_000
-_TIME = {"type": "number", "minimum": 0, "maximum": MAX_TIME_MS}
 
-SCHEMA: dict[str, Any] = {
-    "$schema": "https://json-schema.org/draft/2020-12/schema",
-    "title": "harness timing cache",
-    "type": "object",
-    "required": ["schema_version", "provenance", "entries", "digest"],
-    "additionalProperties": False,
-    "properties": {
-        "schema_version": {"const": SCHEMA_VERSION},
-        "digest": {"type": "string", "pattern": "^sha256:[0-9a-f]{64}$"},
-        "provenance": {
-            "type": "object",
-            "required": [
-                "backend",
-                "backend_version",
-                "device",
-                "device_details",
-                "builder_options",
-            ],
-            "additionalProperties": False,
-            "properties": {
-                "backend": {"type": "string", "minLength": 1},
-                "backend_version": {"type": "string"},
-                "device": {"type": "string"},
-                "device_details": {"type": "object"},
-                "builder_options": {"type": "object"},
-            },
-        },
-        "entries": {
-            "type": "array",
-            "items": {
-                "type": "object",
-                "required": [
-                    "key",
-                    "layer",
-                    "tactic",
-                    "tactic_hash",
-                    "time_ms",
-                    "candidates",
-                    "pinned",
-                ],
-                "additionalProperties": False,
-                "properties": {
-                    "key": {"type": "string", "minLength": 1},
-                    "layer": {"type": "string"},
-                    "tactic": {"type": "string", "minLength": 1},
-                    "tactic_hash": {"type": "string", "pattern": _ENTRY_HASH_PATTERN},
-                    "time_ms": _TIME,
-                    "pinned": {"type": "boolean"},
-                    "candidates": {
-                        "type": "array",
-                        "items": {
-                            "type": "object",
-                            "required": ["tactic", "tactic_hash", "time_ms"],
-                            "additionalProperties": False,
-                            "properties": {
-                                "tactic": {"type": "string", "minLength": 1},
-                                "tactic_hash": {"type": "string", "pattern": _HASH_PATTERN},
-                                "time_ms": _TIME,
-                            },
-                        },
-                    },
-                },
-            },
-        },
-    },
-}
+_Name = Annotated[str, Field(min_length=1)]
+# NaN and infinities pass pydantic to __post_init__, whose error names the layer; a file cannot hold them.
+_Time = Annotated[float, Field(allow_inf_nan=True, json_schema_extra={"minimum": 0, "maximum": MAX_TIME_MS})]
+_Digest = Annotated[str, Field(pattern="^sha256:[0-9a-f]{64}$")]
 
 
 def normalize_hash(tactic_hash: str) -> str:
@@ -114,9 +55,8 @@ def normalize_hash(tactic_hash: str) -> str:
 
 
 def _check_time(value: float, what: str) -> None:
-    # JSON schema cannot reject NaN (every comparison with NaN is false), and
-    # json.loads happily reads "NaN"; a NaN time would also *delete* the entry
-    # when pushed into TensorRT's ITimingCache.update, so refuse it at the source.
+    # A NaN time would *delete* the entry when pushed into TensorRT's ITimingCache.update,
+    # so refuse it at the source, naming the layer.
     if (
         isinstance(value, bool)
         or not isinstance(value, (int, float))
@@ -126,37 +66,32 @@ def _check_time(value: float, what: str) -> None:
         raise HarnessError(f"{what}: time_ms must be a finite number >= 0, got {value!r}")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=DOCUMENT)
 class Candidate:
     """One evaluated implementation of a layer."""
 
-    tactic: str
-    tactic_hash: str
-    time_ms: float
+    tactic: _Name
+    tactic_hash: Annotated[str, Field(pattern=_HASH_PATTERN)]
+    time_ms: _Time
 
     def __post_init__(self) -> None:
         _check_time(self.time_ms, f"candidate {self.tactic!r}")
 
-    def to_json(self) -> dict[str, Any]:
-        return {"tactic": self.tactic, "tactic_hash": self.tactic_hash, "time_ms": self.time_ms}
 
-
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=DOCUMENT)
 class CacheEntry:
     """The decision for one backend key: selected tactic plus the candidates it beat."""
 
-    key: str
+    key: _Name
     layer: str
-    tactic: str
-    tactic_hash: str
-    time_ms: float
+    tactic: _Name
+    tactic_hash: Annotated[str, Field(pattern=_ENTRY_HASH_PATTERN)]
+    time_ms: _Time
     candidates: tuple[Candidate, ...] = ()
     pinned: bool = False
 
     def __post_init__(self) -> None:
         _check_time(self.time_ms, f"layer {self.layer!r} (key {self.key})")
-        # Callers may pass a list; a tuple keeps the entry immutable and hashable-by-value.
-        object.__setattr__(self, "candidates", tuple(self.candidates))
 
     @property
     def hash_known(self) -> bool:
@@ -164,33 +99,8 @@ class CacheEntry:
         is compared by that name, and can be neither pinned nor written into a backend."""
         return self.tactic_hash != UNKNOWN_HASH
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "key": self.key,
-            "layer": self.layer,
-            "tactic": self.tactic,
-            "tactic_hash": self.tactic_hash,
-            "time_ms": self.time_ms,
-            "candidates": [c.to_json() for c in self.candidates],
-            "pinned": self.pinned,
-        }
 
-    @classmethod
-    def from_json(cls, obj: dict[str, Any]) -> CacheEntry:
-        return cls(
-            key=obj["key"],
-            layer=obj["layer"],
-            tactic=obj["tactic"],
-            tactic_hash=obj["tactic_hash"],
-            time_ms=obj["time_ms"],
-            candidates=tuple(
-                Candidate(c["tactic"], c["tactic_hash"], c["time_ms"]) for c in obj["candidates"]
-            ),
-            pinned=obj["pinned"],
-        )
-
-
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=DOCUMENT)
 class Provenance:
     """Where a cache's timings come from.
 
@@ -204,11 +114,11 @@ class Provenance:
     that names the ISA extensions it relies on) or into ``builder_options``.
     """
 
-    backend: str
+    backend: _Name
     backend_version: str
     device: str
-    device_details: dict[str, Any] = field(default_factory=dict)
-    builder_options: dict[str, Any] = field(default_factory=dict)
+    device_details: dict[str, Any] = dataclasses.field(default_factory=dict)
+    builder_options: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def mismatches(self, other: Provenance) -> list[str]:
         """Human-readable ``field: mine != theirs`` lines for every kernel-relevant difference."""
@@ -224,24 +134,18 @@ class Provenance:
         """Differences in the informative ``device_details`` (shown, never enforced)."""
         return dict_differences("device_details", self.device_details, other.device_details)
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "backend": self.backend,
-            "backend_version": self.backend_version,
-            "device": self.device,
-            "device_details": dict(self.device_details),
-            "builder_options": dict(self.builder_options),
-        }
 
-    @classmethod
-    def from_json(cls, obj: dict[str, Any]) -> Provenance:
-        return cls(
-            backend=obj["backend"],
-            backend_version=obj["backend_version"],
-            device=obj["device"],
-            device_details=dict(obj["device_details"]),
-            builder_options=dict(obj["builder_options"]),
-        )
+@dataclass(frozen=True, config=DOCUMENT)
+class CacheFile:
+    """A timing cache as its file holds it: the document :data:`SCHEMA` is generated from."""
+
+    schema_version: Literal[1]
+    provenance: Provenance
+    entries: list[CacheEntry]
+    digest: _Digest
+
+
+SCHEMA: dict[str, Any] = schema_of(CacheFile, "harness timing cache")
 
 
 _MISSING = "(unset)"
@@ -318,8 +222,8 @@ class TimingCache:
     def _payload(self) -> dict[str, Any]:
         return {
             "schema_version": SCHEMA_VERSION,
-            "provenance": self.provenance.to_json(),
-            "entries": [e.to_json() for e in self._entries.values()],
+            "provenance": document_json(self.provenance),
+            "entries": [document_json(e) for e in self._entries.values()],
         }
 
     def digest(self) -> str:
@@ -347,17 +251,13 @@ class TimingCache:
                 f"{where}: schema_version {version!r} is not supported "
                 f"(this harness reads version {supported})"
             )
-        validate(obj, SCHEMA, where)
-        try:
-            provenance = Provenance.from_json(obj["provenance"])
-            entries = [CacheEntry.from_json(e) for e in obj["entries"]]
-        except HarnessError as exc:
-            raise HarnessError(f"{where}: {exc}") from None
+        document = read_document(CacheFile, obj, SCHEMA, where)
         seen: set[str] = set()
-        for entry in entries:
+        for entry in document.entries:
             if entry.key in seen:
                 raise HarnessError(f"{where}: key {entry.key} appears more than once")
             seen.add(entry.key)
+        provenance, entries = document.provenance, document.entries
         cache = cls(provenance, entries)
         actual = cache.digest()
         if actual != obj["digest"]:

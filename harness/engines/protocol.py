@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from harness.autocast.settings import AutocastSettings
+from harness.documents import document_json
 from harness.dtypes import FLOAT_DTYPES
 from harness.errors import HarnessError
 from harness.fileio import canonical_json, digest
@@ -254,7 +255,7 @@ class LayerTiming:
         return {
             "layer": self.layer,
             "key": self.key,
-            "candidates": [c.to_json() for c in self.candidates],
+            "candidates": [document_json(c) for c in self.candidates],
             "chosen": self.chosen,
             "chosen_hash": self.chosen_hash,
             "from_cache": self.from_cache,
