@@ -48,6 +48,14 @@ def read_document(cls: type[T], obj: Any, schema: dict[str, Any], where: str) ->
     Raises HarnessError naming ``where`` and the first offending field.
     """
     validate(obj, schema, where)
+    return read_typed(cls, obj, where)
+
+
+def read_typed(cls: type[T], obj: Any, where: str) -> T:
+    """``obj`` (parsed JSON, already checked against the schema of ``cls``) as a ``cls``.
+
+    Raises HarnessError naming ``where`` and the first offending field.
+    """
     try:
         value: T = _adapter(cls).validate_python(obj)
     except ValidationError as exc:

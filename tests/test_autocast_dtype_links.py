@@ -202,12 +202,17 @@ def test_low_precision_weight_copies_keep_requires_grad():
 
 def test_inference_mode_is_its_own_eager_reference():
     # Under torch.inference_mode autocast's casts of parameters do not require grad, and the
-    # fp16 token-mixing linear runs another kernel: compile(inference_mode=True) and jit
-    # follow that too. Seed 0 is one where the two eager runs differ.
+    # fp16 token-mixing linear may run another kernel: compile(inference_mode=True) and jit
+    # follow that too. The weight draw is one where the two eager runs differ in this process
+    # (whether any does depends on the kernels the process picks; each check holds either way).
     x = (torch.randn(2, 3, 28, 28, generator=torch.Generator().manual_seed(2)),)
-    module = reseeded(TokenMixer(), 0)
-    under_no_grad, under_inference = _eager(module, x, torch.float16), _eager(module, x, torch.float16, inference=True)
-    assert not torch.equal(under_no_grad, under_inference)  # type: ignore[arg-type]
+    draws = []
+    for seed in range(10):
+        module = reseeded(TokenMixer(), seed)
+        draws.append((module, _eager(module, x, torch.float16), _eager(module, x, torch.float16, inference=True)))
+        if not torch.equal(draws[-1][1], draws[-1][2]):  # type: ignore[arg-type]
+            break
+    module, under_no_grad, under_inference = draws[-1]
     cg = compile(module, x, policy="amp", low_precision_type=torch.float16, inference_mode=True)
     assert_same_outputs(cg(*x), under_inference)
     wrapped = jit(module, x)

@@ -27,14 +27,15 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from types import FrameType
-from typing import Any
+from typing import Any, Literal, get_args
 
 from harness import nvml as nvml_access
 from harness.errors import HarnessError
 from harness.nvml import LOCKED_GRAPHICS_MHZ, Nvml, NvmlUnavailable, open_nvml
 
 # What --lock-clocks takes (harness.cli.argtypes.lock_clocks parses it): a named clock or one in MHz.
-NAMED_CLOCKS = ("base", "max")
+NamedClock = Literal["base", "max"]
+NAMED_CLOCKS: tuple[str, ...] = get_args(NamedClock)
 LockRequest = str | int
 
 

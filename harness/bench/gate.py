@@ -52,7 +52,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-from harness.bench.results import CaseKey, case_key, case_order, format_key, is_peer
+from harness.bench.results import CaseKey, case_order, format_key
+from harness.bench.results_doc import Case, GpuTelemetry, Run, read_run
 from harness.bench.stats import bootstrap_ratio_ci, mann_whitney_u
 from harness.errors import HarnessError
 
@@ -226,28 +227,27 @@ class GateSettings:
             raise HarnessError(f"min_judged {self.min_judged}: must be 0 or more")
 
 
-def _latency(base: Mapping[str, Any], cur: Mapping[str, Any], s: GateSettings, verdict: CaseVerdict) -> None:
-    if base["latency"]["timer"] != cur["latency"]["timer"]:
+def _latency(base: Case, cur: Case, s: GateSettings, verdict: CaseVerdict) -> None:
+    bl, cl = base.latency, cur.latency
+    assert bl is not None and cl is not None  # a case that did not fail was measured (RESULTS_SCHEMA)
+    if bl.timer != cl.timer:
         verdict.findings.append(Finding("latency", "info", "timers differ; latency not compared"))
         return
-    if base.get("threads") != cur.get("threads"):
+    if base.threads != cur.threads:
         verdict.findings.append(
-            Finding("latency", "info", f"threads differ ({base.get('threads')} vs {cur.get('threads')}); latency not compared")
+            Finding("latency", "info", f"threads differ ({base.threads} vs {cur.threads}); latency not compared")
         )
         return
-    b, c = base["latency"]["samples_ns"], cur["latency"]["samples_ns"]
-    ratio = cur["latency"]["summary"]["median"] / base["latency"]["summary"]["median"]
+    b, c = bl.samples_ns, cl.samples_ns
+    ratio = cl.summary.median / bl.summary.median
     p_slower = mann_whitney_u(c, b, "greater")
     p_faster = mann_whitney_u(c, b, "less")
     ci = bootstrap_ratio_ci(c, b, n_resamples=max(s.bootstrap_resamples, 1), confidence=1 - s.alpha)
-    verdict.latency = LatencyDelta(
-        base["latency"]["summary"]["median"], cur["latency"]["summary"]["median"], ratio, p_slower, p_faster,
-        ci.low, ci.high,
-    )  # fmt: skip
+    verdict.latency = LatencyDelta(bl.summary.median, cl.summary.median, ratio, p_slower, p_faster, ci.low, ci.high)
     detail = f"median x{ratio:.3f} (threshold {s.latency_threshold:.1%})"
     # Samples are not independent draws: a shared machine drifts between runs as much as
     # within them, so an unstable run resolves no change smaller than its spread, however small p.
-    spreads = [run["latency"]["summary"]["spread"] for run in (base, cur) if run["latency"]["unstable"]]
+    spreads = [lat.summary.spread for lat in (bl, cl) if lat.unstable]
     margin = max([s.latency_threshold, *spreads])
     unjudged: Severity = "fail" if s.fail_on_unstable else "info"
     if ratio > 1 + s.latency_threshold and p_slower < s.alpha:
@@ -260,23 +260,23 @@ def _latency(base: Mapping[str, Any], cur: Mapping[str, Any], s: GateSettings, v
             )  # fmt: skip
     elif ratio < 1 / (1 + margin) and p_faster < s.alpha:
         verdict.findings.append(Finding("latency", "improvement", f"faster: {detail}, p={p_faster:.2g}"))
-    for side, case in (("baseline", base), ("current", cur)):
-        lat = case["latency"]
-        if lat["unstable"]:
-            why = f"spread (IQR/median) {lat['summary']['spread']:.1%} > {lat['spread_threshold']:.1%}"
-            if lat["slow_phase"] is not None:
+    for side, lat in (("baseline", bl), ("current", cl)):
+        if lat.unstable:
+            why = f"spread (IQR/median) {lat.summary.spread:.1%} > {lat.spread_threshold:.1%}"
+            if lat.slow_phase is not None:
                 why = "a slow phase remained after re-measuring"
             severity: Severity = "fail" if s.fail_on_unstable and side == "current" else "info"
             verdict.findings.append(Finding("unstable", severity, f"{side} run unstable: {why}"))
 
 
-def _accuracy(base: Mapping[str, Any], cur: Mapping[str, Any], tol: AccuracyTolerances, verdict: CaseVerdict) -> None:
-    ba, ca = base["accuracy"], cur["accuracy"]
-    if cur["status"] == "non-finite":
-        counts = f"{ca['nan_count']} NaN, {ca['inf_count']} Inf"
-        if base["status"] != "non-finite":
+def _accuracy(base: Case, cur: Case, tol: AccuracyTolerances, verdict: CaseVerdict) -> None:
+    ba, ca = base.accuracy, cur.accuracy
+    assert ba is not None and ca is not None  # a case that did not fail was measured (RESULTS_SCHEMA)
+    if cur.status == "non-finite":
+        counts = f"{ca.nan_count} NaN, {ca.inf_count} Inf"
+        if base.status != "non-finite":
             verdict.findings.append(Finding("non-finite", "fail", f"outputs became non-finite ({counts})"))
-        elif ca["nan_count"] + ca["inf_count"] > ba["nan_count"] + ba["inf_count"]:
+        elif ca.nan_count + ca.inf_count > ba.nan_count + ba.inf_count:
             verdict.findings.append(Finding("non-finite", "fail", f"more non-finite outputs ({counts})"))
         else:
             verdict.findings.append(Finding("non-finite", "info", f"non-finite in both runs ({counts})"))
@@ -288,17 +288,15 @@ def _accuracy(base: Mapping[str, Any], cur: Mapping[str, Any], tol: AccuracyTole
         if change > limit:
             verdict.findings.append(Finding("accuracy", "fail", f"{what} {b:.6g} -> {c:.6g} (tolerance {limit:g})"))
 
-    worse("max abs error", ba["max_abs_error"], ca["max_abs_error"], tol.max_abs_error_increase, True)
-    worse("cosine", ba["cosine"], ca["cosine"], tol.cosine_drop, False)
-    worse("top-1 agreement", ba.get("top1_agreement"), ca.get("top1_agreement"), tol.top1_drop, False)
-    bt, ct = base.get("task_accuracy"), cur.get("task_accuracy")
-    if bt is not None and ct is not None and bt["name"] == ct["name"]:
-        worse(f"task {bt['name']}", bt["value"], ct["value"], tol.task_accuracy_drop, False)
+    worse("max abs error", ba.max_abs_error, ca.max_abs_error, tol.max_abs_error_increase, True)
+    worse("cosine", ba.cosine, ca.cosine, tol.cosine_drop, False)
+    worse("top-1 agreement", ba.top1_agreement, ca.top1_agreement, tol.top1_drop, False)
+    bt, ct = base.task_accuracy, cur.task_accuracy
+    if bt is not None and ct is not None and bt.name == ct.name:
+        worse(f"task {bt.name}", bt.value, ct.value, tol.task_accuracy_drop, False)
 
 
-def _determinism(
-    base: Mapping[str, Any], cur: Mapping[str, Any], verdict: CaseVerdict, commits: tuple[Any, Any]
-) -> None:
+def _determinism(base: Case, cur: Case, verdict: CaseVerdict, commits: tuple[str | None, str | None]) -> None:
     """Same timing cache (same digest) must give the same engine; same engine, the same bits.
 
     A cache the user edited on purpose (``harness cache pin``) has another
@@ -308,14 +306,14 @@ def _determinism(
     pull request must say so, but the finding names the commits, so the
     reader knows to ask which it was.
     """
-    bf, cf = base.get("engine_fingerprint"), cur.get("engine_fingerprint")
-    bc, cc = base.get("timing_cache_digest"), cur.get("timing_cache_digest")
+    bf, cf = base.engine_fingerprint, cur.engine_fingerprint
+    bc, cc = base.timing_cache_digest, cur.timing_cache_digest
     if bc is not None and bc == cc and bf is not None and cf is not None and bf != cf:
         verdict.findings.append(
             Finding("determinism", "fail", f"engine fingerprint changed ({bf} -> {cf}) although both runs "
                     "built from the same timing cache")
-        )
-    bo, co = base.get("output_digest"), cur.get("output_digest")
+        )  # fmt: skip
+    bo, co = base.output_digest, cur.output_digest
     if bf is not None and bf == cf and bo is not None and co is not None and bo != co:
         message = "same engine fingerprint but the outputs changed"
         if commits[0] != commits[1]:
@@ -326,28 +324,26 @@ def _determinism(
         verdict.findings.append(Finding("determinism", "fail", message))
 
 
-def _check_case(
-    base: Mapping[str, Any], cur: Mapping[str, Any], s: GateSettings, commits: tuple[Any, Any]
-) -> CaseVerdict:
-    verdict = CaseVerdict(case_key(cur))
-    if cur["status"] == "failed":
-        severity: Severity = "fail" if base["status"] != "failed" else "info"
-        verdict.findings.append(Finding("failure", severity, f"failed: {cur['error']}"))
+def _check_case(base: Case, cur: Case, s: GateSettings, commits: tuple[str | None, str | None]) -> CaseVerdict:
+    verdict = CaseVerdict(cur.key)
+    if cur.status == "failed":
+        severity: Severity = "fail" if base.status != "failed" else "info"
+        verdict.findings.append(Finding("failure", severity, f"failed: {cur.error}"))
         return verdict
-    if base["status"] == "failed":
-        verdict.findings.append(Finding("new", "info", f"the baseline failed ({base['error']}); this run has it"))
+    if base.status == "failed":
+        verdict.findings.append(Finding("new", "info", f"the baseline failed ({base.error}); this run has it"))
         return verdict
-    bw, cw = base.get("model_weights_digest"), cur.get("model_weights_digest")
+    bw, cw = base.model_weights_digest, cur.model_weights_digest
     if bw is not None and cw is not None and bw != cw:
         verdict.findings.append(
             Finding("weights", "fail", "the model's weights differ from the baseline's: the runs measured "
                     "different models (promote a baseline of the new model)")
-        )
+        )  # fmt: skip
     _latency(base, cur, s, verdict)
     _accuracy(base, cur, s.tolerances, verdict)
     _determinism(base, cur, verdict, commits)
     for side, case in (("baseline", base), ("current", cur)):  # what the runner stored (a busy machine)
-        verdict.findings += [Finding("warning", "info", f"{side} run: {w}") for w in case.get("warnings", [])]
+        verdict.findings += [Finding("warning", "info", f"{side} run: {w}") for w in case.warnings]
     return verdict
 
 
@@ -361,14 +357,15 @@ def gate(
     are runs that share no case at all.
     """
     s = settings or GateSettings()
-    base_id, cur_id = baseline_doc["machine"]["id"], current_doc["machine"]["id"]
+    baseline, current = read_run(baseline_doc, "the baseline"), read_run(current_doc, "the current run")
+    base_id, cur_id = baseline.machine.id, current.machine.id
     if base_id != cur_id:
         raise HarnessError(
             f"baseline is from machine {base_id!r} but the run is from {cur_id!r}; "
             "gate a run against the baseline of its own machine"
         )
-    if not _has_gpu(baseline_doc) and not _has_gpu(current_doc):
-        base_isa, cur_isa = (set(doc["machine"]["cpu"]["isa_flags"]) for doc in (baseline_doc, current_doc))
+    if not _has_gpu(baseline) and not _has_gpu(current):
+        base_isa, cur_isa = set(baseline.machine.cpu.isa_flags), set(current.machine.cpu.isa_flags)
         if base_isa != cur_isa and not s.ignore_isa:
             raise HarnessError(
                 f"baseline and run share machine id {cur_id!r} but not the CPU's ISA (only in the baseline: "
@@ -376,8 +373,8 @@ def gate(
                 f"{', '.join(sorted(cur_isa - base_isa)) or '-'}); CPU latencies of different ISAs are not "
                 "comparable. Promote a baseline on this CPU, or pass --ignore-isa"
             )
-    base_cases = {case_key(c): c for c in baseline_doc["cases"] if not is_peer(c)}
-    cur_cases = {case_key(c): c for c in current_doc["cases"] if not is_peer(c)}
+    base_cases = {c.key: c for c in baseline.cases if not c.is_peer}
+    cur_cases = {c.key: c for c in current.cases if not c.is_peer}
     if not base_cases.keys() & cur_cases.keys():
         raise HarnessError(
             f"the run and the baseline share no case (run: {len(cur_cases)} cases, baseline: "
@@ -385,26 +382,24 @@ def gate(
             "(same names, same backend), or promote a new baseline"
         )
     notes: list[str] = []
-    peers = sum(is_peer(c) for c in current_doc["cases"])
+    peers = sum(c.is_peer for c in current.cases)
     if peers:
         notes.append(f"{peers} peer reference row(s) not gated: they time other software, not this commit's engines")
     problems: list[str] = []
-    if not current_doc["complete"]:
+    if not current.complete:
         problems.append("the current run is incomplete (interrupted); finish it with --resume")
-    if not baseline_doc["complete"]:
+    if not baseline.complete:
         notes.append("the baseline is incomplete (interrupted run)")
-    changed = sorted(
-        k
-        for k in set(baseline_doc["settings"]) | set(current_doc["settings"])
-        if baseline_doc["settings"].get(k) != current_doc["settings"].get(k)
-    )
+    # every setting a run recorded, the ones the document does not declare too
+    base_settings, cur_settings = baseline_doc["settings"], current_doc["settings"]
+    changed = sorted(k for k in set(base_settings) | set(cur_settings) if base_settings.get(k) != cur_settings.get(k))
     if changed:
         notes.append("settings differ: " + ", ".join(changed))
-    notes += gpu_notes(baseline_doc, current_doc)
-    for side, doc in (("baseline", baseline_doc), ("current run", current_doc)):
-        if doc.get("imported_from") is not None:
-            notes.append(f"{side}: {doc['imported_from']['note']}")
-    commits = (baseline_doc["git"]["commit"], current_doc["git"]["commit"])
+    notes += gpu_notes(baseline, current)
+    for side, run in (("baseline", baseline), ("current run", current)):
+        if run.imported_from is not None:
+            notes.append(f"{side}: {run.imported_from.note}")
+    commits = (baseline.git.commit, current.git.commit)
     verdicts = [
         _check_case(base_cases[key], cur, s, commits) if key in base_cases
         else CaseVerdict(key, [Finding("new", "info", "not in the baseline (new case)")])
@@ -428,7 +423,7 @@ def _judged(verdict: CaseVerdict) -> bool:
     return verdict.latency is not None and not any(f.kind == "unstable" for f in verdict.findings)
 
 
-def gpu_notes(baseline_doc: Mapping[str, Any], current_doc: Mapping[str, Any]) -> list[str]:
+def gpu_notes(baseline: Run, current: Run) -> list[str]:
     """A note, naming both sides, when the runs' GPU cases ran at other clock settings or on other GPUs.
 
     Clocks: the graphics clock a run locked (``--lock-clocks``) or none; GPUs:
@@ -436,7 +431,7 @@ def gpu_notes(baseline_doc: Mapping[str, Any], current_doc: Mapping[str, Any]) -
     faster or slower). Both change latency without a change of the code, so
     the reader is told; neither fails the gate.
     """
-    base, cur = _gpu_setup(baseline_doc), _gpu_setup(current_doc)
+    base, cur = _gpu_setup(baseline), _gpu_setup(current)
     notes = []
     if base.clocks and cur.clocks and base.clocks != cur.clocks:
         notes.append(
@@ -468,20 +463,22 @@ class _GpuSetup:
         return " and ".join(described) + flag
 
 
-def _gpu_setup(doc: Mapping[str, Any]) -> _GpuSetup:
+def _gpu_setup(run: Run) -> _GpuSetup:
     """A case without a clock record (an older file, or no NVML) counts as not locked: nothing could lock it."""
     clocks: set[int | None] = set()
     gpus: set[str] = set()
-    for case in doc["cases"]:
-        if is_peer(case) or case.get("latency") is None or case["latency"]["timer"] != "cuda":
+    for case in run.cases:
+        if case.is_peer or case.latency is None or case.latency.timer != "cuda":
             continue
-        gpu = (case.get("telemetry") or {}).get("gpu")
-        record = gpu if isinstance(gpu, Mapping) else {}
-        clocks.add((record.get("clocks") or {}).get("locked_graphics_mhz"))
-        if record.get("uuid") is not None:
-            gpus.add(record["uuid"])
-    return _GpuSetup(frozenset(clocks), frozenset(gpus), doc["settings"].get("lock_clocks"))
+        gpu = case.telemetry.gpu if case.telemetry is not None else None
+        if not isinstance(gpu, GpuTelemetry):  # None, or why telemetry had no GPU
+            clocks.add(None)
+            continue
+        clocks.add(gpu.clocks.locked_graphics_mhz if gpu.clocks is not None else None)
+        if gpu.uuid is not None:
+            gpus.add(gpu.uuid)
+    return _GpuSetup(frozenset(clocks), frozenset(gpus), run.settings.lock_clocks)
 
 
-def _has_gpu(doc: Mapping[str, Any]) -> bool:
-    return bool(doc["machine"]["gpu"].get("devices"))
+def _has_gpu(run: Run) -> bool:
+    return bool(run.machine.gpu.devices)

@@ -7,7 +7,7 @@ One JSON document per run::
      "settings": {...runner settings...}, "cases": [case, ...]}
 
 A case is one (model, mode, backend, batch, scenario) measurement; see
-``_CASE`` below for its fields. A case without a ``scenario`` (every file
+:class:`harness.bench.results_doc.Case` for its fields. A case without a ``scenario`` (every file
 written before scenarios existed) is a single-stream case
 (:mod:`harness.bench.scenarios`). :class:`ResultsWriter` rewrites the whole file atomically after
 every case, with ``complete: false`` until :meth:`ResultsWriter.finish`: an
@@ -39,10 +39,17 @@ from types import TracebackType
 from typing import Any, Literal
 
 from harness.bench.accuracy import AccuracyResult, TaskAccuracy
-from harness.bench.clocks import NAMED_CLOCKS
 from harness.bench.latency import DEFAULT_SPREAD_THRESHOLD, LatencyResult
 from harness.bench.machine import git_info, machine_info
 from harness.bench.memory import MemoryReport
+from harness.bench.results_doc import CASE_SCHEMA
+from harness.bench.results_doc import MAX_SPREAD_THRESHOLD as MAX_SPREAD_THRESHOLD
+from harness.bench.results_doc import PEER_PREFIX as PEER_PREFIX
+from harness.bench.results_doc import RESULTS_SCHEMA as RESULTS_SCHEMA
+from harness.bench.results_doc import SCHEMA_VERSION as SCHEMA_VERSION
+from harness.bench.results_doc import SINGLE_STREAM as SINGLE_STREAM
+from harness.bench.results_doc import STATUSES as STATUSES
+from harness.bench.results_doc import CaseKey as CaseKey
 from harness.bench.stats import SUMMARY_FIELDS, Summary, slow_phase
 from harness.errors import HarnessError
 from harness.fileio import (
@@ -54,351 +61,7 @@ from harness.fileio import (
     read_json,
     validate,
 )
-from harness.limits import MAX_BATCH_SIZE, MAX_ITERS, MAX_THREADS
 from harness.machine import check_machine_id
-from harness.nvml import CLOCK_SETTINGS
-
-SCHEMA_VERSION = 2
-
-_NUM = {"type": "number"}
-_NONNEG = {"type": "number", "minimum": 0}
-_POS = {"type": "number", "exclusiveMinimum": 0}
-_COUNT = {"type": "integer", "minimum": 0}
-_OPT_NUM = {"type": ["number", "null"]}
-_OPT_INT = {"type": ["integer", "null"], "minimum": 0}
-_OPT_STR = {"type": ["string", "null"]}
-_DIGEST = {"type": "string", "pattern": "^sha256:[0-9a-f]{64}$"}
-_OPT_DIGEST = {"anyOf": [_DIGEST, {"type": "null"}]}
-# The bounds a run's settings are given within (harness.limits; 1000%: harness.cli.argtypes.threshold_value).
-_BATCH = {"type": "integer", "minimum": 1, "maximum": MAX_BATCH_SIZE}
-_THREADS = {"type": "integer", "minimum": 1, "maximum": MAX_THREADS}
-MAX_SPREAD_THRESHOLD = 10
-
-
-def _object(properties: dict[str, Any], optional: tuple[str, ...] = ()) -> dict[str, Any]:
-    """A closed object: every listed property present (but ``optional``), nothing else."""
-    return {
-        "type": "object",
-        "required": [k for k in properties if k not in optional],
-        "additionalProperties": False,
-        "properties": properties,
-    }
-
-
-_SUMMARY = _object(
-    {
-        "unit": {"enum": ["ns", "us", "ms", "s"]},
-        "count": {"type": "integer", "minimum": 1},
-        **{k: _POS for k in ("min", "max", "mean", "median", "q1", "q3", "p90", "p95", "p99")},
-        **{k: _NONNEG for k in ("std", "cov", "spread", "mad", "outliers")},
-    }
-)
-
-_LATENCY = _object(
-    {
-        "timer": {"enum": ["cpu", "cuda"]},
-        "batch_size": _BATCH,
-        "iterations": {"type": "integer", "minimum": 1, "maximum": MAX_ITERS},
-        "duration_s": _NONNEG,
-        "warmup_iterations": _COUNT,
-        "warmup_s": _NONNEG,
-        "summary": _SUMMARY,
-        # items (positive integers) are checked in code: jsonschema needs
-        # seconds for the hundreds of thousands of samples of a full run
-        "samples_ns": {"type": "array", "minItems": 1},
-        "throughput_per_s": _POS,
-        # total items over the loop's wall time (harness.bench.latency.LatencyResult); absent from older files
-        "offline_throughput_per_s": _POS,
-        "spread_threshold": {**_NONNEG, "maximum": MAX_SPREAD_THRESHOLD},
-        "unstable": {"type": "boolean"},
-        "slow_phase": {
-            "anyOf": [
-                _object({"start": _COUNT, "end": _COUNT, "fraction": _NONNEG, "ratio": _POS}),
-                {"type": "null"},
-            ]
-        },
-        "remeasured": {"type": "boolean"},
-        "overhead": {"anyOf": [_SUMMARY, {"type": "null"}]},
-        # Which clock each figure came from (harness.bench.latency.LatencyResult.clocks);
-        # absent from older files, whose figures are all the timer's.
-        "clocks": {"type": "object", "additionalProperties": {"enum": ["host", "cuda-event"]}},
-        # A GPU query's figures beside its compute time (harness.bench.latency.DeviceFigures).
-        "device": _object(
-            {
-                **{k: _SUMMARY for k in ("h2d", "d2h", "end_to_end", "enqueue")},
-                "cuda_graph": {"type": "boolean"},
-                "queries_in_flight": {"type": "integer", "minimum": 1},
-            }
-        ),
-    },
-    optional=("clocks", "device", "offline_throughput_per_s"),
-)
-
-_MEMORY = _object(
-    {
-        "peak_rss_bytes": _OPT_INT,
-        "rss_before_bytes": _OPT_INT,
-        "peak_rss_method": {"enum": ["vmhwm", "ru_maxrss", None]},
-        "weight_bytes": {"type": ["object", "null"], "additionalProperties": _COUNT},
-        "weight_bytes_total": _OPT_INT,
-        "engine_bytes": _OPT_INT,
-        "engine_device_bytes": _OPT_INT,
-        "gpu": {"type": ["object", "null"], "additionalProperties": {"type": "integer"}},
-    }
-)
-
-_OUTPUT = {
-    "type": "object",
-    "required": ["path", "shape", "dtype", "count", "compared", "nan_count", "inf_count"],
-    "properties": {
-        "path": {"type": "string"},
-        "shape": {"type": "array", "items": _COUNT},
-        "nan_count": _COUNT,
-        "inf_count": _COUNT,
-    },
-}
-
-# A cosine computed in float64 may land a rounding error outside -1..1; nothing further.
-_COSINE_SLACK = 1e-6
-_FRACTION = {"type": "number", "minimum": 0, "maximum": 1}
-
-_ACCURACY = _object(
-    {
-        **{k: {**_OPT_NUM, "minimum": 0} for k in ("max_abs_error", "mean_abs_error", "max_rel_error")},
-        "cosine": {**_OPT_NUM, "minimum": -1 - _COSINE_SLACK, "maximum": 1 + _COSINE_SLACK},
-        "snr_db": _OPT_NUM,
-        "top1_agreement": {**_FRACTION, "type": ["number", "null"]},
-        "nan_count": _COUNT,
-        "inf_count": _COUNT,
-        "identical": {"type": "boolean"},
-        "outputs": {"type": "array", "items": _OUTPUT},
-    }
-)
-
-_TASK_ACCURACY = _object(
-    {"name": {"type": "string"}, "value": _FRACTION, "samples": {"type": "integer", "minimum": 1}}
-)
-
-# The GPU a case ran on and its clock settings (harness.bench.telemetry); absent from older files.
-_GPU_TELEMETRY = {
-    "type": "object",
-    "properties": {
-        "uuid": _OPT_STR,
-        "clocks": {
-            "anyOf": [_object({k: _OPT_INT for k in CLOCK_SETTINGS}, optional=CLOCK_SETTINGS), {"type": "null"}]
-        },
-    },
-}
-
-_TELEMETRY = {
-    "type": "object",
-    "required": ["samples", "cpu", "gpu", "throttled"],
-    "properties": {
-        "samples": _COUNT,
-        "cpu": {"type": "object"},
-        "gpu": {"anyOf": [_GPU_TELEMETRY, {"type": "string"}]},
-        "throttled": {"type": "boolean"},
-        "error": _OPT_STR,
-    },
-}
-
-_LOAD = {"type": "array", "items": _NONNEG, "minItems": 3, "maxItems": 3}
-
-STATUSES = ("ok", "non-finite", "failed")
-
-_PROBE = _object({"rate": _POS, "achieved": _NONNEG, "p50_ns": _NONNEG, "p99_ns": _NONNEG, "met": {"type": "boolean"}})
-_SCENARIO: dict[str, Any] = {
-    "type": "object",
-    "required": ["name", "label", "params"],
-    "properties": {
-        "name": {"enum": ["offline", "multi-stream", "server"]},
-        "label": {"type": "string", "minLength": 1},
-        "params": {"type": "object"},
-        "queries": _COUNT,
-        "samples_per_query": {"type": "integer", "minimum": 1},
-        "concurrency": {"type": "integer", "minimum": 1},
-        "achieved_rate": _NONNEG,
-        "throughput_per_s": _NONNEG,
-        "p50_ns": _NONNEG,
-        "p99_ns": _NONNEG,
-        "latency_bound_ns": _OPT_NUM,
-        "met_bound": {"type": ["boolean", "null"]},
-        "search": {
-            "anyOf": [
-                {"type": "null"},
-                _object(
-                    {
-                        "found": {"anyOf": [_PROBE, {"type": "null"}]},
-                        "above": {"anyOf": [_PROBE, {"type": "null"}]},
-                        "ceiling": _POS,
-                        "probes": {"type": "array", "items": _PROBE},
-                    }
-                ),
-            ]
-        },
-    },
-}
-
-_CASE: dict[str, Any] = {
-    "type": "object",
-    "required": ["model", "mode", "backend", "status"],
-    "additionalProperties": False,
-    "properties": {
-        "model": {"type": "string", "minLength": 1},
-        "mode": {"type": "string", "minLength": 1},
-        "backend": {"type": "string", "minLength": 1},
-        "batch": {**_BATCH, "type": ["integer", "null"]},
-        "status": {"enum": list(STATUSES)},
-        "error": _OPT_STR,
-        "latency": {"anyOf": [_LATENCY, {"type": "null"}]},
-        "memory": {"anyOf": [_MEMORY, {"type": "null"}]},
-        "accuracy": {"anyOf": [_ACCURACY, {"type": "null"}]},
-        "task_accuracy": {"anyOf": [_TASK_ACCURACY, {"type": "null"}]},
-        "telemetry": {"anyOf": [_TELEMETRY, {"type": "null"}]},
-        "engine_fingerprint": _OPT_STR,
-        "timing_cache_digest": _OPT_STR,
-        "model_weights_digest": _OPT_DIGEST,
-        "from_cache": {"type": "boolean"},
-        "output_digest": _OPT_STR,
-        "threads": {**_THREADS, "type": ["integer", "null"]},
-        "load_average": {
-            "anyOf": [_object({"start": _LOAD, "end": _LOAD, "cpus": {"type": "integer", "minimum": 1}}), {"type": "null"}]
-        },
-        # what makes the case's numbers doubtful that its other fields do not say (a busy machine)
-        "warnings": {"type": "array", "items": {"type": "string", "minLength": 1}},
-        # a peer's reference case (backend "peer:<name>"; harness.bench.peers): what ran, its setup time
-        "peer": _object(
-            {
-                "name": {"type": "string", "minLength": 1},
-                "precision": {"enum": ["fp32", "bf16", "fp16"]},
-                "setup_seconds": _NONNEG,
-                "details": {"type": "string"},
-            }
-        ),
-        "build": _object(
-            {
-                "seconds": _NONNEG,
-                "backend_seconds": _NONNEG,
-                "cache_file": _OPT_STR,
-                "cache_hits": _COUNT,
-                "cache_misses": _COUNT,
-                "cache_entries_added": _COUNT,
-                # the settings digest the engine was compiled under (its cache file's and fingerprint's)
-                "autocast_digest": _OPT_DIGEST,
-                # one engine for the sweep (TensorRT): its profile; reused: an earlier case built it
-                "batch_profile": {"anyOf": [_object({k: {"type": "integer", "minimum": 0} for k in ("dim", "min", "opt", "max")}), {"type": "null"}]},
-                "reused": {"type": "boolean"},
-                "note": _OPT_STR,
-            },
-            optional=("autocast_digest", "batch_profile", "reused", "note"),
-        ),
-        # a serving scenario's parameters and figures (harness.bench.scenarios); absent: single-stream
-        "scenario": _SCENARIO,
-        # the model file a case's model came from (harness.sources): kind, file name, digest, inputs
-        "source": {"type": "object", "required": ["kind", "digest"], "properties": {"digest": _DIGEST}},
-        # what the engine computed in against the mode's low type (harness.engines.protocol.ExecutedPrecision)
-        "executed_precision": _object(
-            {
-                "asked": {"enum": ["fp16", "bf16"]},
-                "layers": _COUNT,
-                "ran_fp32": {"type": "array", "items": {"type": "string"}},
-                "chosen_by_backend": {"type": "boolean"},
-            }
-        ),
-        "layers": {
-            "type": ["array", "null"],
-            "items": {
-                "type": "object",
-                "required": ["name", "tactic"],
-                "properties": {"name": {"type": "string"}, "tactic": {"type": "string"}},
-            },
-        },
-    },
-    "if": {"properties": {"status": {"const": "failed"}}},
-    "then": {"required": ["error"], "properties": {"error": {"type": "string", "minLength": 1}}},
-    "else": {"required": ["latency", "accuracy"], "properties": {"latency": _LATENCY, "accuracy": _ACCURACY}},
-}
-
-# What the readers of a machine record use (gate: the ISA flags of a CPU-only
-# run and whether GPUs are listed; merge, compare, report: the id), required
-# so a digest-valid file without them is refused on load, not a KeyError later.
-# The rest of machine_info() is informative and left open.
-_MACHINE: dict[str, Any] = {
-    "type": "object",
-    "required": ["id", "cpu", "gpu"],
-    "properties": {
-        "id": {"type": "string"},
-        "cpu": {
-            "type": "object",
-            "required": ["isa_flags"],
-            "properties": {"isa_flags": {"type": "array", "items": {"type": "string"}}},
-        },
-        "gpu": {
-            "type": "object",
-            "required": ["devices"],
-            "properties": {
-                # uuid: absent from older files
-                "devices": {"type": "array", "items": {"type": "object", "properties": {"uuid": {"type": "string"}}}}
-            },
-        },
-    },
-}
-
-RESULTS_SCHEMA: dict[str, Any] = {
-    "$schema": "https://json-schema.org/draft/2020-12/schema",
-    "title": "harness benchmark results",
-    "type": "object",
-    "required": ["schema_version", "created", "complete", "machine", "git", "settings", "cases", "digest"],
-    "additionalProperties": False,
-    "properties": {
-        "schema_version": {"const": SCHEMA_VERSION},
-        "created": {"type": "string", "minLength": 1},
-        # when the run completed (absent from an interrupted run and from older files)
-        "finished": {"type": "string", "minLength": 1},
-        "complete": {"type": "boolean"},
-        "machine": _MACHINE,
-        "git": {
-            "type": "object",
-            "required": ["commit", "dirty"],
-            "properties": {"commit": _OPT_STR, "dirty": {"type": ["boolean", "null"]}},
-        },
-        "settings": {
-            "type": "object",
-            # what readers compare (the gate: threads, quick, lock_clocks); the rest is shown
-            "properties": {
-                "threads": {**_THREADS, "type": ["integer", "null"]},
-                "quick": {"type": "boolean"},
-                "batch_sizes": {"anyOf": [{"type": "array", "items": _BATCH, "uniqueItems": True}, {"type": "null"}]},
-                # set only by a run with --lock-clocks (harness.bench.clocks)
-                "lock_clocks": {"anyOf": [{"enum": list(NAMED_CLOCKS)}, {"type": "integer", "minimum": 1}]},
-            },
-        },
-        "cases": {"type": "array", "items": _CASE},
-        "digest": _DIGEST,
-        # set only on a baseline promoted by promote_baseline: from which run, when, over which doubts
-        "promoted": _object(
-            {
-                "from": {"type": "string"},
-                "at": {"type": "string"},
-                "forced_over": {"type": "array", "items": {"type": "string"}},
-            }
-        ),
-        # set only on a document read from another tool's format (harness.bench.pytest_benchmark)
-        "imported_from": _object({"format": {"const": "pytest-benchmark"}, "note": {"type": "string"}}),
-        # set only on a document upgraded on read from an older schema (see upgrade_results)
-        "upgraded_from": _object(
-            {"schema_version": {"type": "integer", "minimum": 1}, "digest": {"const": None}, "note": {"type": "string"}}
-        ),
-    },
-}
-
-CaseKey = tuple[str, str, str, "int | None", str]
-# The scenario of a case that records none (harness.bench.scenarios.SINGLE_STREAM).
-SINGLE_STREAM = "single-stream"
-
-# The backend of a peer's case: a plain runtime measured as a reference (harness.bench.peers),
-# never one of the harness's engines; its mode is the precision it ran at.
-PEER_PREFIX = "peer:"
 
 
 def is_peer(case: Mapping[str, Any]) -> bool:
@@ -675,8 +338,8 @@ _SCHEMA_1_SHAPE: dict[str, Any] = {
                                 "type": "object",
                                 "required": ["nan_count", "inf_count", "outputs"],
                                 "properties": {
-                                    "nan_count": _COUNT,
-                                    "inf_count": _COUNT,
+                                    "nan_count": {"type": "integer", "minimum": 0},
+                                    "inf_count": {"type": "integer", "minimum": 0},
                                     "outputs": {"type": "array", "items": {"type": "object"}},
                                 },
                             },
@@ -877,7 +540,7 @@ class ResultsWriter:
         Adding a case this writer already holds is an error: it is a caller's bug.
         """
         entry = case.to_dict() if isinstance(case, CaseResult) else dict(case)
-        validate(entry, _CASE, f"case for {self.path}")
+        validate(entry, CASE_SCHEMA, f"case for {self.path}")
         key = case_key(entry)
         if key in self._mine:
             raise HarnessError(f"{self.path}: case {format_key(key)} was already recorded")
