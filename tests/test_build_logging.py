@@ -72,3 +72,27 @@ def test_cli_verbose_flag_prints_the_build_steps_on_stderr(tmp_path):
     quiet = subprocess.run(quiet_cmd, capture_output=True, text=True, env=env, timeout=300, check=False)
     assert quiet.returncode == 0, quiet.stderr
     assert "harness.build" not in quiet.stderr and "lowering:" not in quiet.stderr
+
+
+def test_verbose_logging_ends_with_the_command(tmp_path, capsys):
+    """``-v`` shows the harness's DEBUG messages while the command runs; a program that calls
+    main gets its loggers back as they were (level and handlers, the root's too)."""
+    import logging
+
+    from harness.cli.main import main
+
+    model = tmp_path / "tiny.py"
+    model.write_text(
+        "import torch\nfrom torch import nn\n\n"
+        "def tiny():\n"
+        "    torch.manual_seed(0)\n"
+        "    return nn.Sequential(nn.Linear(16, 8), nn.Linear(8, 2)).eval(), (torch.randn(2, 16),)\n"
+    )
+    harness_logger, root = logging.getLogger("harness"), logging.getLogger()
+    before = (harness_logger.level, list(harness_logger.handlers), root.level, list(root.handlers))
+    args = ["build", "--model", f"{model}:tiny", "--mode", "fp32", "--option", "timing_runs=2", "--option", "warmup_runs=1"]
+    assert main(["-v", *args, "-o", str(tmp_path / "e")]) == 0
+    assert "harness.build: build: compiled tiny mode=fp32" in capsys.readouterr().err
+    assert (harness_logger.level, harness_logger.handlers, root.level, root.handlers) == before
+    assert main([*args, "-o", str(tmp_path / "quiet")]) == 0
+    assert "harness.build" not in capsys.readouterr().err

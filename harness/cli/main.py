@@ -235,6 +235,28 @@ def _torch_state_kept() -> contextlib.AbstractContextManager[None]:
     return preserved_global_state()
 
 
+@contextlib.contextmanager
+def _verbose_logging(verbose: bool) -> Iterator[None]:
+    """With ``verbose``, the harness's DEBUG messages on stderr for the command, as
+    ``name: message``; the ``harness`` logger's level and handlers are restored after it."""
+    if not verbose:
+        yield
+        return
+    import logging
+
+    logger = logging.getLogger("harness")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
 def _interrupt_handled() -> None:
     """Tell CPython that the Ctrl-C just caught was handled.
 
@@ -312,13 +334,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             from harness.fileio import nothing_left_on_write_failure
 
             args = build_parser([command_of(argv)]).parse_command_line(argv)
-            if args.verbose:
-                import logging
-
-                logging.basicConfig(format="%(name)s: %(message)s", stream=sys.stderr)
-                logging.getLogger("harness").setLevel(logging.DEBUG)
             try:
-                with _torch_state_kept(), nothing_left_on_write_failure():
+                with _verbose_logging(args.verbose), _torch_state_kept(), nothing_left_on_write_failure():
                     return int(args.func(args))
             except HarnessError as exc:
                 if ctrl_c.count:
