@@ -430,12 +430,12 @@ def test_corrupt_results_file_is_rejected_and_left_alone(capsys, tmp_path, comma
 
 
 def test_gate_default_current_is_the_newest_whole_run_not_a_shard(tmp_path):
-    from harness.cli.results_cmd import newest_run
+    from harness.bench.store import newest_finished_run
 
     for name in ("run-20250101T000000Z.json", "run-20250102T000000Z.json", "run-20250103T000000Z-shard1of2.json"):
         created = name[4:20]
         (tmp_path / name).write_text(json.dumps({"complete": True, "created": created, "settings": {}}))
-    assert newest_run(tmp_path) == tmp_path / "run-20250102T000000Z.json"
+    assert newest_finished_run(tmp_path) == tmp_path / "run-20250102T000000Z.json"
 
 
 def test_spread_threshold_decides_the_unstable_flag(capsys, tmp_path):

@@ -22,16 +22,13 @@ from harness.bench.results import (
     SCHEMA_VERSION,
     CaseResult,
     ResultsWriter,
-    baseline_path,
     content_digest,
     load_results,
     merge_results,
-    new_run_path,
-    promote_baseline,
-    results_dir,
     write_results,
 )
 from harness.bench.stats import Summary
+from harness.bench.store import FileStore
 from harness.bench.tables import format_bytes, format_ns, results_table
 from harness.bench.telemetry import TelemetrySampler
 from harness.errors import HarnessError
@@ -317,21 +314,20 @@ def test_merge_shards(tmp_path: Path) -> None:
 
 def test_paths_and_promote_baseline(tmp_path: Path) -> None:
     root = tmp_path / "results"
-    assert results_dir(root, "box-1") == root / "box-1"
-    assert baseline_path(root, "box-1") == root / "box-1" / "baseline.json"
-    assert (
-        new_run_path(root, "box-1", "2025-03-04T05:06:07Z")
-        == root / "box-1" / "run-20250304T050607Z.json"
-    )
+    store = FileStore(root)
+    assert store.directory("box-1") == root / "box-1"
+    assert store.baseline("box-1") == root / "box-1" / "baseline.json"
+    assert store.new_run("box-1", created="2025-03-04T05:06:07Z") == root / "box-1" / "run-20250304T050607Z.json"
+    assert store.new_run("box-1", created="2025-03-04T05:06:07Z", shard=(2, 3)).name == "run-20250304T050607Z-shard2of3.json"
     for bad in ("../up", "a/b", "", ".hidden"):
         with pytest.raises(HarnessError, match="not a valid directory name"):
-            results_dir(root, bad)
+            store.directory(bad)
 
-    run = new_run_path(root, MACHINE["id"], "2025-03-04T05:06:07Z")
+    run = store.new_run(MACHINE["id"], created="2025-03-04T05:06:07Z")
     doc = _finished_run(run)
-    dest = promote_baseline(run, root)
+    dest = store.promote(run)
     baseline = load_results(dest)
-    assert dest == baseline_path(root, MACHINE["id"])
+    assert dest == store.baseline(MACHINE["id"])
     assert {k: v for k, v in baseline.items() if k not in ("promoted", "digest")} == {
         k: v for k, v in doc.items() if k != "digest"
     }
@@ -342,11 +338,11 @@ def test_paths_and_promote_baseline(tmp_path: Path) -> None:
         tmp_path / "partial.json", [CaseResult.failed("m", "fp32", "cpu", "x")], finish=False
     )
     with pytest.raises(HarnessError, match="incomplete"):
-        promote_baseline(partial, root)
+        store.promote(partial)
     corrupt = tmp_path / "corrupt.json"
     corrupt.write_text(run.read_text()[:100])
     with pytest.raises(HarnessError, match="corrupt.json"):
-        promote_baseline(corrupt, root)
+        store.promote(corrupt)
     assert dest.read_bytes() == before  # a bad run never replaces the baseline
 
 
@@ -513,7 +509,7 @@ def test_schema1_run_is_refused_where_it_would_be_trusted(tmp_path: Path) -> Non
     with pytest.raises(HarnessError, match=r"schema1_run\.json: schema_version 1 is an old results format.*rerun"):
         load_results(SCHEMA1_RUN)
     with pytest.raises(HarnessError, match="schema_version 1 is an old results format"):
-        promote_baseline(SCHEMA1_RUN, tmp_path)
+        FileStore(tmp_path).promote(SCHEMA1_RUN)
     with pytest.raises(HarnessError, match="schema_version 1 is an old results format"):
         merge_results([SCHEMA1_RUN])
     assert not list(tmp_path.iterdir())

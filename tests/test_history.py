@@ -3,7 +3,7 @@
 The history under test is written by the project's own code: cases are
 ``CaseResult``s with ``LatencyResult``s of seeded samples and accuracy from
 ``compare_outputs``, each run sealed by ``write_results`` at the path
-``new_run_path`` gives, and the baseline promoted by ``promote_baseline``.
+the results store gives (``FileStore.new_run``), and the baseline it promotes.
 What is planted, and where (a user model's bf16 regression at a known
 commit, another GPU, locked clocks, rebuilt engines, a ``--quick`` run, an
 interrupted run, a shard file), is in the constants below; the tests check
@@ -44,11 +44,10 @@ from harness.bench.results import (
     SCHEMA_VERSION,
     CaseResult,
     load_results,
-    new_run_path,
-    promote_baseline,
     write_results,
 )
 from harness.bench.stats import Summary, slow_phase
+from harness.bench.store import FileStore
 from harness.cli import history_cmd
 from harness.extras import install_command
 from tests.headless_chromium import CHROMIUM, open_page
@@ -163,7 +162,7 @@ def write_run(
         "settings": settings,
         "cases": cases,
     }
-    path = new_run_path(root, machine_id, created)
+    path = FileStore(root).new_run(machine_id, created=created)
     write_results(path, doc)
     return path
 
@@ -174,7 +173,7 @@ def planted(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("history") / "results"
     paths = [write_run(root, i) for i in range(RUNS)]
     write_run(root, QUICK_AFTER, quick=True, created=f"2026-01-{QUICK_AFTER + 1:02d}T18:00:00Z")
-    promote_baseline(paths[BASELINE_RUN], root)
+    FileStore(root).promote(paths[BASELINE_RUN])
     shutil.copy(paths[0], paths[0].with_name(paths[0].stem + "-shard1of2.json"))
     return root
 

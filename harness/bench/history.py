@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,6 +53,7 @@ from harness.bench.results import (
     load_results,
 )
 from harness.bench.step_detect import fit_steps
+from harness.bench.store import BASELINE, machine_files
 from harness.bench.tables import format_ns
 from harness.errors import HarnessError
 
@@ -64,7 +64,6 @@ MARKER_KINDS: tuple[MarkerKind, ...] = ("fingerprint", "machine", "clock")
 # The gate's verdicts never depend on its bootstrap interval (it is reported beside the
 # ratio, not judged): the history computes a token one, which takes a thousandth of the time.
 _VERDICT_ONLY_RESAMPLES = 2
-_SHARD_NAME = re.compile(r"-shard\d+of\d+\.json$")
 # Parts of the machine record that change without the machine changing.
 _VOLATILE_MACHINE_KEYS = ("hostname",)
 
@@ -324,17 +323,6 @@ class _Sources:
     notes: list[str]
 
 
-def _results_in(directory: Path) -> tuple[list[Path], Path | None, list[Path]]:
-    """A machine directory's runs (not shards), its baseline, its shard files."""
-    files = sorted(p for p in directory.glob("run-*.json") if p.is_file())
-    baseline = directory / "baseline.json"
-    return (
-        [p for p in files if not _SHARD_NAME.search(p.name)],
-        baseline if baseline.is_file() else None,
-        [p for p in files if _SHARD_NAME.search(p.name)],
-    )
-
-
 def find_sources(paths: Sequence[str | os.PathLike[str]]) -> _Sources:
     """The results files under ``paths``: each a machine directory (``run-*.json``, ``baseline.json``),
     a results root (its subdirectories are machine directories) or a results file.
@@ -354,18 +342,19 @@ def find_sources(paths: Sequence[str | os.PathLike[str]]) -> _Sources:
                 "(such as results/) or results files"
             )
         if p.is_file():
-            (baselines if p.name == "baseline.json" else runs).append(p)
+            (baselines if p.name == BASELINE else runs).append(p)
             continue
         if not p.is_dir():
             raise HarnessError(f"{p}: not a directory nor a regular file")
-        found, baseline, shard = _results_in(p)
-        own_baselines = [] if baseline is None else [baseline]
-        if not found and baseline is None:  # a results root: one machine directory per subdirectory
+        files = machine_files(p)
+        found, shard = files.runs, files.shards
+        own_baselines = [] if files.baseline is None else [files.baseline]
+        if not found and files.baseline is None:  # a results root: one machine directory per subdirectory
             for sub in sorted(d for d in p.iterdir() if d.is_dir()):
-                sub_runs, sub_baseline, sub_shards = _results_in(sub)
-                found += sub_runs
-                shard += sub_shards
-                own_baselines += [] if sub_baseline is None else [sub_baseline]
+                in_sub = machine_files(sub)
+                found += in_sub.runs
+                shard += in_sub.shards
+                own_baselines += [] if in_sub.baseline is None else [in_sub.baseline]
         if not found and not own_baselines:
             raise HarnessError(
                 f"{p}: no results files (run-*.json or baseline.json) in it or in its subdirectories; give "

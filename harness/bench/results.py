@@ -55,7 +55,6 @@ from harness.errors import HarnessError
 from harness.fileio import (
     atomic_write_bytes,
     canonical_json,
-    check_writable,
     digest,
     locked,
     read_json,
@@ -683,50 +682,6 @@ def merge_results(paths: Iterable[str | os.PathLike[str]]) -> dict[str, Any]:
         "cases": cases,
     }
     return sealed(merged, "merged results")
-
-
-def results_dir(root: str | os.PathLike[str], machine_id: str) -> Path:
-    return Path(root) / check_machine_id(machine_id)
-
-
-def new_run_path(root: str | os.PathLike[str], machine_id: str, created: str | None = None) -> Path:
-    """``<root>/<machine>/run-<timestamp>.json`` (colons removed: valid on every filesystem)."""
-    stamp = (created or utc_now()).replace(":", "").replace("-", "")
-    return results_dir(root, machine_id) / f"run-{stamp}.json"
-
-
-def baseline_path(root: str | os.PathLike[str], machine_id: str) -> Path:
-    return results_dir(root, machine_id) / "baseline.json"
-
-
-def promote_baseline(
-    run_path: str | os.PathLike[str], root: str | os.PathLike[str], *, force: bool = False
-) -> Path:
-    """Make a finished run the baseline of its machine; returns the baseline path.
-
-    The run is validated first, so a corrupt or partial file never replaces
-    a good baseline. Refused unless ``force`` (and then recorded in the
-    baseline's ``promoted`` record, with why): a ``--quick`` run, whose tiny
-    timing windows give samples too few and too noisy to gate later runs on;
-    a run with unstable cases; and a run that was measured while the machine
-    was busier than its cores (:func:`doubts`).
-    """
-    doc = load_results(run_path)
-    if not doc["complete"]:
-        raise HarnessError(
-            f"results file {run_path} is incomplete (the run was interrupted); "
-            "finish or rerun it before promoting it to a baseline"
-        )
-    reasons = doubts(doc)
-    if reasons and not force:
-        raise HarnessError(
-            f"results file {run_path} would be a poor baseline: {'; '.join(reasons)}. Re-run the benchmark "
-            "on a quiet machine (without --quick), or pass --force to promote it anyway"
-        )
-    dest = check_writable(baseline_path(root, doc["machine"]["id"]), "baseline")  # <root>/<machine> may be a file
-    promoted = {"from": os.fspath(run_path), "at": utc_now(), "forced_over": reasons}
-    write_results(dest, {**doc, "promoted": promoted})
-    return dest
 
 
 def doubts(doc: Mapping[str, Any]) -> list[str]:

@@ -410,7 +410,7 @@ class Settings:
 
 @dataclass(frozen=True, config=_CLOSED)
 class Promoted:
-    """On a baseline: from which run, when, over which doubts (harness.bench.results.promote_baseline)."""
+    """On a baseline: from which run, when, over which doubts (harness.bench.store.FileStore.promote)."""
 
     from_: Annotated[str, Field(alias="from")]
     at: str

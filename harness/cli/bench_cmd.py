@@ -131,7 +131,7 @@ def _backend(name: str) -> Any:
 
 def _output_path(args: argparse.Namespace, machine_id: str, shard: tuple[int, int] | None) -> Path:
     """Where the run goes: ``-o FILE``, a new run file in ``-o DIR``, or the default place."""
-    from harness.bench.results import new_run_path
+    from harness.bench.store import FileStore, ResultsStore, run_name
     from harness.fileio import check_writable
 
     if args.output is not None and not Path(args.output).is_dir():
@@ -141,11 +141,10 @@ def _output_path(args: argparse.Namespace, machine_id: str, shard: tuple[int, in
             f"--resume needs -o FILE, the results file of the interrupted run (got {args.output or 'no -o'})"
         )
     if args.output is not None:  # a directory: a new run file in it
-        output = Path(args.output) / new_run_path(DEFAULT_ROOT, machine_id).name
+        output = Path(args.output) / run_name(shard=shard)
     else:
-        output = new_run_path(DEFAULT_ROOT, machine_id)
-    if shard is not None:
-        output = output.with_name(f"{output.stem}-shard{shard[0]}of{shard[1]}.json")
+        store: ResultsStore = FileStore(Path(DEFAULT_ROOT))
+        output = store.new_run(machine_id, shard=shard)
     return check_writable(output, "-o")
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -218,11 +217,12 @@ def run_merge(args: argparse.Namespace) -> int:
 
 
 def run_promote(args: argparse.Namespace) -> int:
-    from harness.bench.results import promote_baseline
+    from harness.bench.store import FileStore, ResultsStore
     from harness.fileio import check_writable_dir
 
     check_writable_dir(args.root, "--root")  # a file, or a file on its parent chain: refused before any work
-    dest = promote_baseline(args.run, args.root, force=args.force)
+    store: ResultsStore = FileStore(Path(args.root))
+    dest = store.promote(args.run, force=args.force)
     print(f"baseline for its machine: {dest} (from {args.run})")
     return 0
 
@@ -256,60 +256,25 @@ def parse_threshold(text: str, flag: str = "--latency-threshold") -> float:
         raise HarnessError(f"{flag} {exc}") from None
 
 
-_SHARD_NAME = re.compile(r"-shard\d+of\d+\.json$")
-
-
-def newest_run(directory: Path) -> Path:
-    """The newest *finished*, full run among ``directory``'s ``run-<timestamp>.json``, by the time it
-    finished (not its name, which is when it started: a run started during another can finish first).
-
-    Shard files (``-shard<i>of<n>``) are skipped: gating one shard would
-    report the other shards' cases as missing instead of gating them; merge
-    the shards into a ``run-<timestamp>.json`` first. So are interrupted runs
-    and ``--quick`` runs, as ``baseline promote`` refuses them: each is named
-    when nothing else is left. A run without a finish time (written before
-    runs recorded one) counts as finished when it started.
-    """
-    from harness.bench.results import peek_results
-
-    candidates = sorted(p for p in directory.glob("run-*.json") if p.is_file() and not _SHARD_NAME.search(p.name))
-    finished: list[tuple[str, Path]] = []
-    passed_over = []
-    for path in candidates:
-        head = peek_results(path)
-        if not head.get("complete"):
-            passed_over.append(f"{path.name} (interrupted)")
-        elif (head.get("settings") or {}).get("quick"):
-            passed_over.append(f"{path.name} (--quick)")
-        else:
-            finished.append((str(head.get("finished") or head.get("created") or ""), path))
-    if not finished:
-        skipped = f" ({', '.join(passed_over)} not gated)" if passed_over else ""
-        raise HarnessError(
-            f"no finished, full run-*.json (other than shards) in {directory}{skipped}; run `harness bench` "
-            "(or `harness merge` the shards) first, or pass --current FILE"
-        )
-    return max(finished)[1]
-
-
 def _gate_inputs(args: argparse.Namespace) -> tuple[Path, Path]:
     if args.baseline is not None and args.current is not None:
         return Path(args.baseline), Path(args.current)
-    from harness.bench.results import baseline_path, results_dir
+    from harness.bench.store import FileStore, ResultsStore
     from harness.docs_links import doc_ref
     from harness.machine import current_machine_id
 
     if Path(args.root).exists() and not Path(args.root).is_dir():
         raise HarnessError(f"--root {args.root}: is a file, not a directory")
     machine = current_machine_id()
-    baseline = Path(args.baseline) if args.baseline is not None else baseline_path(args.root, machine)
+    store: ResultsStore = FileStore(Path(args.root))
+    baseline = Path(args.baseline) if args.baseline is not None else store.baseline(machine)
     if args.baseline is None and not baseline.is_file():
         raise HarnessError(
             f"no baseline for machine {machine!r} at {baseline}. A first run has nothing to gate "
             "against: run `harness bench`, then `harness baseline promote RUN` and commit the "
             f"baseline ({doc_ref('guide/gate.md', 'Start gating: the first baseline')}); or pass --baseline FILE"
         )
-    current = Path(args.current) if args.current is not None else newest_run(results_dir(args.root, machine))
+    current = Path(args.current) if args.current is not None else store.current_run(machine)
     return baseline, current
 
 
