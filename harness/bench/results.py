@@ -436,14 +436,15 @@ def sealed(doc: Mapping[str, Any], where: str) -> dict[str, Any]:
     return out
 
 
-def write_results(path: str | os.PathLike[str], doc: Mapping[str, Any]) -> None:
-    """Seal (digest), validate, then replace ``path`` atomically.
+def write_results(path: str | os.PathLike[str], doc: Mapping[str, Any]) -> dict[str, Any]:
+    """Seal (digest), validate, then replace ``path`` atomically; the document as written.
 
     Compact JSON: a run holds thousands of raw samples per case, and the
     tables are the human view.
     """
     body = sealed(doc, f"results for {path}")
     atomic_write_bytes(path, json.dumps(body, allow_nan=False, separators=(",", ":")).encode() + b"\n")
+    return body
 
 
 def utc_now() -> str:
@@ -493,8 +494,7 @@ class ResultsWriter:
                     f"results file {path} already exists; choose a new path, or continue an "
                     "interrupted run with `harness bench --resume -o FILE`"
                 )
-            write_results(path, doc)
-            return cls(path, doc)
+            return cls(path, write_results(path, doc))
 
     @classmethod
     def resume(
@@ -576,8 +576,8 @@ class ResultsWriter:
             if self.path.exists() and _stamp(self.path) != self._seen:
                 doc = self._reread()
             change(doc)
-            write_results(self.path, doc)
-            self._doc, self._seen = doc, _stamp(self.path)
+            self._doc = write_results(self.path, doc)
+            self._seen = _stamp(self.path)
 
     def _reread(self) -> dict[str, Any]:
         """The file another writer changed, refused unless it is still this run."""
