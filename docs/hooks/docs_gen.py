@@ -325,14 +325,15 @@ class SchemaDoc:
 
 SCHEMAS = (
     SchemaDoc(
-        "results", "Results file", "harness.bench.results:RESULTS_SCHEMA",
+        "results", "Results file", "harness.bench.results_doc:RESULTS_SCHEMA",
         "One `harness bench` run: `results/<machine>/run-<time>.json`, `baseline.json`, shards and "
-        "merged runs. See [the results format](../concepts/results-format.md).",
+        "merged runs; generated from the classes of `harness.bench.results_doc`, which readers get. "
+        "See [the results format](../concepts/results-format.md).",
     ),
     SchemaDoc(
         "timing-cache", "Timing cache", "harness.cache.timing_cache:SCHEMA",
-        "The backend-neutral timing cache (`--cache FILE`, `caches/*.json`). See "
-        "[timing caches](../concepts/timing-caches.md).",
+        "The backend-neutral timing cache (`--cache FILE`, `caches/*.json`); generated from its classes "
+        "(`CacheEntry`, `Candidate`, `Provenance`). See [timing caches](../concepts/timing-caches.md).",
     ),
     SchemaDoc(
         "project", "Project file", "harness.project:schema()",
