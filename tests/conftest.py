@@ -13,22 +13,8 @@ if os.environ.get("CI"):
 
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
 
 from harness.globalstate import GlobalState  # noqa: E402
-
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    """Every test starts with TorchDynamo's caches empty.
-
-    torch.export keeps the frames it traced, with their guards, in Dynamo's caches (shared code
-    such as ``nn.Module.__call__`` gathers an entry per module traced); each later export checks
-    them again, so a worker's exports grew slower test after test (the shifted-window
-    re-creation's 10 draws: 3.5 s alone, 43 s late in a full run).
-    """
-    yield
-    torch._dynamo.reset()
 
 
 @pytest.fixture(autouse=True)
