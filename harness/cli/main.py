@@ -238,22 +238,24 @@ def _torch_state_kept() -> contextlib.AbstractContextManager[None]:
 @contextlib.contextmanager
 def _verbose_logging(verbose: bool) -> Iterator[None]:
     """With ``verbose``, the harness's DEBUG messages on stderr for the command, as
-    ``name: message``; the ``harness`` logger's level and handlers are restored after it."""
+    ``name: message``: a console handler on the root logger (where a progress bar's
+    ``logging_redirect_tqdm`` finds it) and the ``harness`` logger at DEBUG; both loggers are
+    as they were after the command."""
     if not verbose:
         yield
         return
     import logging
 
-    logger = logging.getLogger("harness")
+    root, logger = logging.getLogger(), logging.getLogger("harness")
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
     level = logger.level
-    logger.addHandler(handler)
+    root.addHandler(handler)
     logger.setLevel(logging.DEBUG)
     try:
         yield
     finally:
-        logger.removeHandler(handler)
+        root.removeHandler(handler)
         logger.setLevel(level)
 
 
