@@ -13,15 +13,17 @@ object. :func:`document_json` is the inverse: the plain JSON value of a document
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
-from pydantic import ConfigDict, TypeAdapter, ValidationError
+from pydantic import ConfigDict, Field, TypeAdapter, ValidationError
 
 from harness.errors import HarnessError
 from harness.fileio import validate
 
 DOCUMENT = ConfigDict(extra="forbid", allow_inf_nan=False, json_schema_serialization_defaults_required=True)
 SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
+# A content digest as harness.fileio.digest writes it.
+Digest = Annotated[str, Field(pattern="^sha256:[0-9a-f]{64}$")]
 
 T = TypeVar("T")
 

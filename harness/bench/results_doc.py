@@ -21,7 +21,7 @@ from pydantic.dataclasses import dataclass
 from pydantic.json_schema import SkipJsonSchema
 
 from harness.bench.clocks import NamedClock
-from harness.documents import read_typed, schema_of
+from harness.documents import Digest, read_typed, schema_of
 from harness.limits import MAX_BATCH_SIZE, MAX_ITERS, MAX_THREADS
 
 SCHEMA_VERSION = 2
@@ -44,7 +44,6 @@ Count = Annotated[int, Field(ge=0)]
 Positive = Annotated[float, Field(gt=0)]
 NonNegative = Annotated[float, Field(ge=0)]
 Fraction = Annotated[float, Field(ge=0, le=1)]
-Digest = Annotated[str, Field(pattern="^sha256:[0-9a-f]{64}$")]
 Batch = Annotated[int, Field(ge=1, le=MAX_BATCH_SIZE)]
 Threads = Annotated[int, Field(ge=1, le=MAX_THREADS)]
 # A cosine computed in float64 may land a rounding error outside -1..1; nothing further.

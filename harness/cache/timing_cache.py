@@ -25,7 +25,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field
 from pydantic.dataclasses import dataclass
 
-from harness.documents import DOCUMENT, document_json, read_document, schema_of
+from harness.documents import DOCUMENT, Digest, document_json, read_document, schema_of
 from harness.errors import HarnessError
 from harness.fileio import atomic_write_json, canonical_json, digest, read_json
 
@@ -46,7 +46,6 @@ MAX_TIME_MS = 3_600_000
 _Name = Annotated[str, Field(min_length=1)]
 # NaN and infinities pass pydantic to __post_init__, whose error names the layer; a file cannot hold them.
 _Time = Annotated[float, Field(allow_inf_nan=True, json_schema_extra={"minimum": 0, "maximum": MAX_TIME_MS})]
-_Digest = Annotated[str, Field(pattern="^sha256:[0-9a-f]{64}$")]
 
 
 def normalize_hash(tactic_hash: str) -> str:
@@ -142,7 +141,7 @@ class CacheFile:
     schema_version: Literal[1]
     provenance: Provenance
     entries: list[CacheEntry]
-    digest: _Digest
+    digest: Digest
 
 
 SCHEMA: dict[str, Any] = schema_of(CacheFile, "harness timing cache")
