@@ -4,6 +4,7 @@ path, compute what the plain ATen call computes, and leave the process-wide swit
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 from dataclasses import replace
@@ -172,6 +173,40 @@ def test_compiling_a_layer_leaves_the_process_wide_fusion_switch_as_it_was(befor
         torch.jit.enable_onednn_fusion(False)
 
 
+def _module_classes() -> int:
+    """How many classes derive from nn.Module, at any depth."""
+    seen, todo = set(), [nn.Module]
+    while todo:
+        for cls in type.__subclasses__(todo.pop()):
+            if cls not in seen:
+                seen.add(cls)
+                todo.append(cls)
+    return len(seen)
+
+
+def test_compiled_partitions_leave_no_class_behind_once_they_are_gone():
+    """Every class deriving from nn.Module stays on its base's subclass list while it lives,
+    and each assignment to an nn.Module class attribute (torch.fx makes two per patched
+    module on every trace) walks that list: classes left behind by each compile would make
+    every later export in the process slower. Two builds, so that what the first creates
+    once per process (imports, registries) is not counted."""
+    spec = ModelSpec("se", "squeeze-excite", *_module_and_inputs(), calibration_data=[])
+    config = BuildConfig(mode="fp32", options={"timing_runs": 1, "warmup_runs": 0})
+
+    def build_and_run() -> None:
+        built = build_engine(spec, config, CpuBackend())
+        timed = {c.tactic for layer in built.log.layers for c in layer.candidates}
+        assert any("onednn_graph" in tactic for tactic in timed)  # partitions were compiled
+        built.engine.run(*spec.example_inputs)
+
+    build_and_run()
+    gc.collect()
+    before = _module_classes()
+    build_and_run()
+    gc.collect()
+    assert _module_classes() == before
+
+
 def test_a_layer_the_bridge_cannot_fuse_is_reported_and_still_computes_its_function(caplog):
     # fp16 has no kernels in the bridge: available() refuses it, and compiling anyway runs
     # TorchScript's unfused fallback, which gives the plain call's result, and says so.
@@ -223,9 +258,9 @@ def test_two_threads_compiling_at_once_both_fuse_and_leave_the_switch_off(monkey
     arrived = threading.Barrier(2, timeout=2)
     first_done = threading.Event()
     order: list[int] = []
-    freeze = torch.jit.freeze
+    trace = torch.jit.trace
 
-    def held_freeze(module):
+    def held_trace(*args, **kwargs):
         order.append(threading.get_ident())
         try:
             arrived.wait()
@@ -233,9 +268,9 @@ def test_two_threads_compiling_at_once_both_fuse_and_leave_the_switch_off(monkey
             pass  # serialized: the other thread cannot get here while this one holds the lock
         if order[0] != threading.get_ident():
             first_done.wait(timeout=2)
-        return freeze(module)
+        return trace(*args, **kwargs)
 
-    monkeypatch.setattr(torch.jit, "freeze", held_freeze)
+    monkeypatch.setattr(torch.jit, "trace", held_trace)
     torch.jit.enable_onednn_fusion(False)
     gen = torch.Generator().manual_seed(3)
     weight, x = torch.randn(8, 16, generator=gen), torch.randn(4, 16, generator=gen)

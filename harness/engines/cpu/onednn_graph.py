@@ -6,8 +6,8 @@ the small layers of mobile networks that costs more than the kernel itself.
 A compiled oneDNN Graph partition keeps its primitive, its prepacked weight
 and its fused post-ops, so a call pays the kernel plus the TorchScript
 executor. PyTorch reaches the Graph API only
-from TorchScript: the layer is traced as a tiny module with its weight as a
-frozen constant, with oneDNN fusion switched on just while the executor
+from TorchScript: the layer is traced as a function of its inputs with its
+weight as a constant, with oneDNN fusion switched on just while the executor
 compiles it (the switch is process-wide and is restored at once).
 
 The partition runs the same oneDNN kernels as the other oneDNN tactics, in
@@ -298,14 +298,16 @@ def _compile(name: str, module: torch.nn.Module, examples: Sequence[torch.Tensor
         # torch.jit.trace is deprecated in favour of torch.compile, whose CPU
         # path calls the per-call-descriptor ops this tactic exists to avoid.
         warnings.simplefilter("ignore", DeprecationWarning)
-        # torch leaves torch.jit.trace unannotated.
-        trace = torch.jit.trace(module, tuple(examples), check_trace=False)  # type: ignore[no-untyped-call]
-        traced = torch.jit.freeze(trace)
+        # Traced as a function, the module's weights become graph constants (as freezing makes
+        # them) and no TorchScript class is registered: a traced module's classes live as long
+        # as the process, and each one slows every later class-attribute assignment on nn.Module.
+        traced = torch.jit.trace(lambda *inputs: module(*inputs), tuple(examples), check_trace=False)  # type: ignore[no-untyped-call]
+        torch._C._jit_pass_optimize_frozen_graph(traced.graph, True)  # what torch.jit.freeze runs after
         for _ in range(_WARMUP_CALLS):
             traced(*examples)
-        graph = str(traced.graph_for(*examples))  # type: ignore[no-untyped-call]
+        graph = str(traced.graph_for(*examples))
     if _FUSION_GROUP not in graph:
         log.warning("%r: oneDNN Graph left it unfused; it runs as unfused ATen calls", name)
     log.debug("layer %r: compiled a oneDNN Graph partition for %d thread(s)", name, torch.get_num_threads())
-    forward: Callable[..., Any] = traced.forward
+    forward: Callable[..., Any] = traced
     return forward
