@@ -14,6 +14,7 @@ stored in plans, so only ``aten`` names resolve.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterable
 from typing import Any
@@ -75,8 +76,10 @@ def resolve_packet(name: str) -> tuple[OpOverloadPacket, str | None]:
     return packet, match.group(2)
 
 
+@functools.cache
 def resolve_op(name: str) -> OpOverload:
-    """The ``OpOverload`` a name in either form stands for (``aten.conv2d`` means ``aten.conv2d.default``)."""
+    """The ``OpOverload`` a name in either form stands for (``aten.conv2d`` means ``aten.conv2d.default``);
+    a HarnessError naming the valid forms or overloads for any other name."""
     packet, overload = resolve_packet(name)
     overload = overload or "default"
     if overload not in overload_names(packet):

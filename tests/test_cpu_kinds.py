@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -134,7 +135,10 @@ def test_each_kind_is_offered_exactly_the_tactics_it_has_native_kernels_for(mixe
         for node in plan.nodes:
             layer = LAYERS.get(plan_packet(node.op))
             if layer is not None and node.is_layer:
-                seen[layer] = tactics.offer(node, metas, plan.weights)
+                found = seen[layer] = tactics.offer(node, metas, plan.weights)
+                for impl, why in found.left_out.items():  # and bind refuses what it leaves out
+                    with pytest.raises(HarnessError, match=f"no implementation {impl!r} here \\({re.escape(why)}\\)"):
+                        tactics.bind(node, impl, metas, plan.weights)
     expected = _expected(kind.name, precision)
     assert set(seen) == set(expected)
     for layer, (offered, left_out) in expected.items():

@@ -19,7 +19,7 @@ import functools
 import logging
 import math
 import operator
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -252,15 +252,20 @@ def iter_leaves(obj: Any) -> list[Any]:
 def _collect_leaves(obj: Any, leaves: list[Any]) -> None:
     kind = type(obj)
     if kind is list or kind is tuple:
-        for item in obj:
-            _collect_leaves(item, leaves)
+        items: Iterable[Any] = obj
     elif kind is dict:
-        for item in obj.values():
-            _collect_leaves(item, leaves)
+        items = obj.values()
     elif isinstance(obj, (list, tuple, dict)):
         leaves.extend(pytree.tree_leaves(obj, is_leaf=_is_value))
+        return
     else:
         leaves.append(obj)
+        return
+    for item in items:  # a leaf is appended here, not in a call of its own
+        if isinstance(item, (list, tuple, dict)):
+            _collect_leaves(item, leaves)
+        else:
+            leaves.append(item)
 
 
 def map_leaves(obj: Any, fn: Callable[[Any], Any]) -> Any:

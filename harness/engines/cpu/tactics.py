@@ -38,7 +38,15 @@ from harness.engines.cpu.families.gemm import linear_ok
 from harness.engines.cpu.families.plain import avg_pool_window as avg_pool_window
 from harness.engines.cpu.families.plain import window_pool as window_pool
 from harness.engines.cpu.plan import GETITEM, Node, TensorMeta
-from harness.engines.cpu.tactic import Bound, Layer, Tactic, context, named_args, no_native_aten
+from harness.engines.cpu.tactic import (
+    Bound,
+    Family,
+    Layer,
+    Tactic,
+    context,
+    named_args,
+    no_native_aten,
+)
 from harness.engines.cpu.tactic import make_call as make_call
 from harness.errors import HarnessError, first_line
 from harness.opnames import plan_packet
@@ -182,10 +190,11 @@ def offer(node: Node, metas: Mapping[str, TensorMeta], weights: Mapping[str, tor
     return Offer(tuple(t.name for t in offered), left_out)
 
 
-def _walk(
+def _family(
     node: Node, metas: Mapping[str, TensorMeta], weights: Mapping[str, torch.Tensor]
-) -> tuple[list[Tactic], dict[str, str]]:
-    """The tactics :func:`offer` offers for ``node``, and the names it leaves out with why."""
+) -> tuple[Layer, Family]:
+    """``node`` as its tactics' checks see it, and its family; a HarnessError for an
+    epilogue or residual the node cannot carry."""
     layer = Layer(node, metas, weights)
     if node.epilogue and not epilogue_ok(node, node.epilogue):
         raise HarnessError(
@@ -198,7 +207,14 @@ def _walk(
             f"layer {node.name!r} ({node.op}) cannot add a residual; only convolutions and linear "
             "layers with constant weights can"
         )
-    family = next(f for f in FAMILIES if f.matches(layer))
+    return layer, next(f for f in FAMILIES if f.matches(layer))
+
+
+def _walk(
+    node: Node, metas: Mapping[str, TensorMeta], weights: Mapping[str, torch.Tensor]
+) -> tuple[list[Tactic], dict[str, str]]:
+    """The tactics :func:`offer` offers for ``node``, and the names it leaves out with why."""
+    layer, family = _family(node, metas, weights)
     offered: list[Tactic] = []
     left_out: dict[str, str] = {}
     for tactic in family.tactics:
@@ -255,8 +271,13 @@ def bind(
     dead (the oneDNN primitives do: see
     :class:`harness.engines.cpu.onednn_primitive.Matmul`); other tactics ignore it.
     """
-    offered, left_out = _walk(node, metas, weights)
-    chosen = next((t for t in offered if t.name == impl), None)
+    layer, family = _family(node, metas, weights)
+    chosen = next((t for t in family.tactics if t.name == impl), None)
+    if chosen is None or not chosen.applies(layer) or chosen.native(layer) is not None or (
+        chosen.aten_low and layer.emulated
+    ):  # the whole rule decides (the emulation rule looks at the other tactics)
+        offered, left_out = _walk(node, metas, weights)
+        chosen = next((t for t in offered if t.name == impl), None)
     if chosen is None:
         why = f" ({left_out[impl]})" if impl in left_out else ""
         raise HarnessError(
