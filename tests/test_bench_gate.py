@@ -16,6 +16,7 @@ from harness.bench.compare import compare, tactic_diffs
 from harness.bench.gate import INCONCLUSIVE_EXIT, AccuracyTolerances, GateSettings, gate
 from harness.bench.latency import LatencyResult, Timer
 from harness.bench.results import SCHEMA_VERSION, CaseResult, sealed, write_results
+from harness.bench.results_doc import Layer
 from harness.bench.stats import Summary, slow_phase
 from harness.bench.tables import compare_table, gate_table
 from harness.bench.telemetry import TelemetrySampler
@@ -304,7 +305,8 @@ def test_compare_runs_across_machines() -> None:
     ]
     assert result.only_in_a == [("mlp", "fp32", "cpu", None, "single-stream")]
     assert result.only_in_b == [("mlp", "bf16", "cpu", None, "single-stream")]
-    assert tactic_diffs(layers_a, None) is None and tactic_diffs(layers_a, layers_a) == []
+    typed_a = [Layer(**entry) for entry in layers_a]
+    assert tactic_diffs(typed_a, None) is None and tactic_diffs(typed_a, typed_a) == []
     text = compare_table(result)
     assert text.startswith("box (a) vs gpu-b (b)")
     assert "DIFFERENT" in text and "2 differ" in text and "winograd" in text and "(absent)" in text

@@ -8,10 +8,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from harness.bench.results import load_results
 from harness.bench.results_doc import RESULTS_SCHEMA, GpuClocks, read_run
 from harness.cache.timing_cache import SCHEMA, CacheEntry, Candidate, Provenance, TimingCache
+from harness.debug.plan import PrecisionPlan
+from harness.dtypes import EXPLICIT_DTYPES
+from harness.engines.modes import EXPLICIT_SCHEMA, load_explicit
 from harness.errors import HarnessError
 from harness.fileio import validate
 from harness.nvml import CLOCK_SETTINGS
@@ -97,3 +101,18 @@ def test_a_failed_case_says_why_and_any_other_was_measured() -> None:
 
 def test_the_gpu_clock_record_has_every_setting_nvml_reports() -> None:
     assert tuple(f.name for f in dataclasses.fields(GpuClocks)) == CLOCK_SETTINGS
+
+
+def test_the_explicit_file_schema_is_its_class_and_a_written_plan_reads_back(tmp_path: Path) -> None:
+    """The schema allows exactly the three precisions and at least one entry; the file a
+    precision plan writes is a document of the class, and reads back as the plan's mapping."""
+    assert EXPLICIT_SCHEMA["additionalProperties"]["enum"] == sorted(EXPLICIT_DTYPES, key=list(EXPLICIT_DTYPES).index)
+    assert EXPLICIT_SCHEMA["minProperties"] == 1
+    plan = PrecisionPlan.keeping("bf16", ["conv", "fc.1", "out"], ["fc.1"])
+    path = plan.write(tmp_path / "plan.json")
+    assert json.loads(path.read_text()) == {r"^fc\.1$": "fp32", ".*": "bf16"}
+    assert load_explicit(path) == {r"^fc\.1$": torch.float32, ".*": torch.bfloat16}
+    for bad, message in (({}, "should be non-empty"), ({"x": "fp8"}, "x: 'fp8' is not one of")):
+        (tmp_path / "bad.json").write_text(json.dumps(bad))
+        with pytest.raises(HarnessError, match=f"explicit precision file {tmp_path / 'bad.json'}.*{message}"):
+            load_explicit(tmp_path / "bad.json")

@@ -345,7 +345,7 @@ SCHEMAS = (
         "The `[autocast]` table of a project file, and each model table's `autocast`.",
     ),
     SchemaDoc(
-        "explicit", "Explicit precision file", "harness.engines.modes:_EXPLICIT_SCHEMA",
+        "explicit", "Explicit precision file", "harness.engines.modes:EXPLICIT_SCHEMA",
         "`--explicit FILE` of mode `explicit`, and what `harness debug precision` writes: node-name "
         "regular expressions to a precision, the first match wins.",
     ),

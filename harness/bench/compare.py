@@ -3,7 +3,7 @@
 Unlike the gate this passes no verdict and accepts runs from different
 machines: it answers "did the rebuild pick the same kernels and produce the
 same bits, and how do speed and accuracy differ". Tactics are compared per
-layer name (``layers: [{name, tactic}]`` in a case), never by engine bytes,
+layer name (a case's ``layers``), never by engine bytes,
 which differ between two GPUs of one model even when every choice matches.
 """
 
@@ -13,7 +13,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from harness.bench.results import CaseKey, case_key, case_order, format_key
+from harness.bench.results import CaseKey, case_order, format_key
+from harness.bench.results_doc import Case, Layer, read_run
 
 
 @dataclass(frozen=True)
@@ -69,50 +70,46 @@ def _equal(a: Any, b: Any) -> bool | None:
     return None if a is None or b is None else a == b
 
 
-def _delta(
-    a: Mapping[str, Any] | None, b: Mapping[str, Any] | None, field_name: str
-) -> float | None:
-    if a is None or b is None or a.get(field_name) is None or b.get(field_name) is None:
-        return None
-    return float(b[field_name]) - float(a[field_name])
+def _delta(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else b - a
 
 
-def tactic_diffs(
-    layers_a: Sequence[Mapping[str, str]] | None, layers_b: Sequence[Mapping[str, str]] | None
-) -> list[TacticDiff] | None:
+def tactic_diffs(layers_a: Sequence[Layer] | None, layers_b: Sequence[Layer] | None) -> list[TacticDiff] | None:
     """Layers whose tactic differs, in the order of ``a`` then layers only in ``b``."""
     if layers_a is None or layers_b is None:
         return None
-    a = {entry["name"]: entry["tactic"] for entry in layers_a}
-    b = {entry["name"]: entry["tactic"] for entry in layers_b}
+    a = {layer.name: layer.tactic for layer in layers_a}
+    b = {layer.name: layer.tactic for layer in layers_b}
     names = list(a) + [n for n in b if n not in a]
     return [TacticDiff(n, a.get(n), b.get(n)) for n in names if a.get(n) != b.get(n)]
 
 
-def compare_case(a: Mapping[str, Any], b: Mapping[str, Any]) -> CaseComparison:
-    out = CaseComparison(key=case_key(a), status_a=a["status"], status_b=b["status"])
-    out.weights_equal = _equal(a.get("model_weights_digest"), b.get("model_weights_digest"))
-    out.fingerprints_equal = _equal(a.get("engine_fingerprint"), b.get("engine_fingerprint"))
-    out.outputs_equal = _equal(a.get("output_digest"), b.get("output_digest"))
-    out.tactic_diffs = tactic_diffs(a.get("layers"), b.get("layers"))
-    la, lb = a.get("latency"), b.get("latency")
-    if la is not None and lb is not None:
-        out.latency_ratio = lb["summary"]["median"] / la["summary"]["median"]
-    out.max_abs_error_delta = _delta(a.get("accuracy"), b.get("accuracy"), "max_abs_error")
-    out.cosine_delta = _delta(a.get("accuracy"), b.get("accuracy"), "cosine")
-    ta, tb = a.get("task_accuracy"), b.get("task_accuracy")
-    if ta is not None and tb is not None and ta["name"] == tb["name"]:
-        out.task_accuracy_delta = _delta(ta, tb, "value")
+def compare_case(a: Case, b: Case) -> CaseComparison:
+    out = CaseComparison(key=a.key, status_a=a.status, status_b=b.status)
+    out.weights_equal = _equal(a.model_weights_digest, b.model_weights_digest)
+    out.fingerprints_equal = _equal(a.engine_fingerprint, b.engine_fingerprint)
+    out.outputs_equal = _equal(a.output_digest, b.output_digest)
+    out.tactic_diffs = tactic_diffs(a.layers, b.layers)
+    if a.latency is not None and b.latency is not None:
+        out.latency_ratio = b.latency.summary.median / a.latency.summary.median
+    if a.accuracy is not None and b.accuracy is not None:
+        out.max_abs_error_delta = _delta(a.accuracy.max_abs_error, b.accuracy.max_abs_error)
+        out.cosine_delta = _delta(a.accuracy.cosine, b.accuracy.cosine)
+    ta, tb = a.task_accuracy, b.task_accuracy
+    if ta is not None and tb is not None and ta.name == tb.name:
+        out.task_accuracy_delta = tb.value - ta.value
     return out
 
 
 def compare(a_doc: Mapping[str, Any], b_doc: Mapping[str, Any]) -> Comparison:
-    """Every case present in both runs; ratios and deltas are ``b`` relative to ``a``."""
-    a_cases = {case_key(c): c for c in a_doc["cases"]}
-    b_cases = {case_key(c): c for c in b_doc["cases"]}
+    """Every case present in both runs (loaded results documents); ratios and deltas are ``b``
+    relative to ``a``."""
+    a_run, b_run = read_run(a_doc, "run a"), read_run(b_doc, "run b")
+    a_cases = {c.key: c for c in a_run.cases}
+    b_cases = {c.key: c for c in b_run.cases}
     return Comparison(
-        machine_a=a_doc["machine"]["id"],
-        machine_b=b_doc["machine"]["id"],
+        machine_a=a_run.machine.id,
+        machine_b=b_run.machine.id,
         cases=[
             compare_case(a_cases[k], b_cases[k]) for k in sorted(a_cases.keys() & b_cases.keys(), key=case_order)
         ],

@@ -17,6 +17,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from harness.documents import document_json
+from harness.engines.modes import ExplicitFile
 from harness.fileio import atomic_write_bytes, json_bytes
 
 FP32 = "fp32"
@@ -50,7 +52,8 @@ class PrecisionPlan:
         return {**{f"^{re.escape(name)}$": FP32 for name in self.kept}, ".*": self.low}
 
     def file_bytes(self) -> bytes:
-        return json_bytes(self.explicit())
+        """The file: an :class:`~harness.engines.modes.ExplicitFile`, checked as one."""
+        return json_bytes(document_json(ExplicitFile(self.explicit())))
 
     def write(self, path: str | os.PathLike[str]) -> Path:
         """Write the explicit precision file atomically."""

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Annotated, Literal
 
 import torch
+from pydantic import Field, RootModel
 
 from harness.autocast.settings import AutocastSettings
+from harness.documents import read_document, schema_of
 from harness.dtypes import EXPLICIT_DTYPES
 from harness.engines.protocol import effective_settings
 from harness.errors import HarnessError
@@ -25,16 +27,21 @@ if TYPE_CHECKING:
     from harness.autocast import CompiledGraph
     from harness.models import ModelSpec
 
-_EXPLICIT_SCHEMA = {
-    "type": "object",
-    "minProperties": 1,
-    "additionalProperties": {"enum": sorted(EXPLICIT_DTYPES)},
-}
+
+class ExplicitFile(RootModel[Annotated[dict[str, Literal["fp32", "fp16", "bf16"]], Field(min_length=1)]]):
+    """An explicit-precision file: node-name regular expression -> the precision of the nodes
+    it matches (the first match wins); at least one entry."""
+
+
+EXPLICIT_SCHEMA = schema_of(ExplicitFile, "explicit precision file")
 
 
 def load_explicit(path: str | Path) -> dict[str, torch.dtype]:
-    """Read an explicit-precision file: a JSON object of node-name regex -> "fp32"|"fp16"|"bf16"."""
-    obj = read_json(path, _EXPLICIT_SCHEMA, what="explicit precision file")
+    """Read an explicit-precision file (:class:`ExplicitFile`) into regex -> dtype; a HarnessError
+    naming the file and the entry for a value that is not a precision or a pattern that is not
+    a regular expression."""
+    where = f"explicit precision file {path}"
+    obj = read_document(ExplicitFile, read_json(path, what="explicit precision file"), EXPLICIT_SCHEMA, where).root
     for pattern in obj:
         try:
             re.compile(pattern)
