@@ -559,6 +559,7 @@ def _check_program(program: Program, rule_settings: Callable[[torch.dtype, list[
     return rules
 
 
+@pytest.mark.slow  # 30 generated programs, each compiled, built and run
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(program=programs(), data=st.data())
 def test_compiled_graphs_are_typed_clean_exact_and_accurate(program: Program, data: st.DataObject) -> None:

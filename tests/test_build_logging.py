@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 from torch import nn
 
@@ -47,6 +48,7 @@ def test_build_engine_logs_each_step(caplog, tmp_path):
     assert any(m.startswith("lowering: remove_asserts modified=no ") for m in lowering)
 
 
+@pytest.mark.slow  # a build in a process of its own
 def test_cli_verbose_flag_prints_the_build_steps_on_stderr(tmp_path):
     model = tmp_path / "tiny.py"
     model.write_text(

@@ -46,6 +46,7 @@ def test_ctrl_c_during_start_up_is_a_message_not_a_traceback(capsys, monkeypatch
     assert capsys.readouterr().err == "interrupted\n"
 
 
+@pytest.mark.slow  # the CLI in processes of their own
 def test_piping_into_a_reader_that_stops_early_is_quiet():
     """``harness compile ... | head -0``: the reader is gone before the first write.
 

@@ -49,6 +49,7 @@ def test_bad_flags_exit_2(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.slow  # the CLI in a process of its own
 def test_unknown_model_and_unexportable_model_exit_2(tmp_path, capsys):
     assert main(["compile", "--model", "nosuch"]) == 2
     assert "valid names: digits, hf-bart, hf-bert" in capsys.readouterr().err
@@ -78,6 +79,7 @@ def test_a_bare_op_name_means_every_overload(capsys):
     assert norms and all(r["precision"] == "fp32" and r["rule"] == "targets_to_exclude" for r in norms)
 
 
+@pytest.mark.slow  # the CLI in a process of its own
 def test_python_dash_m_entry_point():
     r = subprocess.run([sys.executable, "-m", "harness", "compile", "--model", "digits", "--json"], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr

@@ -443,6 +443,7 @@ def test_the_tensorrt_fingerprint_covers_mode_io_and_casts(tmp_path: Path) -> No
     assert original["fingerprint"] == base and original["casts"], "the sample engine has casts to edit"
 
 
+@pytest.mark.slow  # a bench in a process of its own
 def test_a_second_bench_on_a_held_cache_directory_waits_and_then_runs(tmp_path: Path) -> None:
     """A bench holds its cache directory for the whole run: another process's bench on
     the same directory says it is waiting and writes nothing until the holder lets go;

@@ -627,6 +627,7 @@ def _resign(plan: dict) -> None:
     plan["fingerprint"] = digest(canonical_json(body))
 
 
+@pytest.mark.slow  # each case loads the engine in a process of its own
 @pytest.mark.parametrize(
     ("args", "match"),
     [

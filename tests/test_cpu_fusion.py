@@ -327,6 +327,7 @@ def test_an_engine_saved_before_residuals_existed_is_refused_with_a_rebuild_hint
         CpuEngine.load(saved)
 
 
+@pytest.mark.slow  # builds mobilenet in each mode
 @pytest.mark.parametrize(("mode", "tol"), [("fp32", 1e-4), ("autocast-bf16", 0.05)])
 def test_mobilenet_engine_matches_eager_within_the_modes_tolerance(mode, tol):
     spec = models.load("mobilenet")

@@ -345,6 +345,7 @@ def _consumers(doc_path: Path, good: Path, out: Path) -> None:
     plot_results(doc, out / "run.json")
 
 
+@pytest.mark.slow  # every mutation of a run through gate, compare, merge and report
 @pytest.mark.parametrize("resign", [False, True], ids=["as-mutated", "digest-recomputed"])
 def test_gate_compare_merge_and_report(made, tmp_path_factory, resign):
     """Every document that loads can be gated, compared, merged and reported: no exception but HarnessError."""

@@ -508,6 +508,7 @@ def make():
 """
 
 
+@pytest.mark.slow  # builds a model in processes of their own
 @pytest.mark.parametrize("body", [RANDOM_FACTORY, RANDOM_AT_IMPORT], ids=["in-factory", "at-import"])
 def test_a_random_model_file_builds_the_same_model_in_every_process(tmp_path: Path, body: str) -> None:
     """Two fresh processes, with different amounts of RNG use before loading, get one model."""

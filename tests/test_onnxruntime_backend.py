@@ -226,6 +226,7 @@ def _build_lenet_fp32(options):
     return compiled, engine, log
 
 
+@pytest.mark.slow  # builds and loads ONNX Runtime sessions of two models
 @pytest.mark.parametrize(("model", "mode"), [("lenet", "autocast-fp16"), ("mobilenet", "fp32")])
 def test_layers_and_fingerprint_are_the_same_in_every_session(built, model, mode):
     """ORT numbers the nodes its NCHWc transformer adds (``ReorderOutput_token_<n>``, on x86 CPUs)

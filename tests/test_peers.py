@@ -204,6 +204,7 @@ def test_a_peer_runs_under_the_runs_pinned_threads_and_they_are_restored(tmp_pat
     assert torch.get_num_threads() == before
 
 
+@pytest.mark.slow  # an inductor compile
 def test_inductor_peer_compiles_once_and_reports_compile_time_apart(tmp_path):
     """torch.compile of the tiny MLP, fp32 and under bf16 autocast (seconds with inductor's cache warm)."""
     resolve_peers(["inductor"])

@@ -334,6 +334,7 @@ print(list(names), settings.digest())
 """
 
 
+@pytest.mark.slow  # the CLI in a process of its own
 def test_the_settings_digest_does_not_depend_on_the_order_of_flags_or_sets(tmp_path, monkeypatch, capsys):
     from harness.autocast import options
     from harness.autocast.settings import AutocastSettings

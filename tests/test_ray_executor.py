@@ -192,6 +192,7 @@ def _crashy(tmp_path: Path, crashes: int) -> str:
     return f"{tmp_path / 'crashy.py'}:crashy"
 
 
+@pytest.mark.slow  # workers on a local Ray cluster
 @pytest.mark.parametrize("crashes", [1, 2])
 def test_a_lost_worker_is_retried_once_then_its_case_is_recorded_failed(capsys, tmp_path, local_ray, crashes):
     model = _crashy(tmp_path, crashes)
