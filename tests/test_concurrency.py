@@ -116,6 +116,7 @@ sys.exit(main(argv))
 """
 
 
+@pytest.mark.slow  # each round waits out a 2 s barrier that the lock keeps the other side from reaching
 @pytest.mark.parametrize("round_", range(2))
 def test_two_processes_pinning_one_cache_keep_both_pins(tmp_path: Path, round_: int) -> None:
     """Two `harness cache pin` processes of one file, both held after reading it: both pins stay."""
@@ -136,6 +137,7 @@ def test_two_processes_pinning_one_cache_keep_both_pins(tmp_path: Path, round_: 
     assert cache.query(KEY_GEMM).tactic_hash == "0x813e02ea68ef" and cache.query(KEY_GEMM).pinned
 
 
+@pytest.mark.slow  # each round waits out a 2 s barrier that the lock keeps the other side from reaching
 @pytest.mark.parametrize("round_", range(ROUNDS))
 def test_two_pins_that_read_before_either_writes_both_stay(tmp_path: Path, monkeypatch, round_: int) -> None:
     path = tmp_path / "cache.json"
@@ -158,6 +160,7 @@ def _extra_cache(path: Path, key: str, layer: str) -> CacheEntry:
     return entry
 
 
+@pytest.mark.slow  # each round waits out a 2 s barrier that the lock keeps the other side from reaching
 @pytest.mark.parametrize("round_", range(ROUNDS))
 def test_a_merge_into_its_input_and_a_pin_of_that_input_both_stay(tmp_path: Path, monkeypatch, round_: int) -> None:
     """`cache merge A B -o A` next to `cache pin A`: merge once read its inputs outside any lock, losing the pin."""
@@ -176,6 +179,7 @@ def test_a_merge_into_its_input_and_a_pin_of_that_input_both_stay(tmp_path: Path
     assert cache.query(extra.key) is not None, "the merged entry was lost"
 
 
+@pytest.mark.slow  # each round waits out a 2 s barrier that the lock keeps the other side from reaching
 @pytest.mark.parametrize("round_", range(ROUNDS))
 def test_merges_into_one_shared_cache_keep_every_input(tmp_path: Path, monkeypatch, round_: int) -> None:
     """Two jobs folding their caches into one shared cache (`merge SHARED X -o SHARED`): both entries stay."""
@@ -214,6 +218,7 @@ def test_a_merge_with_o_equal_to_an_input_merges_into_it(tmp_path: Path, capsys)
     assert shard.read_bytes() == before
 
 
+@pytest.mark.slow  # each round waits out a 2 s barrier that the lock keeps the other side from reaching
 @pytest.mark.parametrize("round_", range(2))
 def test_two_builds_that_finish_before_either_writes_keep_every_entry(tmp_path: Path, monkeypatch, round_: int) -> None:
     import harness.build
@@ -318,6 +323,7 @@ class _AtReplace:
             self.real(src, dst)
 
 
+@pytest.mark.slow  # each round waits out a 2 s barrier that the lock keeps the other side from reaching
 @pytest.mark.parametrize("round_", range(ROUNDS))
 def test_two_promotes_at_once_leave_one_whole_baseline(tmp_path: Path, monkeypatch, capsys, round_: int) -> None:
     """Two `baseline promote` of different runs, both validated and both about to rename: one whole baseline."""
@@ -337,6 +343,7 @@ def test_two_promotes_at_once_leave_one_whole_baseline(tmp_path: Path, monkeypat
     assert sorted(p.name for p in baseline.parent.iterdir()) == ["baseline.json"]  # no temporary file left
 
 
+@pytest.mark.slow  # each round waits out a 2 s barrier that the lock keeps the other side from reaching
 @pytest.mark.parametrize("round_", range(ROUNDS))
 def test_two_merges_into_one_results_file_leave_one_whole_file(tmp_path: Path, monkeypatch, capsys, round_: int) -> None:
     """Two `harness merge ... -o OUT` of different shards, both about to rename: OUT is one whole merge."""
