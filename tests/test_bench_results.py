@@ -25,6 +25,7 @@ from harness.bench.results import (
     content_digest,
     load_results,
     merge_results,
+    sealed,
     write_results,
 )
 from harness.bench.stats import Summary
@@ -355,12 +356,14 @@ def test_results_table() -> None:
     bf16.latency = replace(bf16.latency, summary=Summary.from_samples(quarter), iterations=3)
     bf16.memory = MemoryReport(weight_bytes={"bfloat16": 16})
     failed = CaseResult.failed("mlp", "fp16", "cpu", "build failed\ntraceback follows")
-    doc = {
-        "machine": MACHINE,
-        "git": {"commit": "abcdef1234567890", "dirty": True},
-        "complete": False,
-        "cases": [fp32.to_dict(), bf16.to_dict(), failed.to_dict()],
-    }
+    doc = sealed(
+        {
+            "schema_version": SCHEMA_VERSION, "created": "2025-01-01T00:00:00Z", "complete": False,
+            "machine": MACHINE, "git": {"commit": "abcdef1234567890", "dirty": True}, "settings": {},
+            "cases": [fp32.to_dict(), bf16.to_dict(), failed.to_dict()],
+        },
+        "test document",
+    )  # fmt: skip
     text = results_table(doc)
     assert "machine test-machine-2c, commit abcdef123456 (dirty), 3 cases, INCOMPLETE" in text
     modes = ("fp32", "bf16", "fp16")
@@ -526,7 +529,6 @@ def test_schema1_upgrade_refuses_bad_samples_naming_the_case(tmp_path: Path) -> 
 
 def test_markdown_tables_keep_a_wrapped_cell_in_one_row_and_show_stored_warnings() -> None:
     from harness.bench.gate import gate
-    from harness.bench.results import sealed
     from harness.bench.tables import gate_table
 
     reason = "build: " + " ".join(f"word{i}" for i in range(40)) + " and a | pipe"

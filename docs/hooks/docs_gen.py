@@ -496,17 +496,19 @@ _SHOWN = ("model", "batch", "mode", "backend", "median", "speed-up", "vs best pe
 
 def run_table(doc: Mapping[str, Any]) -> list[str]:
     """The run's per-case table (the columns of ``harness report`` that compare cases), in Markdown."""
+    from harness.bench.results_doc import read_run
     from harness.bench.tables import busy_note, results_rows
 
+    run = read_run(doc)
     header, rows = results_rows(doc)
-    shown = set(_SHOWN) - ({"backend"} if len({c["backend"] for c in doc["cases"]}) == 1 else set())
+    shown = set(_SHOWN) - ({"backend"} if len({c.backend for c in run.cases}) == 1 else set())
     keep = [i for i, name in enumerate(header) if name in shown]
     lines = [
         "| " + " | ".join(md(header[i]) for i in keep) + " |",
         "|" + "---|" * len(keep),
     ]
     lines += ["| " + " | ".join(md(" ".join(row[i].split())) for i in keep) + " |" for row in rows]
-    busy = busy_note(doc["cases"])
+    busy = busy_note(run.cases)
     if busy:
         lines += ["", md(busy)]
     return lines

@@ -9,7 +9,7 @@ throughput a mode sustains within a latency bound. The four scenarios:
 * ``offline``: every sample available at once; the workers take calls as fast
   as they finish them, and the figure is throughput (samples per second).
   Across a batch sweep, the best batch size is the one with the highest
-  offline throughput (:func:`best_offline`).
+  offline throughput (:func:`harness.bench.scenario_tables.best_offline`).
 * ``multi-stream``: a query of ``samples_per_query`` samples every
   ``interval_s``; a query's latency is from its scheduled start to the end of
   its last sample.
@@ -367,21 +367,3 @@ def find_rate(
             else:
                 high = mid
     return RateSearch(low, high, ceiling, probes)
-
-
-# --- the offline figure ---------------------------------------------------------------------
-
-
-def best_offline(cases: Sequence[Mapping[str, Any]]) -> dict[tuple[str, str, str], int]:
-    """(model, mode, backend) -> the batch size with the highest offline throughput among ``cases``."""
-    best: dict[tuple[str, str, str], tuple[float, int]] = {}
-    for case in cases:
-        scenario = case.get("scenario")
-        if case.get("status") == "failed" or not isinstance(scenario, Mapping) or scenario.get("name") != "offline":
-            continue
-        key = (case["model"], case["mode"], case["backend"])
-        batch = int(case["latency"]["batch_size"])
-        value = float(scenario["throughput_per_s"])
-        if key not in best or value > best[key][0]:
-            best[key] = (value, batch)
-    return {k: v[1] for k, v in best.items()}

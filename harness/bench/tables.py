@@ -15,9 +15,10 @@ from tabulate import tabulate
 
 from harness.bench.compare import Comparison
 from harness.bench.gate import GateReport
-from harness.bench.results import BUSY_PREFIX, case_key, format_key, is_peer
+from harness.bench.results import BUSY_PREFIX, format_key
+from harness.bench.results_doc import Case, Latency, Run, read_run
 from harness.bench.scenario_tables import scenario_rows
-from harness.bench.scenarios import SINGLE_STREAM, label_of
+from harness.documents import document_json
 from harness.precision import PRECISION_MODES, ExecutedPrecision, precision_of
 
 _TIME_UNITS = ((1e9, "s"), (1e6, "ms"), (1e3, "µs"), (1.0, "ns"))
@@ -55,7 +56,7 @@ def _speedup(reference_ns: float | None, median_ns: float | None) -> str:
     return f"x{ratio:.2f}" if ratio >= 0.1 else f"x{ratio:.2g}"
 
 
-def _status(case: Mapping[str, Any], width: int = 60) -> str:
+def _status(case: Case, width: int = 60) -> str:
     """``ok`` or ``non-finite (NaN n, Inf m)``, what did not run at the mode's precision
     ("fp16 asked, 41 of 52 layers ran fp32"), the case's stored warnings (but the busy-machine
     one, which the table's footnote says once: :func:`busy_note`); or the whole failure reason.
@@ -63,33 +64,32 @@ def _status(case: Mapping[str, Any], width: int = 60) -> str:
     Long text is wrapped to ``width`` (never cut): each line is a line of the
     terminal table's cell, or a ``<br>`` in Markdown (see :func:`_table`).
     """
-    if case["status"] == "failed":
-        return textwrap.fill(f"failed: {case.get('error') or ''}", width)
+    if case.status == "failed":
+        return textwrap.fill(f"failed: {case.error or ''}", width)
     text = "ok" if not _busy(case) else "ok (busy)"
-    if case["status"] == "non-finite":
-        acc = case["accuracy"]
-        text = f"non-finite (NaN {acc['nan_count']}, Inf {acc['inf_count']})"
-    executed = case.get("executed_precision")
-    ran = None if executed is None else ExecutedPrecision.from_json(executed).describe()
-    warnings = [w for w in case.get("warnings", []) if not w.startswith(BUSY_PREFIX)]
+    if case.status == "non-finite" and case.accuracy is not None:
+        text = f"non-finite (NaN {case.accuracy.nan_count}, Inf {case.accuracy.inf_count})"
+    executed = case.executed_precision
+    ran = None if executed is None else ExecutedPrecision.from_json(document_json(executed)).describe()
+    warnings = [w for w in case.warnings if not w.startswith(BUSY_PREFIX)]
     return "\n".join([
         text, *([textwrap.fill(ran, width)] if ran else []),
         *(textwrap.fill(f"warning: {w}", width) for w in warnings),
     ])  # fmt: skip
 
 
-def _busy(case: Mapping[str, Any]) -> bool:
-    return any(w.startswith(BUSY_PREFIX) for w in case.get("warnings", []))
+def _busy(case: Case) -> bool:
+    return any(w.startswith(BUSY_PREFIX) for w in case.warnings)
 
 
-def busy_note(cases: Sequence[Mapping[str, Any]]) -> str | None:
+def busy_note(cases: Sequence[Case]) -> str | None:
     """One footnote for every case that ran while the machine was busier than its cores (None: none did)."""
     busy = [c for c in cases if _busy(c)]
     if not busy:
         return None
-    loads = [max(c["load_average"]["start"][0], c["load_average"]["end"][0]) for c in busy if c.get("load_average")]
-    cpus = next((c["load_average"]["cpus"] for c in busy if c.get("load_average")), None)
-    names = ", ".join(format_key(case_key(c)) for c in busy)
+    loads = [max(c.load_average.start[0], c.load_average.end[0]) for c in busy if c.load_average]
+    cpus = next((c.load_average.cpus for c in busy if c.load_average), None)
+    names = ", ".join(format_key(c.key) for c in busy)
     load = f" (load average up to {max(loads):.1f} on {cpus} cores)" if loads and cpus else ""
     return (
         f"busy: {len(busy)} of {len(cases)} cases ran while the machine was busier than its cores{load}, so "
@@ -115,13 +115,13 @@ def _table(rows: list[list[str]], header: list[str], fmt: str) -> str:
     return table
 
 
-def _spread(lat: Mapping[str, Any] | None) -> str:
-    if not lat:
+def _spread(lat: Latency | None) -> str:
+    if lat is None:
         return ""
-    text = f"{lat['summary']['spread']:.1%} ({lat['summary']['outliers']:.0%} out)"
-    if lat["slow_phase"] is not None:
+    text = f"{lat.summary.spread:.1%} ({lat.summary.outliers:.0%} out)"
+    if lat.slow_phase is not None:
         return text + " slow phase"
-    return text + (" unstable" if lat["unstable"] else "")
+    return text + (" unstable" if lat.unstable else "")
 
 
 PEER_NOTE = (
@@ -130,93 +130,93 @@ PEER_NOTE = (
 )
 
 
-def _fastest_peers(doc: Mapping[str, Any]) -> dict[tuple[str, int | None, str], float]:
+def _fastest_peers(run: Run) -> dict[tuple[str, int | None, str], float]:
     """(model, batch, precision) -> the smallest median of a peer's case there."""
     fastest: dict[tuple[str, int | None, str], float] = {}
-    for c in doc["cases"]:
-        if is_peer(c) and c["status"] != "failed":
-            key = (c["model"], c.get("batch"), c["mode"])  # a peer's mode is its precision
-            fastest[key] = min(fastest.get(key, float("inf")), c["latency"]["summary"]["median"])
+    for c in run.cases:
+        if c.is_peer and c.status != "failed" and c.latency is not None:
+            key = (c.model, c.batch, c.mode)  # a peer's mode is its precision
+            fastest[key] = min(fastest.get(key, float("inf")), c.latency.summary.median)
     return fastest
 
 
 def results_rows(doc: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]:
-    """Header and rows of the per-case table (model x mode x backend), peers' reference rows after the engines'.
+    """Header and rows of the per-case table (model x mode x backend) of a loaded results
+    document, peers' reference rows after the engines'.
 
     Single-stream cases only: scenario cases have a table of their own (:func:`scenario_table`).
     """
-    single = [c for c in doc["cases"] if label_of(c) == SINGLE_STREAM]
+    return _rows(read_run(doc))
+
+
+def _rows(run: Run) -> tuple[list[str], list[list[str]]]:
+    single = [c for c in run.cases if c.scenario is None]
     reference_median = {
-        (c["model"], c["backend"], c.get("batch")): c["latency"]["summary"]["median"]
+        (c.model, c.backend, c.batch): c.latency.summary.median
         for c in single
-        if c["mode"] == REFERENCE_MODE and c["status"] != "failed"
+        if c.mode == REFERENCE_MODE and c.status != "failed" and c.latency is not None
     }
-    fastest_peer = _fastest_peers(doc)
+    fastest_peer = _fastest_peers(run)
     header = [
         "model", "batch", "mode", "backend", "median", "p95", "items/s (median)", "speed-up",
         *(["vs best peer"] if fastest_peer else []),
         "IQR/median", "max abs err", "cosine", "top-1", "task acc", "weights", "engine", "peak RSS", "status",
     ]  # fmt: skip
     rows = []
-    for c in sorted(single, key=lambda c: (c["model"], is_peer(c), c["backend"], c.get("batch") or 0)):
-        lat, acc, mem, task = (
-            c.get("latency"),
-            c.get("accuracy"),
-            c.get("memory"),
-            c.get("task_accuracy"),
-        )
-        median = lat["summary"]["median"] if lat else None
-        ref = reference_median.get((c["model"], c["backend"], c.get("batch")))
+    for c in sorted(single, key=lambda c: (c.model, c.is_peer, c.backend, c.batch or 0)):
+        lat, acc, mem, task = c.latency, c.accuracy, c.memory, c.task_accuracy
+        median = lat.summary.median if lat else None
+        ref = reference_median.get((c.model, c.backend, c.batch))
         precision = _precision(c)
-        best_peer = fastest_peer.get((c["model"], c.get("batch"), precision or ""))
+        best_peer = fastest_peer.get((c.model, c.batch, precision or ""))
         rows.append(
             [
-                c["model"],
-                str(c.get("batch") or (lat["batch_size"] if lat else "")),
-                c["mode"],
-                c["backend"],
+                c.model,
+                str(c.batch or (lat.batch_size if lat else "")),
+                c.mode,
+                c.backend,
                 format_ns(median),
-                format_ns(lat["summary"]["p95"] if lat else None),
-                f"{lat['batch_size'] * 1e9 / median:.4g}" if lat and median else "",
+                format_ns(lat.summary.p95 if lat else None),
+                f"{lat.batch_size * 1e9 / median:.4g}" if lat and median else "",
                 _speedup(ref, median),
                 *([_speedup(best_peer, median)] if fastest_peer else []),
                 _spread(lat),
-                _num(acc["max_abs_error"] if acc else None, ".2e"),
-                _num(acc["cosine"] if acc else None, ".6f"),
-                _num(acc.get("top1_agreement") if acc else None, ".2%"),
-                f"{task['name']} {task['value']:.2%}" if task else "",
-                format_bytes(mem.get("weight_bytes_total") if mem else None),
-                format_bytes(mem.get("engine_bytes") if mem else None),
-                format_bytes(mem.get("peak_rss_bytes") if mem else None),
+                _num(acc.max_abs_error if acc else None, ".2e"),
+                _num(acc.cosine if acc else None, ".6f"),
+                _num(acc.top1_agreement if acc else None, ".2%"),
+                f"{task.name} {task.value:.2%}" if task else "",
+                format_bytes(mem.weight_bytes_total if mem else None),
+                format_bytes(mem.engine_bytes if mem else None),
+                format_bytes(mem.peak_rss_bytes if mem else None),
                 _status(c),
             ]
         )
     return header, rows
 
 
-def _precision(case: Mapping[str, Any]) -> str | None:
+def _precision(case: Case) -> str | None:
     """The precision a case ran at: a peer's mode is one; another tool's case (a pytest-benchmark
     parameter as its mode) has none the harness knows."""
-    if is_peer(case):
-        return str(case["mode"])
-    return precision_of(case["mode"]) if case["mode"] in PRECISION_MODES else None
+    if case.is_peer:
+        return case.mode
+    return precision_of(case.mode) if case.mode in PRECISION_MODES else None
 
 
 def results_table(doc: Mapping[str, Any], fmt: str = "simple") -> str:
-    """A title line (machine, commit, completeness) and the per-case table."""
-    git = doc["git"]
-    commit = f"commit {git['commit'][:12]}" if git["commit"] else "no git commit"
-    commit += " (dirty)" if git["dirty"] else ""
-    title = f"machine {doc['machine']['id']}, {commit}, {len(doc['cases'])} cases"
-    if not doc["complete"]:
+    """A title line (machine, commit, completeness) and the per-case table of a loaded results document."""
+    run = read_run(doc)
+    commit = f"commit {run.git.commit[:12]}" if run.git.commit else "no git commit"
+    commit += " (dirty)" if run.git.dirty else ""
+    title = f"machine {run.machine.id}, {commit}, {len(run.cases)} cases"
+    if not run.complete:
         title += ", INCOMPLETE (interrupted run)"
-    for mark in ("upgraded_from", "imported_from"):
-        if doc.get(mark):
-            title += f"\nnote: {doc[mark]['note']}"
-    if any(is_peer(c) for c in doc["cases"]):
+    for mark in (run.upgraded_from, run.imported_from):
+        if mark is not None:
+            title += f"\nnote: {mark.note}"
+    if any(c.is_peer for c in run.cases):
         title += f"\nnote: {PEER_NOTE}"
-    header, rows = results_rows(doc)
-    busy = busy_note(doc["cases"])
+    header, rows = _rows(run)
+    busy = busy_note(run.cases)
     table = _table(rows, header, fmt) if rows else "(no single-stream cases)"
     return title + "\n\n" + table + scenario_table(doc, fmt) + (f"\n{busy}" if busy else "")
 
