@@ -6,9 +6,14 @@ from pathlib import Path
 from typing import Any
 
 import matplotlib.image
+import numpy as np
 import pytest
 
+from harness.bench.latency import LatencyResult
 from harness.bench.plots import _plot_model, _Point, _points, pareto_front, plot_results
+from harness.bench.results import SCHEMA_VERSION, CaseResult, sealed
+from harness.bench.results_doc import read_run
+from harness.bench.stats import Summary, slow_phase
 
 
 def test_pareto_front_hand_cases() -> None:
@@ -24,6 +29,21 @@ def test_pareto_front_hand_cases() -> None:
     assert pareto_front([(3.0, 3.0), (2.0, 2.0), (1.0, 1.0)]) == [2]
 
 
+def _latency(median_ms: float, unstable: bool) -> LatencyResult:
+    """Samples around ``median_ms`` (IQR/median 2%, p95 1.2x the median), in no order of time;
+    unstable: judged against a 1% spread threshold instead of 5%."""
+    ns = int(median_ms * 1e6)
+    d = ns // 100
+    ordered = [ns - d] * 6 + [ns] * 8 + [ns + d] * 4 + [int(ns * 1.2)] * 2
+    samples = [int(s) for s in np.random.default_rng(0).permutation(ordered)]
+    summary = Summary.from_samples(samples)
+    return LatencyResult(
+        summary=summary, iterations=summary.count, duration_s=sum(samples) / 1e9, warmup_iterations=1,
+        warmup_s=0.0, timer="cpu", batch_size=1, spread_threshold=0.01 if unstable else 0.05,
+        slow_phase=slow_phase(summary.samples), remeasured=False, overhead=None,
+    )  # fmt: skip
+
+
 def _case(
     model: str,
     mode: str,
@@ -31,29 +51,47 @@ def _case(
     cosine: float | None,
     backend: str = "cpu",
     status: str = "ok",
+    unstable: bool = False,
 ) -> dict[str, Any]:
     if status == "failed":
-        return {"model": model, "mode": mode, "backend": backend, "status": status, "error": "boom"}
-    ns = median_ms * 1e6
-    return {
-        "model": model,
-        "mode": mode,
-        "backend": backend,
-        "status": status,
-        "latency": {"summary": {"median": ns, "p95": ns * 1.2}},
-        "accuracy": {
-            "cosine": cosine,
-            "max_abs_error": None if cosine is None else (1 - cosine) * 10,
-            "nan_count": 12 if status == "non-finite" else 0,
-            "inf_count": 0,
-        },
+        return CaseResult.failed(model, mode, backend, "boom").to_dict()
+    latency = _latency(median_ms, unstable)
+    entry = CaseResult(model=model, mode=mode, backend=backend, latency=latency).to_dict()
+    entry["status"] = status
+    entry["accuracy"] = {
+        "max_abs_error": None if cosine is None else (1 - cosine) * 10,
+        "mean_abs_error": None,
+        "max_rel_error": None,
+        "cosine": cosine,
+        "snr_db": None,
+        "top1_agreement": None,
+        "nan_count": 12 if status == "non-finite" else 0,
+        "inf_count": 0,
+        "identical": cosine == 1.0,
+        "outputs": [],
     }
+    return entry
+
+
+def _doc(cases: list[dict[str, Any]], **settings: Any) -> dict[str, Any]:
+    """A whole results document of ``cases`` (machine ``box``), sealed as a run writes it."""
+    return sealed(
+        {
+            "schema_version": SCHEMA_VERSION,
+            "created": "2025-01-01T00:00:00Z",
+            "complete": True,
+            "machine": {"id": "box", "cpu": {"isa_flags": []}, "gpu": {"devices": []}},
+            "git": {"commit": None, "dirty": None},
+            "settings": settings,
+            "cases": cases,
+        },
+        "test document",
+    )
 
 
 def test_plot_results_writes_decodable_pngs(tmp_path: Path) -> None:
-    doc = {
-        "machine": {"id": "box"},
-        "cases": [
+    doc = _doc(
+        [
             _case("resnet/tiny", "fp32", 10.0, 1.0),  # exact: drawn at the floor of the log axis
             _case("resnet/tiny", "fp16", 3.0, 0.9999),
             _case("resnet/tiny", "bf16", 3.5, 0.999),
@@ -62,8 +100,8 @@ def test_plot_results_writes_decodable_pngs(tmp_path: Path) -> None:
             _case("mlp", "fp16", 0.4, 0.9995),
             _case("broken", "fp16", 0.0, None, status="failed"),
             _case("nocos", "fp16", 1.0, None),
-        ],
-    }
+        ]
+    )
     results = tmp_path / "runs" / "run-20250101T000000Z.json"
     paths = plot_results(doc, results)
     # one plot per model with something to plot; model names made file-safe
@@ -114,11 +152,13 @@ def test_close_modes_get_readable_labels_and_wide_spans_a_log_axis() -> None:
 def test_plot_titles_mark_a_quick_run_and_unstable_cases(tmp_path: Path) -> None:
     from harness.bench.plots import _title_suffix
 
-    cases = [_case("m", "fp32", 2.0, 1.0), _case("m", "bf16", 1.0, 1e-3)]
-    cases[1]["latency"]["unstable"] = True
-    doc = {"machine": {"id": "box"}, "settings": {"quick": True}}
-    assert _title_suffix(doc, cases) == " on box [--quick: a pipeline check, not numbers] [1 unstable]"
-    assert _title_suffix({**doc, "settings": {}}, cases[:1]) == " on box"
+    cases = [_case("m", "fp32", 2.0, 1.0), _case("m", "bf16", 1.0, 1e-3, unstable=True)]
+    quick = read_run(_doc(cases, quick=True))
+    assert quick.cases[1].latency is not None and quick.cases[1].latency.unstable
+    flags = " [--quick: a pipeline check, not numbers] [1 unstable]"
+    assert _title_suffix(quick, quick.cases) == " on box" + flags
+    full = read_run(_doc(cases))
+    assert _title_suffix(full, full.cases[:1]) == " on box"
 
 
 def test_non_finite_and_failed_modes_are_marked_not_dropped() -> None:
@@ -127,7 +167,7 @@ def test_non_finite_and_failed_modes_are_marked_not_dropped() -> None:
         _case("m", "fp16", 1.0, None, status="non-finite"),  # all NaN: no error to place
         _case("m", "bf16", 0.0, None, status="failed"),
     ]
-    points, absent = _points(cases, "1-cosine")
+    points, absent = _points(read_run(_doc(cases)).cases, "1-cosine")
     assert [p.label for p in points] == ["fp32"]
     fig = _plot_model("m", points, absent, "1-cosine", "")
     ax = fig.axes[0]

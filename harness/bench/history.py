@@ -26,7 +26,7 @@ results root holding several) or files, every document validated by
   where the regression (or improvement) happened. ``--quick`` runs and failed
   cases are shown but not fitted.
 
-Memory: one run document (and each machine's baseline) is held at a time;
+Memory: one run document (and each machine's baseline), as loaded and typed, is held at a time;
 what the history keeps of a run is a few numbers per case.
 
 The history is a JSON document (:meth:`History.to_dict`, for other tools)
@@ -44,17 +44,12 @@ from pathlib import Path
 from typing import Any, Literal
 
 from harness.bench.gate import GateSettings, gate
-from harness.bench.results import (
-    CaseKey,
-    case_key,
-    content_digest,
-    format_key,
-    is_peer,
-    load_results,
-)
+from harness.bench.results import CaseKey, content_digest, format_key, load_results
+from harness.bench.results_doc import PEER_PREFIX, Case, GpuTelemetry, Run, read_run
 from harness.bench.step_detect import fit_steps
 from harness.bench.store import BASELINE, machine_files
 from harness.bench.tables import format_ns
+from harness.documents import document_json
 from harness.errors import HarnessError
 
 HISTORY_VERSION = 1
@@ -231,7 +226,12 @@ class Series:
 
     @property
     def peer(self) -> bool:
-        return is_peer({"backend": self.key[2]})
+        return _is_peer(self.key)
+
+
+def _is_peer(key: CaseKey) -> bool:
+    """Whether the case of a key is a peer's reference row (its backend ``peer:<name>``)."""
+    return key[2].startswith(PEER_PREFIX)
 
 
 @dataclass
@@ -406,30 +406,30 @@ def describe_change(before: Any, after: Any, limit: int = 4) -> str:
     return "; ".join(parts)
 
 
-def _gpu_record(case: Mapping[str, Any]) -> Mapping[str, Any]:
-    gpu = (case.get("telemetry") or {}).get("gpu")
-    return gpu if isinstance(gpu, Mapping) else {}
+def _gpu(case: Case) -> GpuTelemetry | None:
+    """The GPU record of a case's telemetry; None without telemetry, or with only why it had no GPU."""
+    gpu = case.telemetry.gpu if case.telemetry is not None else None
+    return gpu if isinstance(gpu, GpuTelemetry) else None
 
 
-def _point(run: RunInfo, case: Mapping[str, Any]) -> Point:
-    lat = case.get("latency")
-    acc = case.get("accuracy") or {}
-    gpu = _gpu_record(case)
+def _point(run: RunInfo, case: Case) -> Point:
+    lat, acc, gpu = case.latency, case.accuracy, _gpu(case)
+    clocks = None if gpu is None or gpu.clocks is None else document_json(gpu.clocks)
     point = Point(
         run=run.index,
-        status=case["status"],
-        max_abs_error=acc.get("max_abs_error"),
-        cosine=acc.get("cosine"),
-        engine_fingerprint=case.get("engine_fingerprint"),
-        timing_cache_digest=case.get("timing_cache_digest"),
-        error=case.get("error"),
-        clocks={"lock_clocks": run.lock_clocks, "gpu": gpu.get("clocks")},
-        gpu=gpu.get("uuid"),
+        status=case.status,
+        max_abs_error=None if acc is None else acc.max_abs_error,
+        cosine=None if acc is None else acc.cosine,
+        engine_fingerprint=case.engine_fingerprint,
+        timing_cache_digest=case.timing_cache_digest,
+        error=case.error,
+        clocks={"lock_clocks": run.lock_clocks, "gpu": clocks},
+        gpu=None if gpu is None else gpu.uuid,
     )
     if lat is not None:
-        summary = lat["summary"]
-        point.median_ns, point.q1_ns, point.q3_ns = summary["median"], summary["q1"], summary["q3"]
-        point.spread, point.unstable, point.timer = summary["spread"], lat["unstable"], lat["timer"]
+        summary = lat.summary
+        point.median_ns, point.q1_ns, point.q3_ns = summary.median, summary.q1, summary.q3
+        point.spread, point.unstable, point.timer = summary.spread, lat.unstable, lat.timer
     return point
 
 
@@ -439,37 +439,55 @@ class _Run:
     points: dict[CaseKey, Point]
 
 
-def _run_info(path: Path, doc: Mapping[str, Any]) -> RunInfo:
+@dataclass(frozen=True)
+class _Loaded:
+    """A results file as loaded (what the gate, the digests and the machine record read) and typed."""
+
+    path: Path
+    doc: Mapping[str, Any]
+    run: Run
+
+
+def _load(path: Path, *, upgrade: bool = False) -> _Loaded:
+    """The results file at ``path``, validated (:func:`load_results`) and typed; a HarnessError names it."""
+    doc = load_results(path, upgrade=upgrade)
+    return _Loaded(path, doc, read_run(doc, f"results file {path}"))
+
+
+def _run_info(loaded: _Loaded) -> RunInfo:
+    run = loaded.run
     return RunInfo(
         index=-1,
-        file=os.fspath(path),
-        machine_id=doc["machine"]["id"],
-        commit=doc["git"]["commit"],
-        dirty=doc["git"]["dirty"],
-        created=doc["created"],
-        finished=doc.get("finished"),
-        complete=doc["complete"],
-        quick=bool(doc["settings"].get("quick")),
-        upgraded=doc.get("upgraded_from") is not None,
-        digest=doc["digest"],
-        machine=dict(doc["machine"]),
-        lock_clocks=doc["settings"].get("lock_clocks"),
+        file=os.fspath(loaded.path),
+        machine_id=run.machine.id,
+        commit=run.git.commit,
+        dirty=run.git.dirty,
+        created=run.created,
+        finished=run.finished,
+        complete=run.complete,
+        quick=bool(run.settings.quick),
+        upgraded=run.upgraded_from is not None,
+        digest=run.digest,
+        # the whole record, its undeclared parts too: a machine marker compares them all
+        machine=dict(loaded.doc["machine"]),
+        lock_clocks=run.settings.lock_clocks,
     )
 
 
-def _read_run(path: Path, doc: Mapping[str, Any], baseline: Mapping[str, Any] | None, baseline_file: Path | None) -> _Run:
+def _read_run(loaded: _Loaded, baseline: _Loaded | None) -> _Run:
     """A run's record and points, gated against ``baseline`` (when given and not this run itself)."""
-    info = _run_info(path, doc)
-    points = {case_key(c): _point(info, c) for c in doc["cases"]}
+    info = _run_info(loaded)
+    points = {c.key: _point(info, c) for c in loaded.run.cases}
     if baseline is None:
         info.gate_note = "no baseline.json for this machine"
     elif info.upgraded:
         info.gate_note = "an old (schema 1) results file: the gate does not read it"
     else:
         try:
-            report = gate(baseline, doc, GateSettings(bootstrap_resamples=_VERDICT_ONLY_RESAMPLES))
+            settings = GateSettings(bootstrap_resamples=_VERDICT_ONLY_RESAMPLES)
+            report = gate(baseline.doc, loaded.doc, settings)
         except HarnessError as exc:
-            info.gate_note = f"not gated against {baseline_file}: {exc}"
+            info.gate_note = f"not gated against {baseline.path}: {exc}"
         else:
             info.gate_outcome, info.gate_summary = report.outcome, report.summary()
             for verdict in report.cases:
@@ -484,23 +502,29 @@ def _source_digest(baseline: Mapping[str, Any]) -> str:
     return content_digest({k: v for k, v in baseline.items() if k != "promoted"})
 
 
-def _load_baselines(paths: Sequence[Path], notes: list[str]) -> dict[str, tuple[Path, dict[str, Any]]]:
+def _promoted_at(run: Run) -> str:
+    """When a baseline was promoted (else created)."""
+    at = run.promoted.at if run.promoted is not None else None
+    return at or run.created
+
+
+def _load_baselines(paths: Sequence[Path], notes: list[str]) -> dict[str, _Loaded]:
     """Each machine's baseline; of two for one machine, the one promoted (else created) later, with a note."""
-    chosen: dict[str, tuple[Path, dict[str, Any]]] = {}
+    chosen: dict[str, _Loaded] = {}
     for path in paths:
-        doc = load_results(path)
-        machine = doc["machine"]["id"]
-        if machine in chosen and chosen[machine][1]["digest"] != doc["digest"]:
-            other_path, other = chosen[machine]
-
-            def when(d: Mapping[str, Any]) -> str:
-                return str((d.get("promoted") or {}).get("at") or d["created"])
-
-            keep, drop = ((path, doc), other_path) if when(doc) > when(other) else ((other_path, other), path)
-            notes.append(f"machine {machine}: two baselines ({keep[0]}, {drop}); the later promoted one, {keep[0]}, is used")
+        loaded = _load(path)
+        machine = loaded.run.machine.id
+        other = chosen.get(machine)
+        if other is not None and other.run.digest != loaded.run.digest:
+            later = _promoted_at(loaded.run) > _promoted_at(other.run)
+            keep, drop = (loaded, other.path) if later else (other, path)
+            notes.append(
+                f"machine {machine}: two baselines ({keep.path}, {drop}); the later promoted one, "
+                f"{keep.path}, is used"
+            )
             chosen[machine] = keep
         else:
-            chosen.setdefault(machine, (path, doc))
+            chosen.setdefault(machine, loaded)
     return chosen
 
 
@@ -527,27 +551,29 @@ def collect(
     by_machine: dict[str, list[_Run]] = {}
     seen: dict[str, str] = {}
     for path in sources.runs:
-        doc = load_results(path, upgrade=True)
-        if doc["digest"] in seen:
-            notes.append(f"{path} is the same run as {seen[doc['digest']]}; read once")
+        loaded = _load(path, upgrade=True)
+        digest = loaded.run.digest
+        if digest in seen:
+            notes.append(f"{path} is the same run as {seen[digest]}; read once")
             continue
-        seen[doc["digest"]] = os.fspath(path)
-        machine = doc["machine"]["id"]
-        baseline_file, baseline = baselines.get(machine, (None, None))
-        if baseline is not None and doc["digest"] == _source_digest(baseline):
-            run = _read_run(path, doc, None, None)
-            _mark_baseline(run, baseline_file)
+        seen[digest] = os.fspath(path)
+        machine = loaded.run.machine.id
+        baseline = baselines.get(machine)
+        if baseline is not None and digest == _source_digest(baseline.doc):
+            run = _read_run(loaded, None)
+            _mark_baseline(run, baseline.path)
         else:
-            run = _read_run(path, doc, baseline, baseline_file)
+            run = _read_run(loaded, baseline)
         by_machine.setdefault(machine, []).append(run)
-    for machine, (baseline_file, baseline) in baselines.items():
+    for machine, baseline in baselines.items():
         runs = by_machine.setdefault(machine, [])
         if not any(r.info.baseline for r in runs):  # the run it came from is not among the files read
-            run = _read_run(baseline_file, baseline, None, None)
-            _mark_baseline(run, baseline_file)
+            run = _read_run(baseline, None)
+            _mark_baseline(run, baseline.path)
             runs.append(run)
+    baseline_files = {machine: baseline.path for machine, baseline in baselines.items()}
     machines = [
-        _machine_history(machine, runs, baselines.get(machine, (None, None))[0], min_step)
+        _machine_history(machine, runs, baseline_files.get(machine), min_step)
         for machine, runs in sorted(by_machine.items())
     ]
     if not machines:
@@ -571,7 +597,7 @@ def _machine_history(machine: str, runs: list[_Run], baseline_file: Path | None,
         for point in run.points.values():
             point.run = i
     keys = list(dict.fromkeys(k for run in runs for k in run.points))  # order of first appearance
-    keys.sort(key=lambda k: is_peer({"backend": k[2]}))  # engines first, peers after (stable)
+    keys.sort(key=_is_peer)  # engines first, peers after (stable)
     series = []
     for key in keys:
         s = Series(machine, key, [run.points[key] for run in runs if key in run.points])

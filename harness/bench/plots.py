@@ -29,8 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from harness.bench.results import is_peer
-from harness.bench.scenarios import SINGLE_STREAM, label_of
+from harness.bench.results_doc import Accuracy, Case, Run, Scenario, read_run
 from harness.errors import HarnessError
 from harness.extras import require
 from harness.fileio import atomic_write_bytes, check_writable
@@ -77,34 +76,34 @@ class _Absent:
     median_ms: float | None
 
 
-def _error(accuracy: Mapping[str, Any], metric: ErrorMetric) -> float | None:
+def _error(accuracy: Accuracy, metric: ErrorMetric) -> float | None:
     if metric == "1-cosine":
-        cos = accuracy.get("cosine")
+        cos = accuracy.cosine
         return None if cos is None else max(0.0, 1.0 - cos)
-    value = accuracy.get("max_abs_error")
+    value = accuracy.max_abs_error
     return None if value is None else float(value)
 
 
-def _points(cases: list[Mapping[str, Any]], metric: ErrorMetric) -> tuple[list[_Point], list[_Absent]]:
+def _points(cases: Sequence[Case], metric: ErrorMetric) -> tuple[list[_Point], list[_Absent]]:
     """Plottable modes, and the modes without an error to plot (non-finite or failed)."""
-    multi_backend = len({c["backend"] for c in cases if not is_peer(c)}) > 1
+    multi_backend = len({c.backend for c in cases if not c.is_peer}) > 1
     out, absent = [], []
     for c in cases:
-        label = f"{c['mode']} ({c['backend']})" if multi_backend or is_peer(c) else c["mode"]
-        if c["status"] == "failed":
+        label = f"{c.mode} ({c.backend})" if multi_backend or c.is_peer else c.mode
+        lat, acc = c.latency, c.accuracy
+        if c.status == "failed" or lat is None or acc is None:
             absent.append(_Absent(f"{label}: failed", None))
             continue
-        lat, acc = c["latency"], c["accuracy"]
-        median = lat["summary"]["median"] / 1e6
+        median = lat.summary.median / 1e6
         err = _error(acc, metric)
-        if c["status"] == "non-finite":
-            counts = f"NaN {acc['nan_count']}, Inf {acc['inf_count']}"
+        if c.status == "non-finite":
+            counts = f"NaN {acc.nan_count}, Inf {acc.inf_count}"
             absent.append(_Absent(f"{label}: NON-FINITE ({counts})", median))
             continue
         if err is None:
             absent.append(_Absent(f"{label}: no error (nothing compared)", median))
             continue
-        out.append(_Point(label, median, lat["summary"]["p95"] / 1e6, err, peer=is_peer(c)))
+        out.append(_Point(label, median, lat.summary.p95 / 1e6, err, peer=c.is_peer))
     return out, absent
 
 
@@ -257,14 +256,16 @@ def plot_results(
     *,
     error_metric: ErrorMetric = "1-cosine",
 ) -> list[Path]:
-    """One PNG per model next to the results file: ``<stem>-<model>.png``.
+    """One PNG per model of a loaded results document, next to the results file: ``<stem>-<model>.png``
+    (and ``-throughput.png`` for a batch sweep, ``-scenarios.png`` for scenario cases).
 
     Models without any case that has a latency get no plot. Returns the
     written paths.
     """
-    by_model: dict[str, list[Mapping[str, Any]]] = {}
-    for case in doc["cases"]:
-        by_model.setdefault(case["model"], []).append(case)
+    run = read_run(doc)
+    by_model: dict[str, list[Case]] = {}
+    for case in run.cases:
+        by_model.setdefault(case.model, []).append(case)
     written = []
     for model, every in sorted(by_model.items()):
         loaded = _plot_scenarios(model, every)
@@ -272,7 +273,7 @@ def plot_results(
             path = plot_path(results_path, model, "scenarios")
             save_figure(loaded, path)
             written.append(path)
-        cases = [c for c in every if label_of(c) == SINGLE_STREAM]
+        cases = [c for c in every if c.scenario is None]
         if not cases:
             continue
         sweep = _plot_throughput(model, cases)
@@ -281,23 +282,23 @@ def plot_results(
             save_figure(sweep, path)
             written.append(path)
         # the latency-vs-error plot compares modes at one batch size: the model's own
-        cases = [c for c in cases if c.get("batch") is None] or cases
+        cases = [c for c in cases if c.batch is None] or cases
         points, absent = _points(cases, error_metric)
         if not points and not any(a.median_ms is not None for a in absent):
             continue
-        fig = _plot_model(model, points, absent, error_metric, _title_suffix(doc, cases))
+        fig = _plot_model(model, points, absent, error_metric, _title_suffix(run, cases))
         path = plot_path(results_path, model)
         save_figure(fig, path)
         written.append(path)
     return written
 
 
-def _title_suffix(doc: Mapping[str, Any], cases: Sequence[Mapping[str, Any]]) -> str:
+def _title_suffix(run: Run, cases: Sequence[Case]) -> str:
     """The machine, and what a reader must not miss: a --quick run, unstable cases."""
-    text = f" on {doc['machine']['id']}"
-    if (doc.get("settings") or {}).get("quick"):
+    text = f" on {run.machine.id}"
+    if run.settings.quick:
         text += " [--quick: a pipeline check, not numbers]"
-    unstable = sum(1 for c in cases if (c.get("latency") or {}).get("unstable"))
+    unstable = sum(1 for c in cases if c.latency is not None and c.latency.unstable)
     return text + (f" [{unstable} unstable]" if unstable else "")
 
 
@@ -319,14 +320,14 @@ def save_figure(fig: Figure, path: Path) -> None:
     atomic_write_bytes(path, buf.getvalue())
 
 
-def _plot_throughput(model: str, cases: list[Mapping[str, Any]]) -> Figure | None:
+def _plot_throughput(model: str, cases: Sequence[Case]) -> Figure | None:
     """Throughput against batch size, one line per mode (None unless the run swept batch sizes)."""
     lines: dict[str, list[tuple[int, float]]] = {}
     for c in cases:
-        if c["status"] == "failed" or c.get("batch") is None:
+        if c.status == "failed" or c.latency is None or c.batch is None:
             continue
-        label = f"{c['mode']} ({c['backend']})"
-        lines.setdefault(label, []).append((c["batch"], c["latency"]["throughput_per_s"]))
+        label = f"{c.mode} ({c.backend})"
+        lines.setdefault(label, []).append((c.batch, c.latency.throughput_per_s))
     if not any(len(points) > 1 for points in lines.values()):
         return None
     fig = new_figure((7, 5))
@@ -344,7 +345,7 @@ def _plot_throughput(model: str, cases: list[Mapping[str, Any]]) -> Figure | Non
     return fig
 
 
-def _plot_scenarios(model: str, cases: list[Mapping[str, Any]]) -> Figure | None:
+def _plot_scenarios(model: str, cases: Sequence[Case]) -> Figure | None:
     """p99 latency against throughput per precision mode (None without scenario cases).
 
     One colour per mode, one marker per scenario: each scenario case is a
@@ -357,18 +358,15 @@ def _plot_scenarios(model: str, cases: list[Mapping[str, Any]]) -> Figure | None
     series: dict[tuple[str, str], list[tuple[float, float]]] = {}
     bounds: set[float] = set()
     for c in cases:
-        record = c.get("scenario")
-        if c["status"] == "failed" or not isinstance(record, Mapping):
+        record = c.scenario
+        if c.status == "failed" or record is None:
             continue
-        key = (f"{c['mode']} ({c['backend']})", str(record["name"]))
-        per_query = float(record["samples_per_query"])
-        search = record.get("search")
-        if search:
-            series.setdefault(key, []).extend((p["achieved"] * per_query, p["p99_ns"] / 1e6) for p in search["probes"])
-        else:
-            series.setdefault(key, []).append((float(record["throughput_per_s"]), float(record["p99_ns"]) / 1e6))
-        if record.get("latency_bound_ns"):
-            bounds.add(float(record["latency_bound_ns"]) / 1e6)
+        points = _scenario_points(record)
+        if points is None:
+            continue
+        series.setdefault((f"{c.mode} ({c.backend})", record.name), []).extend(points)
+        if record.latency_bound_ns:
+            bounds.add(record.latency_bound_ns / 1e6)
     if not series:
         return None
     fig = new_figure((7, 5))
@@ -392,3 +390,18 @@ def _plot_scenarios(model: str, cases: list[Mapping[str, Any]]) -> Figure | None
     ax.legend(loc="best", fontsize=8)
     fig.tight_layout()
     return fig
+
+
+def _scenario_points(record: Scenario) -> list[tuple[float, float]] | None:
+    """(items/s achieved, p99 ms) of a scenario case: every rate its search probed, else its own load.
+
+    None when the record lacks one they need (the harness writes them all; another tool's file may not).
+    """
+    if record.search is not None:
+        per_query = record.samples_per_query
+        if per_query is None:
+            return None
+        return [(p.achieved * per_query, p.p99_ns / 1e6) for p in record.search.probes]
+    if record.throughput_per_s is None or record.p99_ns is None:
+        return None
+    return [(record.throughput_per_s, record.p99_ns / 1e6)]

@@ -53,7 +53,7 @@ class PrecisionPlan:
 
     def file_bytes(self) -> bytes:
         """The file: an :class:`~harness.engines.modes.ExplicitFile`, checked as one."""
-        return json_bytes(document_json(ExplicitFile(self.explicit())))
+        return json_bytes(document_json(ExplicitFile.model_validate(self.explicit())))
 
     def write(self, path: str | os.PathLike[str]) -> Path:
         """Write the explicit precision file atomically."""
