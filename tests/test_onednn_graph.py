@@ -184,12 +184,13 @@ def _module_classes() -> int:
     return len(seen)
 
 
-def test_compiled_partitions_leave_no_class_behind_once_they_are_gone():
-    """Every class deriving from nn.Module stays on its base's subclass list while it lives,
-    and each assignment to an nn.Module class attribute (torch.fx makes two per patched
-    module on every trace) walks that list: classes left behind by each compile would make
-    every later export in the process slower. Two builds, so that what the first creates
-    once per process (imports, registries) is not counted."""
+def test_compiled_partitions_leave_nothing_behind_once_they_are_gone():
+    """Nothing of a build's partitions outlives its engine: no function in TorchScript's
+    process-wide compilation unit (each would keep its layer's weights for the life of the
+    process) and no class deriving from nn.Module (each stays on its base's subclass list,
+    which every assignment to an nn.Module class attribute walks: torch.fx makes two per
+    patched module on every trace, so every later export would be slower). Two builds, so
+    that what the first creates once per process (imports, registries) is not counted."""
     spec = ModelSpec("se", "squeeze-excite", *_module_and_inputs(), calibration_data=[])
     config = BuildConfig(mode="fp32", options={"timing_runs": 1, "warmup_runs": 0})
 
@@ -199,12 +200,13 @@ def test_compiled_partitions_leave_no_class_behind_once_they_are_gone():
         assert any("onednn_graph" in tactic for tactic in timed)  # partitions were compiled
         built.engine.run(*spec.example_inputs)
 
+    shared_functions = torch.jit._state._python_cu.get_functions
     build_and_run()
     gc.collect()
-    before = _module_classes()
+    before = _module_classes(), len(shared_functions())
     build_and_run()
     gc.collect()
-    assert _module_classes() == before
+    assert (_module_classes(), len(shared_functions())) == before
 
 
 def test_a_layer_the_bridge_cannot_fuse_is_reported_and_still_computes_its_function(caplog):

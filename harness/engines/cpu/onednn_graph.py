@@ -68,6 +68,24 @@ def _fusion_on() -> Iterator[None]:
         torch.jit.enable_onednn_fusion(previous)
 
 
+@contextmanager
+def _own_compilation_unit() -> Iterator[None]:
+    """TorchScript functions made inside go to a compilation unit of their own.
+
+    torch.jit.trace registers a traced function, constants (the layer's weights)
+    included, in TorchScript's process-wide compilation unit, which never lets
+    go of it; in a unit of its own the function lives as long as its callers
+    hold it. Used under :data:`_COMPILING`, so that no other compile of the
+    harness lands in this unit.
+    """
+    shared = torch.jit._state._python_cu
+    torch.jit._state._python_cu = torch._C.CompilationUnit()
+    try:
+        yield
+    finally:
+        torch.jit._state._python_cu = shared
+
+
 class _Layer(torch.nn.Module):
     """``post(op(x, weight, bias, *attrs) [+ residual])``: the graph the partition is compiled from.
 
@@ -301,7 +319,8 @@ def _compile(name: str, module: torch.nn.Module, examples: Sequence[torch.Tensor
         # Traced as a function, the module's weights become graph constants (as freezing makes
         # them) and no TorchScript class is registered: a traced module's classes live as long
         # as the process, and each one slows every later class-attribute assignment on nn.Module.
-        traced = torch.jit.trace(lambda *inputs: module(*inputs), tuple(examples), check_trace=False)  # type: ignore[no-untyped-call]
+        with _own_compilation_unit():
+            traced = torch.jit.trace(lambda *inputs: module(*inputs), tuple(examples), check_trace=False)  # type: ignore[no-untyped-call]
         torch._C._jit_pass_optimize_frozen_graph(traced.graph, True)  # what torch.jit.freeze runs after
         for _ in range(_WARMUP_CALLS):
             traced(*examples)
