@@ -15,7 +15,7 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import nox
@@ -87,13 +87,14 @@ def tests(session: nox.Session) -> None:
     are downloaded here, with the other installs, into the session's virtualenv, so
     that a missing network fails at set-up with pip's message and later runs reuse them.
 
-    Without posargs the suite runs in one worker process per core (xdist's
-    ``-n auto``, which ``PYTEST_XDIST_AUTO_NUM_WORKERS`` overrides; at most
-    ``MAX_TEST_WORKERS``; every test already passes beside a CPU-heavy
-    process, which is all a second worker is to it), then the pytest-benchmark
-    cases on their own: pytest-benchmark turns itself off under xdist, so they
-    would time nothing. With posargs (``nox -s tests -- tests/test_x.py -k y``)
-    one plain pytest runs exactly the selection.
+    The suite runs in one worker process per core (xdist's ``-n auto``, which
+    ``PYTEST_XDIST_AUTO_NUM_WORKERS`` overrides; at most ``MAX_TEST_WORKERS``;
+    every test already passes beside a CPU-heavy process, which is all a second
+    worker is to it), then the pytest-benchmark cases on their own:
+    pytest-benchmark turns itself off under xdist, so they would time nothing.
+    Posargs that only select (``nox -s tests -- -m "not slow"``, the quick tier)
+    apply to both runs; posargs naming test files or directories
+    (``nox -s tests -- tests/test_x.py -k y``) are one plain pytest of exactly those.
     """
     _install(session, "test")
     # onnx2torch (the onnx-import extra) alone: its torchvision requirement would resolve to a CUDA
@@ -104,12 +105,20 @@ def tests(session: nox.Session) -> None:
     session.run("python", "tests/trt_bindings.py", str(wheels))
     env = {"HARNESS_TRT_WHEELS": str(wheels)}
     pytest = ("pytest", "-q", "-p", "no:cacheprovider")
-    if session.posargs:
+    if _names_test_files(session.posargs):
         session.run(*pytest, *session.posargs, env=env)
         return
+    selection = tuple(session.posargs)
     workers = ("-n", "auto", "--maxprocesses", str(MAX_TEST_WORKERS))
-    session.run(*pytest, *workers, "--ignore", BENCHMARK_TESTS, env=env)
-    session.run(*pytest, BENCHMARK_TESTS, env=env)
+    session.run(*pytest, *workers, *selection, "--ignore", BENCHMARK_TESTS, env=env)
+    # a selection may take no benchmark case: pytest's "no tests collected" (5) is no failure then
+    session.run(*pytest, *selection, BENCHMARK_TESTS, env=env, success_codes=[0, 5] if selection else [0])
+
+
+def _names_test_files(args: Sequence[str]) -> bool:
+    """Whether pytest arguments name test files or directories (``tests/test_x.py``,
+    ``tests/test_x.py::test_y``) rather than only select by marker or keyword."""
+    return any(not arg.startswith("-") and Path(arg.split("::")[0]).exists() for arg in args)
 
 
 CHROMIUM = Path("/usr/bin/chromium")

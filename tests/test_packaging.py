@@ -175,3 +175,21 @@ def test_the_install_command_is_one_that_works_here(monkeypatch, tmp_path):
     assert (tmp_path / where).resolve() == root
     monkeypatch.setattr(extras, "checkout", lambda: None)  # installed from a wheel
     assert extras.install_command("plots") == "pip install 'mixed-precision-harness[plots]'"
+
+
+def test_the_tests_session_runs_a_selection_in_parallel_and_named_files_as_they_are(tmp_path, monkeypatch):
+    """``nox -s tests -- -m "not slow"`` (the quick tier) is the parallel run over a selection;
+    ``nox -s tests -- tests/test_x.py -k y`` one plain pytest of the files named."""
+    import ast
+    from collections.abc import Sequence
+
+    tree = ast.parse((ROOT / "noxfile.py").read_text())
+    (rule,) = [node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name == "_names_test_files"]
+    namespace: dict = {"Path": Path, "Sequence": Sequence}
+    exec(compile(ast.Module([rule], type_ignores=[]), "noxfile.py", "exec"), namespace)
+    names_test_files = namespace["_names_test_files"]
+    monkeypatch.chdir(ROOT)
+    assert not names_test_files(["-m", "not slow"]) and not names_test_files(["-k", "spread", "-x"])
+    assert names_test_files(["tests/test_bench_gate.py", "-k", "spread"])
+    assert names_test_files(["tests/test_packaging.py::test_the_gate_session_installs_what_the_gate_imports"])
+    assert names_test_files(["tests"])
