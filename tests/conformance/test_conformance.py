@@ -103,6 +103,7 @@ def test_jit_follows_every_autocast_state_exactly(subject):
             assert_same_outputs(got, _eager_autocast(module, spec.example_inputs, dtype))
 
 
+@pytest.mark.slow  # the rule compile and eager autocast of every subject in both low types
 @pytest.mark.stage("rule finite")
 @pytest.mark.parametrize("low", LOW)
 def test_rule_mode_stays_finite_where_eager_autocast_does(subject, low):
@@ -141,6 +142,7 @@ def test_cpu_engine_builds_and_runs(subject, mode, tmp_path):
             torch.testing.assert_close(got, want, rtol=FP32_RTOL, atol=atol, msg=lambda m, p=path: f"{p}: {m}")
 
 
+@pytest.mark.slow  # a bench case and a rebuild from its cache for every subject
 @pytest.mark.stage("bench accuracy = direct")
 def test_bench_accuracy_is_the_direct_comparison(subject, tmp_path):
     name, spec, eager = subject
