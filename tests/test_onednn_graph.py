@@ -188,9 +188,10 @@ def test_compiled_partitions_leave_nothing_behind_once_they_are_gone():
     """Nothing of a build's partitions outlives its engine: no function in TorchScript's
     process-wide compilation unit (each would keep its layer's weights for the life of the
     process) and no class deriving from nn.Module (each stays on its base's subclass list,
-    which every assignment to an nn.Module class attribute walks: torch.fx makes two per
-    patched module on every trace, so every later export would be slower). Two builds, so
-    that what the first creates once per process (imports, registries) is not counted."""
+    which every assignment to an nn.Module class attribute walks: torch.fx patches and
+    restores nn.Module's attributes throughout every trace, so every later export would be
+    slower). Two builds, so that what the first creates once per process (imports,
+    registries) is not counted."""
     spec = ModelSpec("se", "squeeze-excite", *_module_and_inputs(), calibration_data=[])
     config = BuildConfig(mode="fp32", options={"timing_runs": 1, "warmup_runs": 0})
 
