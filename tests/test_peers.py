@@ -31,6 +31,7 @@ from harness.bench.peers import (
     resolve_peers,
 )
 from harness.bench.results import PEER_PREFIX, ResultsWriter, is_peer, load_results, sealed
+from harness.bench.results_doc import read_run
 from harness.bench.runner import BenchRunner, MeasureSettings
 from harness.bench.tables import results_rows, results_table
 from harness.cli import main as cli_main
@@ -132,7 +133,7 @@ def test_peer_accuracy_is_measured_against_eager_fp32_like_the_engines(peer_run)
 
 def test_tables_show_peers_as_reference_rows_relative_to_the_fastest_peer(peer_run):
     doc = peer_run[0]
-    header, rows = results_rows(doc)
+    header, rows = results_rows(read_run(doc))
     column = header.index("vs best peer")
     backends = [row[header.index("backend")] for row in rows]
     assert backends[:2] == ["cpu", "cpu"] and all(b.startswith(PEER_PREFIX) for b in backends[2:])
@@ -147,7 +148,7 @@ def test_tables_show_peers_as_reference_rows_relative_to_the_fastest_peer(peer_r
     assert by_case["cpu", "fp32"] and by_case["cpu", "autocast-bf16"]  # engines compared at their precision
     assert "peer:* rows are reference runtimes" in results_table(doc)
     without = {**doc, "cases": [c for c in doc["cases"] if not is_peer(c)]}
-    assert "vs best peer" not in results_rows(without)[0]
+    assert "vs best peer" not in results_rows(read_run(without))[0]
 
 
 def test_the_gate_skips_peer_rows_in_both_runs(peer_run):

@@ -500,7 +500,7 @@ def run_table(doc: Mapping[str, Any]) -> list[str]:
     from harness.bench.tables import busy_note, results_rows
 
     run = read_run(doc)
-    header, rows = results_rows(doc)
+    header, rows = results_rows(run)
     shown = set(_SHOWN) - ({"backend"} if len({c.backend for c in run.cases}) == 1 else set())
     keep = [i for i, name in enumerate(header) if name in shown]
     lines = [

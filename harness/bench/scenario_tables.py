@@ -9,10 +9,7 @@ batch size. Single-stream cases stay in the per-case table.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
-from harness.bench.results_doc import Case, read_run
+from harness.bench.results_doc import Case, Run
 
 
 def _ms(ns: float | None) -> str:
@@ -40,13 +37,13 @@ def best_offline(cases: list[Case]) -> dict[tuple[str, str, str], int]:
     return {k: v[1] for k, v in best.items()}
 
 
-def scenario_rows(doc: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]:
-    """Header and rows of the scenario table of a loaded results document (its scenario cases)."""
+def scenario_rows(run: Run) -> tuple[list[str], list[list[str]]]:
+    """Header and rows of the scenario table: the run's scenario cases."""
     header = [
         "model", "batch", "mode", "backend", "scenario", "queries", "queries/s", "items/s",
         "p50", "p99", "bound", "met", "rate found (next above)", "status",
     ]  # fmt: skip
-    cases = [c for c in read_run(doc).cases if c.scenario is not None]
+    cases = [c for c in run.cases if c.scenario is not None]
     best = best_offline(cases)
     rows = []
     for c in sorted(cases, key=lambda c: (c.model, c.key[4], c.mode, c.backend, c.batch or 0)):

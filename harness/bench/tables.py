@@ -140,16 +140,12 @@ def _fastest_peers(run: Run) -> dict[tuple[str, int | None, str], float]:
     return fastest
 
 
-def results_rows(doc: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]:
-    """Header and rows of the per-case table (model x mode x backend) of a loaded results
-    document, peers' reference rows after the engines'.
+def results_rows(run: Run) -> tuple[list[str], list[list[str]]]:
+    """Header and rows of the per-case table (model x mode x backend), peers' reference rows
+    after the engines'.
 
     Single-stream cases only: scenario cases have a table of their own (:func:`scenario_table`).
     """
-    return _rows(read_run(doc))
-
-
-def _rows(run: Run) -> tuple[list[str], list[list[str]]]:
     single = [c for c in run.cases if c.scenario is None]
     reference_median = {
         (c.model, c.backend, c.batch): c.latency.summary.median
@@ -215,15 +211,15 @@ def results_table(doc: Mapping[str, Any], fmt: str = "simple") -> str:
             title += f"\nnote: {mark.note}"
     if any(c.is_peer for c in run.cases):
         title += f"\nnote: {PEER_NOTE}"
-    header, rows = _rows(run)
+    header, rows = results_rows(run)
     busy = busy_note(run.cases)
     table = _table(rows, header, fmt) if rows else "(no single-stream cases)"
-    return title + "\n\n" + table + scenario_table(doc, fmt) + (f"\n{busy}" if busy else "")
+    return title + "\n\n" + table + scenario_table(run, fmt) + (f"\n{busy}" if busy else "")
 
 
-def scenario_table(doc: Mapping[str, Any], fmt: str = "simple") -> str:
+def scenario_table(run: Run, fmt: str = "simple") -> str:
     """The scenario cases' table (latency against throughput per mode), or "" when there are none."""
-    header, rows = scenario_rows(doc)
+    header, rows = scenario_rows(run)
     if not rows:
         return ""
     return "\n\nscenarios (latency from each query's arrival; items/s achieved under the load):\n\n" + _table(rows, header, fmt)
