@@ -38,6 +38,8 @@ from harness.globalstate import preserves_global_state
 from harness.limits import MAX_REBUILDS, check_int
 
 if TYPE_CHECKING:
+    from torch.export import ExportedProgram
+
     from harness.autocast import CompiledGraph
     from harness.models import ModelSpec
 
@@ -63,16 +65,21 @@ class BuildResult:
         return sum(1 for layer in self.log.layers if layer.candidates and not layer.from_cache)
 
 
-def compile_graph(spec: ModelSpec, config: BuildConfig, backend: Backend) -> CompiledGraph:
-    """The typed graph for ``config.mode``, refused early if ``backend`` cannot build that mode."""
+def compile_graph(
+    spec: ModelSpec, config: BuildConfig, backend: Backend, program: ExportedProgram | None = None
+) -> CompiledGraph:
+    """The typed graph for ``config.mode``, refused early if ``backend`` cannot build that mode
+    (``program``: the spec's export, as :func:`~harness.engines.modes.compile_for_mode` takes it)."""
     backend.check_mode(config.mode)
     start = time.perf_counter()
-    compiled = compile_for_mode(spec, config.mode, config.explicit_path, config.autocast)
+    compiled = compile_for_mode(spec, config.mode, config.explicit_path, config.autocast, program)
     _log_compiled(spec.name, config.mode, compiled, time.perf_counter() - start)
     return compiled
 
 
-def graph_for_build(spec: ModelSpec, config: BuildConfig, backend: Backend) -> CompiledGraph:
+def graph_for_build(
+    spec: ModelSpec, config: BuildConfig, backend: Backend, program: ExportedProgram | None = None
+) -> CompiledGraph:
     """What ``backend`` builds: :func:`compile_graph`'s typed graph, or, for an ONNX file
     (:mod:`harness.sources`) in a mode an ONNX backend takes the file as given, that file
     (:class:`~harness.engines.given_onnx.GivenOnnx`, which only the backends read)."""
@@ -81,7 +88,7 @@ def graph_for_build(spec: ModelSpec, config: BuildConfig, backend: Backend) -> C
         given = _given_graph(spec, config, backend)
         if given is not None:
             return given
-    return compile_graph(spec, config, backend)
+    return compile_graph(spec, config, backend, program)
 
 
 def _given_graph(spec: ModelSpec, config: BuildConfig, backend: Backend) -> CompiledGraph | None:
@@ -180,8 +187,12 @@ def build_engine(
     config: BuildConfig,
     backend: Backend,
     cache_path: str | os.PathLike[str] | None = None,
+    program: ExportedProgram | None = None,
 ) -> BuildResult:
     """Compile and build once, then add the new timings to ``cache_path``.
+
+    ``program``: the spec's export, for a caller building one spec in several
+    modes (:func:`~harness.engines.modes.compile_for_mode`); None: exported here.
 
     The cache is read before the (slow) compile, so a bad cache fails fast.
     New entries are merged into the file as it is *then*, under its lock, so
@@ -205,7 +216,7 @@ def build_engine(
     else:
         cache = TimingCache(provenance)
         logger.debug("build: timing cache %s: new, empty", path if path is not None else "(in memory)")
-    compiled = graph_for_build(spec, config, backend)
+    compiled = graph_for_build(spec, config, backend, program)
     start = time.perf_counter()
     engine, log = backend.build(compiled, config, cache)
     for warning in compiled.report.warnings:  # asked of the compiler, changed nothing: said with the build

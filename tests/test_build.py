@@ -19,6 +19,7 @@ from harness.engines.protocol import BuildConfig
 from harness.engines.registry import get_backend
 from harness.errors import HarnessError
 from harness.models import ModelSpec
+from harness.outputs import tensor_paths
 
 FAST = {"timing_runs": 3, "warmup_runs": 1}
 
@@ -247,3 +248,42 @@ def test_every_mode_builds_on_cpu(spec, backend, tmp_path: Path):
         out = result.engine(*spec.example_inputs)
         assert result.engine.mode == mode
         torch.testing.assert_close(out.float(), reference, rtol=0.05, atol=0.15, msg=mode)
+
+
+def test_one_export_serves_every_mode_and_is_left_as_it_was(backend, tmp_path: Path):
+    """Building from the spec's own export gives, in every mode, the engine a build from the
+    module gives (same layers, so every tactic comes from the module build's cache; same
+    fingerprint; same bits), and leaves that export unchanged for the next mode. The subject's
+    dtypes follow tensors at run time, which only the frontend's export records."""
+    from harness.frontend.export import export_program
+    from harness.frontend.provenance import DTYPE_FOLLOWS
+    from tests.conformance.recreations import dtype_followers
+
+    spec = dtype_followers()
+    program = export_program(spec.module, spec.example_inputs)
+
+    def snapshot() -> tuple[str, dict[str, object], dict[str, torch.Tensor]]:
+        links = {n.name: n.meta.get(DTYPE_FOLLOWS) for n in program.graph.nodes}
+        return program.graph_module.code, links, {k: v.clone() for k, v in program.state_dict.items()}
+
+    before = snapshot()
+    assert any(before[1].values()), "the subject exports no dtype link: it tests nothing here"
+    explicit = tmp_path / "e.json"
+    explicit.write_text(json.dumps({r"^(linear|conv1d)(_\d+)?$": "bf16"}))
+    for mode in backend.supported_modes():
+        explicit_path = str(explicit) if mode == "explicit" else None
+        cache = tmp_path / f"{mode}.json"
+        fresh = build_engine(spec, BuildConfig(mode=mode, explicit_path=explicit_path, options=FAST), backend, cache)
+        config = BuildConfig(mode=mode, explicit_path=explicit_path, options=FAST, error_on_cache_miss=True)
+        shared = build_engine(spec, config, backend, cache, program=program)
+        assert shared.engine.fingerprint() == fresh.engine.fingerprint(), mode
+        with torch.inference_mode():
+            for got, want in zip(
+                tensor_paths(shared.engine(*spec.example_inputs)),
+                tensor_paths(fresh.engine(*spec.example_inputs)),
+                strict=True,
+            ):
+                assert torch.equal(got[1], want[1]), (mode, got[0])
+        after = snapshot()
+        assert after[:2] == before[:2], mode
+        assert all(torch.equal(after[2][k], v) for k, v in before[2].items()), mode

@@ -21,14 +21,17 @@ from harness.debug.grouping import fold_data_movement, moves_data_only
 from harness.debug.inputs import model_batches
 from harness.debug.layers import LayerError, debug_layers
 from harness.debug.plan import PrecisionPlan
+from harness.frontend.export import export_program
 
 pytest.importorskip("transformers")
 DRAWS = 5
 
 
-def _error(spec: models.ModelSpec, batches, eager, layers: list[LayerError], kept: list[LayerError]) -> float:
+def _error(program, batches, eager, layers: list[LayerError], kept: list[LayerError]) -> float:
+    """The worst error over ``batches`` of the bf16 plan that keeps ``kept`` in fp32, compiled from
+    the model's export (``program``: one export serves every plan)."""
     plan = PrecisionPlan.keeping("bf16", [n for layer in layers for n in layer.nodes], [n for k in kept for n in k.nodes])
-    compiled = compile(spec.module, spec.example_inputs, policy="explicit", explicit=plan.explicit())
+    compiled = compile(program, policy="explicit", explicit=plan.explicit())
     return max(compare_outputs(compiled(*b), e).max_abs_error for b, e in zip(batches, eager, strict=True))
 
 
@@ -42,11 +45,12 @@ def test_keeping_the_top_ranked_layers_beats_keeping_random_ones(name):
     report = debug_layers(spec, "bf16", batches)
     ranked = report.ranked()
     assert report.rank_on == "removed" and report.removed(ranked[0], report.rank_by) > 0
-    none = _error(spec, batches, eager, report.layers, [])
+    program = export_program(spec.module, spec.example_inputs)
+    none = _error(program, batches, eager, report.layers, [])
     draw = random.Random(0)
     for k in (1, 3, 5):
-        top = _error(spec, batches, eager, report.layers, ranked[:k])
-        at_random = [_error(spec, batches, eager, report.layers, draw.sample(report.layers, k)) for _ in range(DRAWS)]
+        top = _error(program, batches, eager, report.layers, ranked[:k])
+        at_random = [_error(program, batches, eager, report.layers, draw.sample(report.layers, k)) for _ in range(DRAWS)]
         assert top < sum(at_random) / DRAWS, (k, top, at_random)
         assert top < none
 
@@ -60,8 +64,9 @@ def test_the_predicted_removal_is_what_recompiling_removes():
         eager = [spec.module(*b) for b in batches]
     report = debug_layers(spec, "bf16", batches)
     first = report.ranked()[0]
-    none = _error(spec, batches, eager, report.layers, [])
-    kept = _error(spec, batches, eager, report.layers, [first])
+    program = export_program(spec.module, spec.example_inputs)
+    none = _error(program, batches, eager, report.layers, [])
+    kept = _error(program, batches, eager, report.layers, [first])
     assert report.outputs.value("max-abs-err") == pytest.approx(none, rel=1e-6)
     assert none - kept == pytest.approx(report.removed(first, "max-abs-err"), rel=1e-4)
 

@@ -46,6 +46,7 @@ from harness.build import build_engine
 from harness.engines.cpu import CpuBackend
 from harness.engines.protocol import BuildConfig
 from harness.errors import HarnessError
+from harness.frontend.export import export_program
 from harness.globalstate import preserved_global_state
 from harness.models import THIRD_PARTY_PREFIX
 from harness.precision import PrecisionMode
@@ -87,7 +88,10 @@ def bench_model(name: str, seconds: float) -> dict[str, Any]:
     module, inputs = spec.module, spec.example_inputs
     batches = [tuple(inputs), *(tuple(b) for b in spec.calibration_data)]
     backend = CpuBackend()
-    engines = {mode: build_engine(spec, BuildConfig(mode=mode), backend).engine for mode in ENGINE_MODES}
+    program = export_program(module, inputs)
+    engines = {
+        mode: build_engine(spec, BuildConfig(mode=mode), backend, program=program).engine for mode in ENGINE_MODES
+    }
 
     def eager_fp32(*batch: torch.Tensor) -> object:
         return module(*batch)

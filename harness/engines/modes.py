@@ -24,6 +24,8 @@ from harness.fileio import read_json, shown
 from harness.precision import PrecisionMode
 
 if TYPE_CHECKING:
+    from torch.export import ExportedProgram
+
     from harness.autocast import CompiledGraph
     from harness.models import ModelSpec
 
@@ -57,11 +59,16 @@ def compile_for_mode(
     mode: PrecisionMode | str,
     explicit_path: str | None,
     settings: AutocastSettings | None = None,
+    program: ExportedProgram | None = None,
 ) -> CompiledGraph:
     """Compile ``spec`` into the typed graph that precision ``mode`` asks a backend to build.
 
     ``settings`` carry the classifier's options (exclusions, thresholds,
     calibration data) from the command line or project file to the compiler.
+    ``program`` is the spec's own export (:func:`harness.frontend.export.export_program`
+    of its module on its example inputs), for a caller that compiles one spec in several
+    modes: the compile starts from it, which it leaves unchanged, instead of exporting
+    again. None: the module is exported here.
     """
     from harness.autocast import compile
 
@@ -74,7 +81,7 @@ def compile_for_mode(
         )
     explicit = load_explicit(explicit_path) if explicit_path is not None else None
     return compile(
-        spec.module,
+        spec.module if program is None else program,
         spec.example_inputs,
         policy=mode.policy,
         settings=effective_settings(settings or AutocastSettings(), mode),

@@ -22,6 +22,7 @@ from harness.bench.runner import QUICK, BenchRunner
 from harness.build import build_engine
 from harness.engines.cpu import CpuBackend
 from harness.engines.protocol import PRECISION_MODES, BuildConfig
+from harness.frontend.export import export_program
 from harness.globalstate import preserved_global_state
 from harness.outputs import tensor_paths
 from tests.conformance.recreations import RECREATIONS
@@ -63,6 +64,14 @@ def subject(request):
     with torch.inference_mode():
         eager = spec.module(*spec.example_inputs)
     return request.param, spec, eager
+
+
+@pytest.fixture(scope="module")
+def program(subject):
+    """The subject's export, made once and shared by its engine builds in every mode: building from
+    it is building from the module (tests/test_build.py holds the two equal)."""
+    _, spec, _ = subject
+    return export_program(spec.module, spec.example_inputs)
 
 
 def _eager_autocast(module, inputs, dtype):
@@ -124,12 +133,12 @@ def test_rule_mode_stays_finite_where_eager_autocast_does(subject, low):
 @pytest.mark.slow  # a build of every subject in every mode: 4-15 s each for the hf-* subjects
 @pytest.mark.stage("engine {mode}")
 @pytest.mark.parametrize("mode", PRECISION_MODES)
-def test_cpu_engine_builds_and_runs(subject, mode, tmp_path):
+def test_cpu_engine_builds_and_runs(subject, program, mode, tmp_path):
     _, spec, eager = subject
     explicit = tmp_path / "explicit.json"
     explicit.write_text(json.dumps(EXPLICIT))
     config = BuildConfig(mode=mode, options=FAST, explicit_path=str(explicit) if mode == "explicit" else None)
-    engine = build_engine(spec, config, CpuBackend()).engine
+    engine = build_engine(spec, config, CpuBackend(), program=program).engine
     out = engine(*spec.example_inputs)
     assert type(out) is type(eager)
     assert [p for p, _ in tensor_paths(out)] == [p for p, _ in tensor_paths(eager)]
@@ -144,7 +153,7 @@ def test_cpu_engine_builds_and_runs(subject, mode, tmp_path):
 
 @pytest.mark.slow  # a bench case and a rebuild from its cache for every subject
 @pytest.mark.stage("bench accuracy = direct")
-def test_bench_accuracy_is_the_direct_comparison(subject, tmp_path):
+def test_bench_accuracy_is_the_direct_comparison(subject, program, tmp_path):
     name, spec, eager = subject
     backend = CpuBackend()
     runner = BenchRunner(backend, cache_dir=tmp_path / "caches", settings=QUICK)
@@ -152,7 +161,8 @@ def test_bench_accuracy_is_the_direct_comparison(subject, tmp_path):
     assert entry["status"] == "ok", entry.get("error")
     # The same engine again, from the cache the bench wrote: the same tactics, the same bits.
     cache = next((tmp_path / "caches").iterdir())
-    engine = build_engine(spec, BuildConfig(mode="autocast-bf16", threads=QUICK.threads), backend, cache).engine
+    config = BuildConfig(mode="autocast-bf16", threads=QUICK.threads)
+    engine = build_engine(spec, config, backend, cache, program=program).engine
     out = engine(*spec.example_inputs)
     assert output_digest(out) == entry["output_digest"]
     # The bench's reference ran on the bench's thread count: eager fp32 bits depend on it.
