@@ -11,8 +11,10 @@ log), and C++ output. If a command kills the worker, :class:`Worker` reports
 the signal for that command and starts a new worker for the next.
 
 Protocol: one JSON request per line on the worker's stdin
-(``{"argv": [...], "env": {...}}``), one JSON result per line on a
-descriptor duplicated from stdout before any command runs.
+(``{"argv": [...], "env": {...}, "cwd": "..."}``; ``cwd`` optional, the
+directory the command runs in, as a user's terminal would be), one JSON
+result per line on a descriptor duplicated from stdout before any command
+runs.
 """
 
 from __future__ import annotations
@@ -57,11 +59,14 @@ class Outcome:
         return self.err.startswith("error: ") and self.err.count("\n") == 1
 
 
-def _run_captured(argv: Sequence[str], env: Mapping[str, str]) -> dict[str, Any]:
+def _run_captured(argv: Sequence[str], env: Mapping[str, str], cwd: str | None = None) -> dict[str, Any]:
     from harness.cli.main import main
 
     saved_env = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
+    saved_cwd = os.getcwd()
+    if cwd is not None:
+        os.chdir(cwd)
     files = [tempfile.TemporaryFile(), tempfile.TemporaryFile()]
     saved = [os.dup(1), os.dup(2)]
     sys.stdout.flush()
@@ -82,6 +87,7 @@ def _run_captured(argv: Sequence[str], env: Mapping[str, str]) -> dict[str, Any]
         for fd, old in zip((1, 2), saved, strict=True):
             os.dup2(old, fd)
             os.close(old)
+        os.chdir(saved_cwd)
         for key, value in saved_env.items():
             if value is None:
                 os.environ.pop(key, None)
@@ -100,7 +106,8 @@ def serve(requests: TextIO, replies: TextIO) -> None:
 
     for line in requests:
         request = json.loads(line)
-        replies.write(json.dumps(_run_captured(request["argv"], request.get("env", {}))) + "\n")
+        outcome = _run_captured(request["argv"], request.get("env", {}), request.get("cwd"))
+        replies.write(json.dumps(outcome) + "\n")
         replies.flush()
 
 
@@ -121,13 +128,21 @@ class Worker:
             env=env,
         )
 
-    def run(self, argv: Sequence[str], env: Mapping[str, str] | None = None, timeout: float = 300.0) -> Outcome:
-        """Run one command; a command still running after ``timeout`` seconds is a hang, and is killed."""
+    def run(
+        self,
+        argv: Sequence[str],
+        env: Mapping[str, str] | None = None,
+        timeout: float = 300.0,
+        cwd: Path | None = None,
+    ) -> Outcome:
+        """Run one command (in ``cwd``, else the repository); a command still running after
+        ``timeout`` seconds is a hang, and is killed."""
         if self._proc is None or self._proc.poll() is not None:
             self._proc = self._start()
         proc = self._proc
         assert proc.stdin is not None and proc.stdout is not None
-        proc.stdin.write(json.dumps({"argv": [str(a) for a in argv], "env": dict(env or {})}) + "\n")
+        request = {"argv": [str(a) for a in argv], "env": dict(env or {}), "cwd": None if cwd is None else str(cwd)}
+        proc.stdin.write(json.dumps(request) + "\n")
         proc.stdin.flush()
         ready, _, _ = select.select([proc.stdout], [], [], timeout)
         if not ready:

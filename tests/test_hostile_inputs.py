@@ -8,12 +8,16 @@ commands; in the project file (``[timing]``, ``[autocast]``, ``[gate]``,
 (re-signed, so only the checks of their numbers stand in the way), and
 ONNX Runtime, OpenVINO and CPU engine directories.
 
-Each case runs ``python -m harness`` as a real process in a fresh work
-directory and requires: exit code 2, one ``error:`` line (argparse's usage
+Each case runs the harness's command line in a fresh work directory, in a
+worker process of the bad-input matrix (tests/harness_worker.py: one
+interpreter per test process, each command with its own stdout, stderr and
+working directory, a new worker after one that crashed), and requires: exit code 2, one ``error:`` line (argparse's usage
 before it for a flag) naming the culprit as the user wrote it (the file and
 its key, or the flag), no echoed value longer than a line (:data:`MAX_LINE`),
 no traceback, every file of the work directory byte-identical after and
-nothing new in it. The cases run in parallel processes under ``-n``.
+nothing new in it. What only a process of its own shows (Ctrl-C while a
+native module loads, a project file found from the working directory) runs
+``python -m harness`` as a real process.
 """
 
 from __future__ import annotations
@@ -34,9 +38,10 @@ import pytest
 from harness.engines.registry import BACKEND_NAMES
 from harness.engines.saved import ENGINE_BACKENDS
 from harness.fileio import digest
-from tests.test_bad_inputs import ENV, _resign_cache, _resign_results, _snapshot, good  # noqa: F401
+from tests.harness_worker import Worker
+from tests.test_bad_inputs import ENV, _resign_cache, _resign_results, _snapshot, good, worker  # noqa: F401
 
-pytestmark = pytest.mark.slow  # each hostile input runs as a real process
+pytestmark = pytest.mark.slow  # every hostile input is a whole command, some of them a build or a bench
 
 REPO = Path(__file__).resolve().parent.parent
 # An error line holding an echoed value in full is longer than this (the longest value
@@ -306,7 +311,9 @@ def run_harness(
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-def test_a_hostile_input_is_one_error_naming_it_and_changes_nothing(tmp_path, good, case: Case) -> None:  # noqa: F811
+def test_a_hostile_input_is_one_error_naming_it_and_changes_nothing(
+    tmp_path, good, worker: Worker, case: Case  # noqa: F811
+) -> None:
     """Exit 2, one error line naming the culprit (and not a flag never given), echoes cut short,
     no traceback, the work directory as it was."""
     work = tmp_path / "work"
@@ -314,14 +321,27 @@ def test_a_hostile_input_is_one_error_naming_it_and_changes_nothing(tmp_path, go
     if case.prepare is not None:
         case.prepare(work, good)
     before = _snapshot(work)
-    result = run_harness([_fill(a, work) for a in case.argv], work)
-    line = error_line(result.returncode, result.stderr)
+    outcome = worker.run([_fill(a, work) for a in case.argv], ENV, cwd=work)
+    assert outcome.signal is None, f"the command died: {outcome.signal}"
+    assert outcome.code is not None
+    line = error_line(outcome.code, outcome.err)
     for name in case.names:
         assert _fill(name, work) in line, (name, line[:MAX_LINE])
     for name in case.not_named:
         assert name not in line, line[:MAX_LINE]
     assert len(line) <= MAX_LINE, f"an echoed value was not cut short: {len(line)} characters"
     assert _snapshot(work) == before, "an input changed, or something was written"
+
+
+def test_a_command_of_the_matrix_runs_in_its_work_directory(tmp_path, good, worker: Worker) -> None:  # noqa: F811
+    """The matrix's "changes nothing" watches the work directory: a relative path is read there,
+    and what a command writes by default lands there."""
+    shutil.copy(good["cache"], tmp_path / "c.json")
+    shown = worker.run(["cache", "show", "c.json"], ENV, cwd=tmp_path)
+    assert (shown.code, shown.signal) == (0, None), shown.err[-2000:]
+    merged = worker.run(["cache", "merge", "c.json", "c.json", "-o", "m.json"], ENV, cwd=tmp_path)
+    assert (merged.code, merged.signal) == (0, None), merged.err[-2000:]
+    assert (tmp_path / "m.json").is_file()
 
 
 # A KeyboardInterrupt raised inside PyRun_String, as one reaches a pybind11 module (torch, onnx,
