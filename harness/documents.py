@@ -13,9 +13,11 @@ object. :func:`document_json` is the inverse: the plain JSON value of a document
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Annotated, Any, TypeVar
 
-from pydantic import ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import ConfigDict, Field, GetCoreSchemaHandler, TypeAdapter, ValidationError
+from pydantic_core import CoreSchema, core_schema
 
 from harness.errors import HarnessError
 from harness.fileio import validate
@@ -26,6 +28,20 @@ SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
 Digest = Annotated[str, Field(pattern="^sha256:[0-9a-f]{64}$")]
 
 T = TypeVar("T")
+
+
+class OneOf:
+    """Field metadata (``Annotated[str, OneOf(values)]``): the string is one of ``values``.
+
+    For sets of names the code holds elsewhere (modes, dtypes): validated as a ``Literal`` of
+    them would be, its schema an ``enum`` (a ``const`` for one value).
+    """
+
+    def __init__(self, values: Iterable[str]) -> None:
+        self.values = list(values)
+
+    def __get_pydantic_core_schema__(self, source: Any, handler: GetCoreSchemaHandler) -> CoreSchema:
+        return core_schema.literal_schema(self.values)
 
 
 _ADAPTERS: dict[type[Any], TypeAdapter[Any]] = {}

@@ -424,14 +424,14 @@ def test_the_onnxruntime_plan_fingerprint_covers_what_describes_the_engine(tmp_p
 
 def test_the_tensorrt_fingerprint_covers_mode_io_and_casts(tmp_path: Path) -> None:
     """Edited with its record digest recomputed, a TensorRT plan's mode, I/O or casts no longer match the fingerprint."""
-    from harness.engines.tensorrt.backend import EngineRecord, TensorRTEngine
+    from harness.engines.tensorrt.backend import PLAN, EngineRecord, TensorRTEngine
     from tests.test_fuzz_readers import _gpu_double, saved_trt_engine
 
     directory = tmp_path / "engine"
     trt = saved_trt_engine(directory)
     plan_path = directory / "plan.json"
     original = json.loads(plan_path.read_text())
-    record = EngineRecord.from_plan(original, "plan")
+    record = EngineRecord.from_plan(PLAN.typed(original, "plan"), "plan")
     with _gpu_double():
         base = TensorRTEngine.load(directory, trt).fingerprint()
         edits = {
@@ -441,11 +441,12 @@ def test_the_tensorrt_fingerprint_covers_mode_io_and_casts(tmp_path: Path) -> No
         }
         for field, change in edits.items():
             plan = {**original, **change}
-            plan["record_digest"] = EngineRecord.from_plan(plan, "plan").digest()  # what a forger recomputes
+            edited = EngineRecord.from_plan(PLAN.typed(plan, "plan"), "plan")
+            plan["record_digest"] = edited.digest()  # what a forger recomputes
             plan_path.write_text(json.dumps(plan))
             with pytest.raises(HarnessError, match="fingerprint does not match"):
                 TensorRTEngine.load(directory, trt)
-            other = replace(record, **{field: getattr(EngineRecord.from_plan(plan, "plan"), field)})
+            other = replace(record, **{field: getattr(edited, field)})
             assert other.interface() != record.interface()
     assert original["fingerprint"] == base and original["casts"], "the sample engine has casts to edit"
 

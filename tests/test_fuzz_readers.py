@@ -228,11 +228,11 @@ def test_output_structure_reader(doc):  # fmt: skip
 
 def _resign_trt(doc: Any, plan: bytes, trt: Any) -> Any:
     """Recompute what a forger can: the record digest and the fingerprint of the edited fields."""
-    from harness.engines.tensorrt.backend import EngineRecord
+    from harness.engines.tensorrt.backend import PLAN, EngineRecord
 
     if isinstance(doc, dict):
         try:
-            record = EngineRecord.from_plan(doc, "forger")
+            record = EngineRecord.from_plan(PLAN.typed(doc, "forger"), "forger")
             doc["record_digest"] = record.digest()
             with _gpu_double():
                 doc["fingerprint"] = TensorRTEngine(plan, record, trt).fingerprint()

@@ -6,17 +6,20 @@ import json
 from pathlib import Path
 
 import pytest
+from pydantic.dataclasses import dataclass
 
-from harness.engines.saved import PLAN_FILE, PlanFormat
+from harness.documents import DOCUMENT
+from harness.engines.saved import PLAN_FILE, PlanFormat, PlanHeader
 from harness.errors import HarnessError
 
-FORMAT = PlanFormat(
-    backend="demo",
-    name="harness-demo-engine",
-    version=2,
-    payload="payload.bin",
-    fields={"mode": {"type": "string"}, "size": {"type": "integer"}},
-)
+
+@dataclass(frozen=True, config=DOCUMENT)
+class DemoPlan(PlanHeader):
+    mode: str
+    size: int
+
+
+FORMAT = PlanFormat(backend="demo", name="harness-demo-engine", version=2, payload="payload.bin", document=DemoPlan)
 
 
 def save(directory: Path, plan: dict[str, object]) -> Path:
@@ -31,13 +34,17 @@ def test_a_plan_opens_with_its_header_and_is_read_back(tmp_path: Path) -> None:
     directory, obj, where = FORMAT.read(save(tmp_path / "engine", plan))
     assert (directory, obj) == (tmp_path / "engine", plan)
     assert where == f"engine plan {tmp_path / 'engine' / PLAN_FILE}"
+    assert FORMAT.load(tmp_path / "engine")[1] == DemoPlan("harness-demo-engine", 2, "demo", "fp32", 3)
+    assert FORMAT.dump(plan) == plan
 
 
 @pytest.mark.parametrize(
     ("change", "message"),
     [
         ({"size": None}, "'size' is a required property"),
-        ({"extra": 1}, "Additional properties"),
+        ({"extra": 1}, "'extra' was unexpected"),
+        ({"backend": "other"}, "invalid at backend: 'demo' was expected"),
+        ({"size": "3"}, "invalid at size"),
         ({"version": 1}, "plan schema version 1 is not supported"),
         ({"format": "harness-other-engine", "backend": "other"}, "saved by backend other: use --backend other"),
     ],

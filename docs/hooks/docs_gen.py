@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import html
 import importlib
 import json
@@ -319,7 +320,9 @@ class SchemaDoc:
 
     slug: str
     title: str
-    where: str  # module:attribute, or module:function() for one built on use
+    # module:attribute (a schema, or a document class: its generated schema; dotted names reach into
+    # a module's objects), or module:function() for one built on use
+    where: str
     what: str
 
 
@@ -350,8 +353,14 @@ SCHEMAS = (
         "regular expressions to a precision, the first match wins.",
     ),
     SchemaDoc(
-        "engine-layer", "Engine layer record", "harness.engines.protocol:LAYER_SCHEMA",
-        "One layer of a saved engine's `plan.json` and of a results case's `layers`.",
+        "engine-layer", "Engine layer record", "harness.engines.protocol:LayerRecord",
+        "One layer of a saved engine's `plan.json` (every backend's; OpenVINO's add `precision` and "
+        "`origins`), generated from its class.",
+    ),
+    SchemaDoc(
+        "cpu-plan", "CPU engine plan", "harness.engines.cpu.plan:PLAN.schema",
+        "The `plan.json` of an engine saved by backend `cpu` (beside `weights.safetensors`); generated "
+        "from its class, `harness.engines.cpu.plan.CpuPlan`, which the loader reads.",
     ),
     SchemaDoc(
         "peer-ratios", "Engine benchmark ratios", "harness.benchmarks.peer_bench:RATIOS_SCHEMA",
@@ -366,7 +375,11 @@ def schema_of(doc: SchemaDoc) -> dict[str, Any]:
     if attribute.endswith("()"):
         value = getattr(module, attribute[:-2])()
     else:
-        value = getattr(module, attribute)
+        value = functools.reduce(getattr, attribute.split("."), module)
+    if isinstance(value, type):
+        from harness.documents import schema_of as document_schema
+
+        value = document_schema(value, doc.title)
     if not isinstance(value, dict):
         raise TypeError(f"{doc.where} is not a JSON schema (a dict)")
     return value

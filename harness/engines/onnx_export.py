@@ -55,7 +55,7 @@ from collections import Counter, defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Annotated, Any, Protocol, runtime_checkable
 
 import onnx
 import onnx.numpy_helper
@@ -63,7 +63,10 @@ import onnx_ir as ir
 import onnx_ir.passes.common as ir_passes
 import torch
 from onnxscript.optimizer import fold_constants_ir
+from pydantic import Field
+from pydantic import dataclasses as pydantic_dataclasses
 
+from harness.documents import DOCUMENT, OneOf
 from harness.dtypes import DTYPES, FLOAT_DTYPES, dtype_from_name, dtype_label, dtype_name
 from harness.errors import HarnessError, StaticBatchError
 from harness.fileio import atomic_write_bytes, canonical_json
@@ -105,77 +108,36 @@ def onnx_dtype_name(elem_type: int) -> str:
 DYNAMIC = -1
 
 
-@dataclass(frozen=True)
+@pydantic_dataclasses.dataclass(frozen=True, config=DOCUMENT)
 class TensorSpec:
-    """A graph input or output of the exported model (:data:`DYNAMIC` for a run-time dimension)."""
+    """A graph input or output of the exported model (:data:`DYNAMIC` for a run-time dimension).
 
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
+    Engine plans store it as it is declared (its class is the schema of their ``inputs`` and
+    ``outputs``).
+    """
+
+    name: Annotated[str, Field(min_length=1)]
+    dtype: Annotated[str, Field(min_length=1)]
+    shape: tuple[Annotated[int, Field(ge=DYNAMIC)], ...]
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return dtype_from_name(self.dtype)
 
-    def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
 
-    @classmethod
-    def from_json(cls, obj: dict[str, Any]) -> TensorSpec:
-        return cls(obj["name"], obj["dtype"], tuple(int(d) for d in obj["shape"]))
-
-
-@dataclass(frozen=True)
+@pydantic_dataclasses.dataclass(frozen=True, config=DOCUMENT)
 class CastRecord:
-    """One ``Cast`` node of the ONNX model and who put it there."""
+    """One ``Cast`` node of the ONNX model and who put it there (as engine plans store it)."""
 
     node: str
     origin: str | None  # the typed-graph FX node it was translated from
     source: str
     target: str
-    placed_by: str  # COMPILER or EXPORTER
+    placed_by: Annotated[str, OneOf((COMPILER, EXPORTER))]
 
     @property
     def float_to_float(self) -> bool:
         return self.source in FLOAT_DTYPES and self.target in FLOAT_DTYPES
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "node": self.node,
-            "origin": self.origin,
-            "source": self.source,
-            "target": self.target,
-            "placed_by": self.placed_by,
-        }
-
-    @classmethod
-    def from_json(cls, obj: dict[str, Any]) -> CastRecord:
-        return cls(obj["node"], obj["origin"], obj["source"], obj["target"], obj["placed_by"])
-
-
-# JSON schemas of the records above, for the engine plans that store them.
-TENSOR_SPEC_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "required": ["name", "dtype", "shape"],
-    "additionalProperties": False,
-    "properties": {
-        "name": {"type": "string", "minLength": 1},
-        "dtype": {"type": "string", "minLength": 1},
-        "shape": {"type": "array", "items": {"type": "integer", "minimum": DYNAMIC}},
-    },
-}
-CAST_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "required": ["node", "origin", "source", "target", "placed_by"],
-    "additionalProperties": False,
-    "properties": {
-        "node": {"type": "string"},
-        "origin": {"type": ["string", "null"]},
-        "source": {"type": "string"},
-        "target": {"type": "string"},
-        "placed_by": {"enum": [COMPILER, EXPORTER]},
-    },
-}
 
 
 def check_inputs(

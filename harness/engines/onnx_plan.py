@@ -13,22 +13,22 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from typing import Any, Protocol, TypedDict
+from typing import Annotated, Any, Literal, Protocol, TypedDict, TypeVar
 
 import onnx
 import torch
 from google.protobuf.message import DecodeError
+from pydantic import dataclasses as pydantic_dataclasses
 
+from harness.documents import DOCUMENT, Digest, OneOf, document_json
 from harness.engines.onnx_export import (
-    CAST_SCHEMA,
-    TENSOR_SPEC_SCHEMA,
     CastRecord,
     TensorSpec,
     initializer_bytes_by_dtype,
     initializers_digest,
 )
-from harness.engines.protocol import EngineBase
-from harness.engines.saved import DIGEST_SCHEMA, PLAN_FILE, PlanFormat, read_payload
+from harness.engines.protocol import EngineBase, LayerRecord
+from harness.engines.saved import PLAN_FILE, PlanFormat, PlanHeader, read_payload
 from harness.errors import HarnessError, first_line
 from harness.fileio import digest, json_bytes
 from harness.outputs import OutputSpec
@@ -36,14 +36,44 @@ from harness.precision import PRECISION_MODES
 
 MODEL_FILE = "model.onnx"
 
-INTERFACE_FIELDS: dict[str, Any] = {
-    "mode": {"enum": list(PRECISION_MODES)},
-    "inputs": {"type": "array", "items": TENSOR_SPEC_SCHEMA},
-    "outputs": {"type": "array", "items": TENSOR_SPEC_SCHEMA},
-    "casts": {"type": "array", "items": CAST_SCHEMA},
-    "output_structure": {"type": "string"},
-    "compiler_settings": {"type": ["object", "null"]},
-}
+
+@pydantic_dataclasses.dataclass(frozen=True, config=DOCUMENT)
+class ExportedInterface:
+    """The fields of a plan that record the exported model's interface: the mode, the model's
+    inputs, outputs and casts, its output structure (:meth:`OutputSpec.to_json`) and the
+    autocast settings as JSON (null: they did not apply). A plan class of an engine built from
+    the exported model derives from this one."""
+
+    mode: Annotated[str, OneOf(PRECISION_MODES)]
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    casts: tuple[CastRecord, ...]
+    output_structure: str
+    compiler_settings: dict[str, Any] | None
+
+
+@pydantic_dataclasses.dataclass(frozen=True, config=DOCUMENT)
+class ModelPayload:
+    """The closing fields of a plan stored beside ``model.onnx``: the model file and its digest,
+    the layers the runtime executes and the engine's fingerprint."""
+
+    model_file: Literal["model.onnx"]
+    model_digest: Digest
+    layers: tuple[LayerRecord, ...]
+    fingerprint: Digest
+
+
+@pydantic_dataclasses.dataclass(frozen=True, config=DOCUMENT)
+class ModelPlan(ModelPayload, PlanHeader):
+    """A plan stored beside ``model.onnx``: the header first, the :class:`ModelPayload` last.
+
+    A backend's plan class derives from this one and from a class holding its own fields
+    (which derives from :class:`ExportedInterface` and :class:`PlanHeader`), so those come
+    in between (see :class:`~harness.engines.saved.PlanHeader` on the order of fields).
+    """
+
+
+M = TypeVar("M", bound=ModelPlan)
 
 
 class Interface(TypedDict):
@@ -81,14 +111,14 @@ def io_json(record: ExportedRecord) -> dict[str, Any]:
     """The mode, the I/O tensors and the casts as plan.json gives them."""
     return {
         "mode": record.mode,
-        "inputs": [s.to_json() for s in record.inputs],
-        "outputs": [s.to_json() for s in record.outputs],
-        "casts": [c.to_json() for c in record.casts],
+        "inputs": [document_json(s) for s in record.inputs],
+        "outputs": [document_json(s) for s in record.outputs],
+        "casts": [document_json(c) for c in record.casts],
     }
 
 
 def interface_json(record: ExportedRecord) -> dict[str, Any]:
-    """The plan.json fields of :data:`INTERFACE_FIELDS`."""
+    """The plan.json fields of :class:`ExportedInterface`."""
     return {
         **io_json(record),
         "output_structure": record.structure.to_json(),
@@ -96,32 +126,17 @@ def interface_json(record: ExportedRecord) -> dict[str, Any]:
     }
 
 
-def read_interface(obj: dict[str, Any], where: str) -> Interface:
-    """The interface of a schema-validated plan (:func:`check_output_count` is the caller's)."""
+def read_interface(plan: ExportedInterface, where: str) -> Interface:
+    """The interface of a plan (:func:`check_output_count` is the caller's); a HarnessError
+    naming ``where`` for an output structure that cannot be read."""
     return Interface(
-        mode=obj["mode"],
-        inputs=tuple(TensorSpec.from_json(s) for s in obj["inputs"]),
-        outputs=tuple(TensorSpec.from_json(s) for s in obj["outputs"]),
-        casts=tuple(CastRecord.from_json(c) for c in obj["casts"]),
-        structure=OutputSpec.from_json(obj["output_structure"], where),
-        compiler_settings=obj["compiler_settings"],
+        mode=plan.mode,
+        inputs=plan.inputs,
+        outputs=plan.outputs,
+        casts=plan.casts,
+        structure=OutputSpec.from_json(plan.output_structure, where),
+        compiler_settings=plan.compiler_settings,
     )
-
-
-def model_plan_format(
-    backend: str, name: str, version: int, runtime_fields: dict[str, Any], layer_schema: dict[str, Any]
-) -> PlanFormat:
-    """The format of a plan stored beside ``model.onnx``: the interface, the runtime's own
-    fields, the model file and its digest, the executed layers and the fingerprint."""
-    fields = {
-        **INTERFACE_FIELDS,
-        **runtime_fields,
-        "model_file": {"const": MODEL_FILE},
-        "model_digest": DIGEST_SCHEMA,
-        "layers": {"type": "array", "items": layer_schema},
-        "fingerprint": DIGEST_SCHEMA,
-    }
-    return PlanFormat(backend, name, version, MODEL_FILE, fields)
 
 
 def check_output_count(structure: OutputSpec, outputs: tuple[TensorSpec, ...], where: str) -> None:
@@ -132,14 +147,14 @@ def check_output_count(structure: OutputSpec, outputs: tuple[TensorSpec, ...], w
         )
 
 
-def read_model_plan(plan: PlanFormat, path: str | os.PathLike[str]) -> tuple[bytes, dict[str, Any], str]:
+def read_model_plan(plan: PlanFormat[M], path: str | os.PathLike[str]) -> tuple[bytes, M, str]:
     """The model bytes (checked against the plan's digest), the plan and its "engine plan FILE" prefix.
 
     The bytes are parsed by the engine (:class:`ModelEngine`, through
     :func:`parse_model`); a loader names ``where`` in front of its errors.
     """
-    directory, obj, where = plan.read(path)
-    return read_payload(directory, obj["model_file"], obj["model_digest"], "engine model"), obj, where
+    directory, obj, where = plan.load(path)
+    return read_payload(directory, obj.model_file, obj.model_digest, "engine model"), obj, where
 
 
 def parse_model(model_bytes: bytes) -> onnx.ModelProto:
@@ -184,7 +199,7 @@ class ModelEngine(EngineBase):
     """
 
     backend: str
-    plan: PlanFormat
+    plan: PlanFormat[Any]
     _fingerprint: str
 
     def __init__(self, model_bytes: bytes, record: ExportedRecord) -> None:
@@ -234,4 +249,4 @@ class ModelEngine(EngineBase):
 
     def files(self) -> dict[str, bytes]:
         """``model.onnx`` and ``plan.json``."""
-        return {MODEL_FILE: self._model_bytes, PLAN_FILE: json_bytes(self.plan_json())}
+        return {MODEL_FILE: self._model_bytes, PLAN_FILE: json_bytes(self.plan.dump(self.plan_json()))}

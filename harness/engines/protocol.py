@@ -15,12 +15,13 @@ import dataclasses
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, Self
 
 import torch
+from pydantic import dataclasses as pydantic_dataclasses
 
 from harness.autocast.settings import AutocastSettings
-from harness.documents import document_json
+from harness.documents import DOCUMENT, document_json
 from harness.dtypes import FLOAT_DTYPES
 from harness.errors import HarnessError
 from harness.fileio import canonical_json, digest
@@ -218,22 +219,35 @@ def precision_of_layers(layers: Sequence[LayerInfo], mode: PrecisionMode) -> Exe
     return ExecutedPrecision(low, sum(1 for dtypes in floats if low in dtypes))
 
 
-# A LayerInfo as saved engine plans store it; ``key`` is null for a layer that
-# was not autotuned (nothing for ``harness cache verify`` to check).
-LAYER_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "required": ["name", "key", "tactic", "tactic_hash", "layer_type", "input_dtypes", "output_dtypes"],
-    "additionalProperties": False,
-    "properties": {
-        "name": {"type": "string"},
-        "key": {"type": ["string", "null"]},
-        "tactic": {"type": "string"},
-        "tactic_hash": {"type": "string"},
-        "layer_type": {"type": "string"},
-        "input_dtypes": {"type": "array", "items": {"type": "string"}},
-        "output_dtypes": {"type": "array", "items": {"type": "string"}},
-    },
-}
+@pydantic_dataclasses.dataclass(frozen=True, config=DOCUMENT)
+class LayerRecord:
+    """A :class:`LayerInfo` as saved engine plans store it (the ``layers`` of every plan).
+
+    ``key`` is null for a layer that was not autotuned (nothing for ``harness cache verify``
+    to check). Fields in :meth:`LayerInfo.to_json`'s order, which is the files' order.
+    """
+
+    name: str
+    key: str | None
+    tactic: str
+    tactic_hash: str
+    layer_type: str
+    input_dtypes: tuple[str, ...]
+    output_dtypes: tuple[str, ...]
+
+    @classmethod
+    def of(cls, layer: LayerInfo, key: str | None, **fields: Any) -> Self:
+        """The record of ``layer``, with ``key`` as the plan states it (and a subclass's ``fields``)."""
+        return cls(
+            name=layer.name,
+            key=key,
+            tactic=layer.tactic,
+            tactic_hash=layer.tactic_hash,
+            layer_type=layer.layer_type,
+            input_dtypes=layer.input_dtypes,
+            output_dtypes=layer.output_dtypes,
+            **fields,
+        )
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,8 @@
 Each backend stores a different payload (safetensors weights, an ONNX model,
 a TensorRT plan), but the checks before trusting a saved engine are the
 same: the directory exists, ``plan.json`` is JSON of this backend's format and
-a plan version this harness reads, and it matches the backend's schema. One
+a plan version this harness reads, and it matches the schema generated from the
+backend's plan class (:class:`PlanHeader` and its subclasses). One
 place for them keeps every backend's messages for damaged or foreign engines
 alike, and lets tools that only read the plan (``harness cache verify``) tell
 which backend must load it.
@@ -12,15 +13,19 @@ which backend must load it.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import errno
+import functools
 import os
 import shutil
 import tempfile
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
+from pydantic.dataclasses import dataclass
+
+from harness.documents import DOCUMENT, document_json, read_typed, schema_of
 from harness.errors import HarnessError
 from harness.fileio import (
     MAX_PAYLOAD_BYTES,
@@ -43,51 +48,59 @@ PLAN_FILE = "plan.json"
 # engine protocol, which imports this module, so the names are given here; a test holds them
 # equal). A plan naming another was not saved by this harness.
 ENGINE_BACKENDS = ("cpu", "onnxruntime", "openvino", "tensorrt")
-# The schema of every digest a plan records (fileio.digest).
-DIGEST_SCHEMA: dict[str, Any] = {"type": "string", "pattern": "^sha256:[0-9a-f]{64}$"}
 
 
-@dataclass(frozen=True, eq=False)
-class PlanFormat:
+@dataclass(frozen=True, config=DOCUMENT)
+class PlanHeader:
+    """The fields every plan opens with: its format, the format's version, the backend that saved it.
+
+    A backend's plan class derives from this one; a class's fields, in order, are its file's
+    keys, in order (a base's fields before a subclass's own, bases in reverse method-resolution
+    order), so a plan written from its class is the file its format describes. The three values
+    are the :class:`PlanFormat`'s, which its schema holds as constants.
+    """
+
+    format: str
+    version: int
+    backend: str
+
+
+P = TypeVar("P", bound=PlanHeader)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PlanFormat(Generic[P]):
     """One backend's saved-engine format: what its ``plan.json`` must say and hold.
 
-    Every plan starts with the same three fields (:meth:`header`), which name
-    the backend and the format version a harness must read; ``fields`` maps
-    each of the backend's own fields to its schema. Every field is required
-    and no other is allowed (:attr:`schema`). ``payload`` is the file stored
-    beside the plan.
+    ``document`` is the plan's class: the :attr:`schema` a plan is checked against is generated
+    from it (every field required, no other key allowed), with the format's header values as
+    constants. ``payload`` is the file stored beside the plan.
     """
 
     backend: str
     name: str  # the plan's "format"
     version: int
     payload: str
-    fields: Mapping[str, Any]
+    document: type[P]
 
     def header(self) -> dict[str, Any]:
         """The fields a plan of this format opens with."""
         return {"format": self.name, "version": self.version, "backend": self.backend}
 
-    @property
+    @functools.cached_property
     def schema(self) -> dict[str, Any]:
-        """The JSON schema of a whole plan of this format."""
-        return {
-            "type": "object",
-            "required": ["format", "version", "backend", *self.fields],
-            "additionalProperties": False,
-            "properties": {
-                "format": {"const": self.name},
-                "version": {"const": self.version},
-                "backend": {"const": self.backend},
-                **self.fields,
-            },
-        }
+        """The JSON schema of a whole plan of this format: :attr:`document`'s, with the header's values."""
+        schema = schema_of(self.document, f"{self.backend} engine plan")
+        constants = {name: {"const": value} for name, value in self.header().items()}
+        return {**schema, "properties": {**schema["properties"], **constants}}
 
     def read(self, path: str | os.PathLike[str]) -> tuple[Path, dict[str, Any], str]:
-        """Read and validate ``plan.json`` of the engine directory ``path`` in this format.
+        """``plan.json`` of the engine directory ``path``, as JSON that matches :attr:`schema`.
 
-        Returns the directory, the plan, and the "engine plan FILE" prefix for
-        further messages.
+        Returns the directory, the plan and the "engine plan FILE" prefix for further messages.
+        Raises HarnessError naming the file: for a missing directory or plan, a plan of another
+        format (naming the backend that saved it), another version, or the first field that
+        does not match the schema (with what would be valid).
         """
         directory = Path(path)
         if not directory.exists():
@@ -115,6 +128,25 @@ class PlanFormat:
             )
         validate(obj, self.schema, where)
         return directory, obj, where
+
+    def typed(self, obj: dict[str, Any], where: str) -> P:
+        """The plan :meth:`read` returned, as a :attr:`document`."""
+        return read_typed(self.document, obj, where)
+
+    def load(self, path: str | os.PathLike[str]) -> tuple[Path, P, str]:
+        """:meth:`read`, with the plan as a :attr:`document` (same errors)."""
+        directory, obj, where = self.read(path)
+        return directory, self.typed(obj, where), where
+
+    def dump(self, obj: Mapping[str, Any]) -> dict[str, Any]:
+        """The JSON of the plan ``obj`` (the fields an engine writes) as its :attr:`document` holds it.
+
+        A writer's plan goes through the class, so a file holds exactly what the class declares,
+        in its order; a field the class does not declare, or lacks, is a HarnessError.
+        """
+        plan: dict[str, Any] = document_json(read_typed(self.document, obj, f"{self.backend} engine plan being written"))
+        return plan
+
 
 def engine_directory(path: str | os.PathLike[str]) -> Path:
     """The directory an engine is saved into; refused, before any work, when it cannot be written."""

@@ -22,15 +22,18 @@ import operator
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
 import torch
 import torch.utils._pytree as pytree
+from pydantic import Field
+from pydantic import dataclasses as pydantic_dataclasses
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from harness.documents import DOCUMENT, Digest, OneOf, document_json
 from harness.dtypes import DTYPES, dtype_from_name, dtype_name
-from harness.engines.protocol import LAYER_SCHEMA, LayerInfo
-from harness.engines.saved import DIGEST_SCHEMA, PlanFormat
+from harness.engines.protocol import LayerInfo, LayerRecord
+from harness.engines.saved import PlanFormat, PlanHeader
 from harness.errors import HarnessError, first_line
 from harness.fileio import canonical_json, digest
 from harness.opnames import is_plan_name, plan_name, plan_packet, resolve_op
@@ -216,7 +219,7 @@ class Plan:
             "outputs": [encode_arg(o) for o in self.outputs],
             "output_structure": self.output_structure.to_json(),
             "compiler_settings": self.compiler_settings,
-            "layers": [{**layer.to_json(), "key": layer.key or None} for layer in self.layers()],
+            "layers": [document_json(LayerRecord.of(layer, layer.key or None)) for layer in self.layers()],
         }
 
     def fingerprint(self) -> str:
@@ -226,12 +229,9 @@ class Plan:
         return weights_digest(self.weights)
 
     def to_json(self) -> dict[str, Any]:
+        """The plan's ``plan.json`` (a :class:`CpuPlan`)."""
         body = self.body_json()
-        return {
-            **body,
-            "fingerprint": digest(canonical_json(body)),
-            "weights_digest": self.weights_digest(),
-        }
+        return PLAN.dump({**body, "fingerprint": digest(canonical_json(body)), "weights_digest": self.weights_digest()})
 
 
 def _is_value(obj: Any) -> bool:
@@ -429,137 +429,129 @@ def _node_json(node: Node) -> dict[str, Any]:
     }
 
 
-_META = {
-    "type": "object",
-    "required": ["shape", "dtype"],
-    "additionalProperties": False,
-    "properties": {
-        "shape": {"type": "array", "items": {"type": "integer", "minimum": 0}},
-        "dtype": {"enum": sorted(DTYPES)},
-    },
-}
-_NAMED_META = {
-    "type": "object",
-    "required": ["name", "shape", "dtype"],
-    "additionalProperties": False,
-    "properties": {"name": {"type": "string", "minLength": 1}, **_META["properties"]},  # type: ignore[dict-item]
-}
-_STR = {"type": "string"}
-PLAN = PlanFormat(
-    "cpu",
-    PLAN_FORMAT,
-    PLAN_VERSION,
-    WEIGHTS_FILE,
-    {
-        "mode": _STR,
-        "inputs": {"type": "array", "items": _NAMED_META},
-        "weights": {"type": "array", "items": _NAMED_META},
-        "nodes": {
-            "type": "array",
-            "items": {
-                "type": "object",
-                "required": [
-                    "name",
-                    "op",
-                    "args",
-                    "kwargs",
-                    "outputs",
-                    "multi",
-                    "layer_type",
-                    "key",
-                    "tuned",
-                    "tactic",
-                    "tactic_hash",
-                    "fused",
-                    "epilogue",
-                    "residual",
-                ],
-                "additionalProperties": False,
-                "properties": {
-                    "name": {"type": "string", "minLength": 1},
-                    "op": _STR,
-                    "args": {"type": "array"},
-                    "kwargs": {"type": "object"},
-                    "outputs": {"type": "array", "items": {"oneOf": [{"type": "null"}, _META]}},
-                    "multi": {"type": "boolean"},
-                    "layer_type": _STR,
-                    "key": _STR,
-                    "tuned": {"type": "boolean"},
-                    "tactic": _STR,
-                    "tactic_hash": _STR,
-                    "fused": {"type": "array", "items": _STR},
-                    "epilogue": {"enum": list(EPILOGUES)},
-                    "residual": {
-                        "oneOf": [
-                            {"type": "null"},
-                            {
-                                "type": "object",
-                                "required": ["ref"],
-                                "additionalProperties": False,
-                                "properties": {"ref": _STR},
-                            },
-                        ]
-                    },
-                },
-            },
-        },
-        "outputs": {"type": "array", "minItems": 1},
-        "output_structure": _STR,
-        "compiler_settings": {"type": ["object", "null"]},
-        "layers": {"type": "array", "items": LAYER_SCHEMA},
-        "fingerprint": DIGEST_SCHEMA,
-        "weights_digest": DIGEST_SCHEMA,
-    },
-)
+_Dtype = Annotated[str, OneOf(sorted(DTYPES))]
+_Name = Annotated[str, Field(min_length=1)]
+
+
+@pydantic_dataclasses.dataclass(frozen=True, config=DOCUMENT)
+class MetaRecord:
+    """A :class:`TensorMeta` as a plan stores it."""
+
+    shape: tuple[Annotated[int, Field(ge=0)], ...]
+    dtype: _Dtype
+
+
+@pydantic_dataclasses.dataclass(frozen=True, config=DOCUMENT)
+class _Named:
+    name: _Name
+
+
+@pydantic_dataclasses.dataclass(frozen=True, config=DOCUMENT)
+class NamedMetaRecord(MetaRecord, _Named):
+    """A graph input or a weight: its name, then its :class:`MetaRecord` (see
+    :class:`~harness.engines.saved.PlanHeader` on the order of fields)."""
+
+
+@pydantic_dataclasses.dataclass(frozen=True, config=DOCUMENT)
+class RefRecord:
+    """A :class:`Ref` as a node's ``residual``."""
+
+    ref: str
+
+
+@pydantic_dataclasses.dataclass(frozen=True, config=DOCUMENT)
+class NodeRecord:
+    """A :class:`Node` as a plan stores it: arguments encoded by :func:`encode_arg` (read back,
+    and checked, by :func:`decode_arg`)."""
+
+    name: _Name
+    op: str
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    outputs: tuple[MetaRecord | None, ...]
+    multi: bool
+    layer_type: str
+    key: str
+    tuned: bool
+    tactic: str
+    tactic_hash: str
+    fused: tuple[str, ...]
+    epilogue: Annotated[str, OneOf(EPILOGUES)]
+    residual: RefRecord | None
+
+
+@pydantic_dataclasses.dataclass(frozen=True, config=DOCUMENT)
+class CpuPlan(PlanHeader):
+    """A saved CPU engine's ``plan.json`` (:meth:`Plan.to_json`): the header, the graph (inputs,
+    weights without their values, nodes, outputs as encoded arguments), the output structure,
+    the autocast settings, the layers, the fingerprint of everything before it and the digest
+    of the weights."""
+
+    mode: str
+    inputs: tuple[NamedMetaRecord, ...]
+    weights: tuple[NamedMetaRecord, ...]
+    nodes: tuple[NodeRecord, ...]
+    outputs: Annotated[tuple[Any, ...], Field(min_length=1)]
+    output_structure: str
+    compiler_settings: dict[str, Any] | None
+    layers: tuple[LayerRecord, ...]
+    fingerprint: Digest
+    weights_digest: Digest
+
+
+PLAN = PlanFormat("cpu", PLAN_FORMAT, PLAN_VERSION, WEIGHTS_FILE, CpuPlan)
+
+
+def _meta(record: MetaRecord) -> TensorMeta:
+    return TensorMeta(record.shape, record.dtype)
 
 
 def plan_from_json(obj: dict[str, Any], weights: dict[str, torch.Tensor], where: str) -> Plan:
-    """Rebuild a plan from validated JSON (version checked), checking every reference and op before use."""
-    declared = {w["name"]: TensorMeta(tuple(w["shape"]), w["dtype"]) for w in obj["weights"]}
+    """Rebuild a plan from its JSON, as :meth:`PlanFormat.read` returned it, checking every
+    reference and op before use (a HarnessError naming ``where`` and the node)."""
+    saved = PLAN.typed(obj, where)
+    declared = {w.name: _meta(w) for w in saved.weights}
     actual = {n: TensorMeta.of(t) for n, t in weights.items()}
     if declared != actual:
         raise HarnessError(
             f"{where}: weights.safetensors does not hold the weights the plan declares"
         )
-    inputs = [(i["name"], TensorMeta(tuple(i["shape"]), i["dtype"])) for i in obj["inputs"]]
+    inputs = [(i.name, _meta(i)) for i in saved.inputs]
     # value name -> the node producing it (None for graph inputs)
     known: dict[str, Node | None] = {name: None for name, _ in inputs}
     nodes = []
-    for raw in obj["nodes"]:
-        node_where = f"{where}: node {raw['name']!r}"
-        runnable_op(raw["op"], node_where)
-        outputs = tuple(
-            None if m is None else TensorMeta(tuple(m["shape"]), m["dtype"]) for m in raw["outputs"]
-        )
+    for raw in saved.nodes:
+        node_where = f"{where}: node {raw.name!r}"
+        runnable_op(raw.op, node_where)
         node = Node(
-            name=raw["name"],
-            op=raw["op"],
-            args=tuple(decode_arg(a, node_where) for a in raw["args"]),
-            kwargs={k: decode_arg(v, node_where) for k, v in raw["kwargs"].items()},
-            outputs=outputs,
-            multi=raw["multi"],
-            layer_type=raw["layer_type"],
-            key=raw["key"],
-            tuned=raw["tuned"],
-            tactic=raw["tactic"],
-            tactic_hash=raw["tactic_hash"],
-            fused=tuple(raw["fused"]),
-            epilogue=raw["epilogue"],
-            residual=None if raw["residual"] is None else Ref(raw["residual"]["ref"]),
+            name=raw.name,
+            op=raw.op,
+            args=tuple(decode_arg(a, node_where) for a in raw.args),
+            kwargs={k: decode_arg(v, node_where) for k, v in raw.kwargs.items()},
+            outputs=tuple(None if m is None else _meta(m) for m in raw.outputs),
+            multi=raw.multi,
+            layer_type=raw.layer_type,
+            key=raw.key,
+            tuned=raw.tuned,
+            tactic=raw.tactic,
+            tactic_hash=raw.tactic_hash,
+            fused=raw.fused,
+            epilogue=raw.epilogue,
+            residual=None if raw.residual is None else Ref(raw.residual.ref),
         )
         _check_node(node, known, declared, node_where)
         known[node.name] = node
         nodes.append(node)
-    outputs_refs = [decode_arg(o, f"{where}: outputs") for o in obj["outputs"]]
+    outputs_refs = [decode_arg(o, f"{where}: outputs") for o in saved.outputs]
     if not all(isinstance(o, (Ref, WeightRef)) for o in outputs_refs):
         raise HarnessError(f"{where}: every output must name a node, an input or a weight")
     _check_refs(outputs_refs, known, declared, f"{where}: outputs")
-    structure = OutputSpec.from_json(obj["output_structure"], where)
+    structure = OutputSpec.from_json(saved.output_structure, where)
     if structure.count != len(outputs_refs):
         raise HarnessError(
             f"{where}: the output structure holds {structure.count} outputs, the plan {len(outputs_refs)}"
         )
-    plan = Plan(obj["mode"], inputs, nodes, outputs_refs, weights, structure, obj["compiler_settings"])
+    plan = Plan(saved.mode, inputs, nodes, outputs_refs, weights, structure, saved.compiler_settings)
     check_on_fake_tensors(plan, where)
     return plan
 

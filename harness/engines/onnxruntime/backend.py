@@ -55,14 +55,17 @@ from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import onnx
 import onnxruntime as ort
 import torch
 from onnxruntime.capi import onnxruntime_pybind11_state as ort_state
+from pydantic import Field
+from pydantic import dataclasses as pydantic_dataclasses
 
 from harness.cache.timing_cache import Provenance, TimingCache
+from harness.documents import DOCUMENT, OneOf, document_json
 from harness.engines.onnx_export import (
     CastRecord,
     TensorSpec,
@@ -75,20 +78,22 @@ from harness.engines.onnx_export import (
 )
 from harness.engines.onnx_plan import (
     MODEL_FILE,
+    ExportedInterface,
     ModelEngine,
+    ModelPlan,
     check_output_count,
     interface_json,
-    model_plan_format,
     read_interface,
     read_model_plan,
 )
 from harness.engines.protocol import (
-    LAYER_SCHEMA,
     BuildConfig,
     BuildLog,
     ExecutedPrecision,
     LayerInfo,
+    LayerRecord,
 )
+from harness.engines.saved import PlanFormat, PlanHeader
 from harness.errors import HarnessError
 from harness.fileio import canonical_json, digest
 from harness.limits import MAX_THREADS
@@ -132,7 +137,7 @@ _NO_KERNEL = re.compile(
 DEFAULT_OPTIMIZATION_LEVEL = "all"
 
 
-@dataclass(frozen=True)
+@pydantic_dataclasses.dataclass(frozen=True, config=DOCUMENT)
 class SessionSettings:
     """The session options that change what runs, hence part of the fingerprint.
 
@@ -149,8 +154,8 @@ class SessionSettings:
     intra-op pool stays ORT's default, as in a plain session.
     """
 
-    graph_optimization_level: str
-    intra_op_num_threads: int
+    graph_optimization_level: Annotated[str, OneOf(OPTIMIZATION_LEVELS)]
+    intra_op_num_threads: Annotated[int, Field(ge=1, le=MAX_THREADS)]
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any], default_threads: int | None = None) -> SessionSettings:
@@ -172,10 +177,8 @@ class SessionSettings:
         return cls(level, threads)
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "graph_optimization_level": self.graph_optimization_level,
-            "intra_op_num_threads": self.intra_op_num_threads,
-        }
+        json: dict[str, Any] = document_json(self)
+        return json
 
     def session_options(self, optimized_model_path: Path) -> ort.SessionOptions:
         options = ort.SessionOptions()
@@ -206,32 +209,35 @@ class EngineRecord:
         return {**interface_json(self), "session": self.settings.to_json()}
 
     @classmethod
-    def from_plan(cls, obj: dict[str, Any], where: str) -> EngineRecord:
-        """From a schema-validated plan, refusing an output structure of another size."""
-        record = cls(**read_interface(obj, where), settings=SessionSettings.from_options(obj["session"]))
+    def from_plan(cls, plan: OnnxRuntimePlan, where: str) -> EngineRecord:
+        """The record of a plan, refusing an output structure of another size (a HarnessError naming ``where``)."""
+        record = cls(**read_interface(plan, where), settings=plan.session)
         check_output_count(record.structure, record.outputs, where)
         return record
 
 
-PLAN = model_plan_format(
-    BACKEND,
-    PLAN_FORMAT,
-    PLAN_VERSION,
-    {
-        "onnxruntime_version": {"type": "string"},
-        "provider": {"const": PROVIDER},
-        "session": {
-            "type": "object",
-            "required": list(BUILDER_OPTIONS),
-            "additionalProperties": False,
-            "properties": {
-                "graph_optimization_level": {"enum": list(OPTIMIZATION_LEVELS)},
-                "intra_op_num_threads": {"type": "integer", "minimum": 1, "maximum": MAX_THREADS},
-            },
-        },
-    },
-    LAYER_SCHEMA,
-)
+@pydantic_dataclasses.dataclass(frozen=True, config=DOCUMENT)
+class _Runtime(PlanHeader):
+    """The fields an onnxruntime plan states after its header: the runtime that built it."""
+
+    onnxruntime_version: str
+    provider: Literal["CPUExecutionProvider"]
+
+
+@pydantic_dataclasses.dataclass(frozen=True, config=DOCUMENT)
+class _Record(ExportedInterface, _Runtime):
+    """The header, the runtime, the interface and the session settings (:meth:`EngineRecord.to_json`)."""
+
+    session: SessionSettings
+
+
+@pydantic_dataclasses.dataclass(frozen=True, config=DOCUMENT)
+class OnnxRuntimePlan(ModelPlan, _Record):
+    """A saved onnxruntime engine's ``plan.json``: the header, the runtime, the interface, the
+    session settings, then the model file, its digest, the executed layers and the fingerprint."""
+
+
+PLAN = PlanFormat(BACKEND, PLAN_FORMAT, PLAN_VERSION, MODEL_FILE, OnnxRuntimePlan)
 
 
 class OnnxRuntimeEngine(ModelEngine):
@@ -314,30 +320,30 @@ class OnnxRuntimeEngine(ModelEngine):
         return {"onnxruntime_version": ort.__version__, "provider": PROVIDER}
 
     def _layers_json(self) -> list[dict[str, Any]]:
-        return [layer.to_json() for layer in self._layers]
+        return [document_json(layer) for layer in _layer_records(self._layers)]
 
     def executed_precision(self) -> ExecutedPrecision | None:
         return self._executed_precision
 
     @staticmethod
     def load(path: str | os.PathLike[str]) -> OnnxRuntimeEngine:
-        model_bytes, obj, where = read_model_plan(PLAN, path)
-        record = EngineRecord.from_plan(obj, where)
-        if obj["onnxruntime_version"] != ort.__version__:
+        model_bytes, plan, where = read_model_plan(PLAN, path)
+        record = EngineRecord.from_plan(plan, where)
+        if plan.onnxruntime_version != ort.__version__:
             raise HarnessError(
-                f"{where}: built with onnxruntime {obj['onnxruntime_version']}, this is onnxruntime "
+                f"{where}: built with onnxruntime {plan.onnxruntime_version}, this is onnxruntime "
                 f"{ort.__version__}, whose kernels and graph optimizations may differ; rebuild the engine"
             )
         try:
             engine = OnnxRuntimeEngine(model_bytes, record)
         except HarnessError as exc:
             raise HarnessError(f"{where}: {exc}") from None
-        if engine.fingerprint() != obj["fingerprint"]:
+        if engine.fingerprint() != plan.fingerprint:
             raise HarnessError(
                 f"{where}: fingerprint mismatch: onnxruntime executes a different graph, or the plan was "
                 "edited; rebuild the engine"
             )
-        _check_recorded_layers(obj["layers"], engine.layers(), where)
+        _check_recorded_layers(plan.layers, engine.layers(), where)
         return engine
 
 
@@ -414,22 +420,27 @@ class OnnxRuntimeBackend:
         return OnnxRuntimeEngine.load(path)
 
 
-def _check_recorded_layers(recorded: list[dict[str, Any]], executed: list[LayerInfo], where: str) -> None:
+def _check_recorded_layers(recorded: tuple[LayerRecord, ...], executed: list[LayerInfo], where: str) -> None:
     """The plan's ``layers`` must be the graph onnxruntime executes now.
 
     The fingerprint covers the executed layers, computed on load; the
     recorded ones are what a reader of plan.json sees, so a plan whose list
     was edited (its fingerprint left alone) is refused rather than shown.
     """
-    now = [layer.to_json() for layer in executed]
+    now = _layer_records(executed)
     if recorded == now:
         return
     index = next((i for i, (a, b) in enumerate(zip(recorded, now, strict=False)) if a != b), min(len(recorded), len(now)))
-    which = recorded[index].get("name") if index < len(recorded) else now[index]["name"]
+    which = recorded[index].name if index < len(recorded) else now[index].name
     raise HarnessError(
         f"{where}: layer {index} ({which!r}) of the recorded layers is not what onnxruntime executes "
         f"({len(recorded)} recorded, {len(now)} executed); the plan was edited, rebuild the engine"
     )
+
+
+def _layer_records(layers: list[LayerInfo]) -> tuple[LayerRecord, ...]:
+    """The plan's ``layers`` of the executed layers (each with its key)."""
+    return tuple(LayerRecord.of(layer, layer.key) for layer in layers)
 
 
 def _open_session(

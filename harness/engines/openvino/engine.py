@@ -23,6 +23,7 @@ from typing import Any
 import onnx
 import torch
 
+from harness.documents import document_json
 from harness.engines.onnx_export import TensorSpec, check_inputs, graph_description
 from harness.engines.onnx_plan import ModelEngine, read_model_plan
 from harness.engines.openvino.layers import (
@@ -34,7 +35,7 @@ from harness.engines.openvino.layers import (
     executed_precision,
     graph_float_dtypes,
 )
-from harness.engines.openvino.plan import BACKEND, PLAN, EngineRecord
+from harness.engines.openvino.plan import BACKEND, PLAN, EngineRecord, OpenVinoLayerRecord
 from harness.engines.openvino.runtime import (
     DEVICE,
     OV_ERRORS,
@@ -104,30 +105,37 @@ class OpenVinoEngine(ModelEngine):
         """A property of the compiled model as OpenVINO reports it (what it really applied)."""
         return self.compiled.get_property(name)
 
+    def layer_records(self) -> tuple[OpenVinoLayerRecord, ...]:
+        """The plan's ``layers`` of the layers OpenVINO executes (no key: nothing is autotuned)."""
+        return tuple(
+            OpenVinoLayerRecord.of(layer.info(), None, precision=layer.precision, origins=layer.origins)
+            for layer in self.executed
+        )
+
     def _layers_json(self) -> list[dict[str, Any]]:
-        return [{**layer.to_json(), "key": None} for layer in self.executed]
+        return [document_json(layer) for layer in self.layer_records()]
 
     @staticmethod
     def load(path: str | os.PathLike[str]) -> OpenVinoEngine:
-        model_bytes, obj, where = read_model_plan(PLAN, path)
-        record = EngineRecord.from_plan(obj, where)
+        model_bytes, plan, where = read_model_plan(PLAN, path)
+        record = EngineRecord.from_plan(plan, where)
         try:
             engine = OpenVinoEngine(model_bytes, record)
         except HarnessError as exc:
             raise HarnessError(f"{where}: {exc}") from None
-        now = engine._layers_json()
-        if now != obj["layers"]:
+        now = engine.layer_records()
+        if now != plan.layers:
             first = next(
-                (i for i, (a, b) in enumerate(zip(now, obj["layers"], strict=False)) if a != b),
-                min(len(now), len(obj["layers"])),
+                (i for i, (a, b) in enumerate(zip(now, plan.layers, strict=False)) if a != b),
+                min(len(now), len(plan.layers)),
             )
             raise HarnessError(
                 f"{where}: OpenVINO {VERSION} executes other layers than the plan records (built with "
-                f"OpenVINO {record.openvino_version}; {len(now)} layers now, {len(obj['layers'])} in "
+                f"OpenVINO {record.openvino_version}; {len(now)} layers now, {len(plan.layers)} in "
                 f"the plan, first difference at layer {first}: {_layer_text(now, first)} now, "
-                f"{_layer_text(obj['layers'], first)} in the plan); rebuild the engine"
+                f"{_layer_text(plan.layers, first)} in the plan); rebuild the engine"
             )
-        if engine.fingerprint() != obj["fingerprint"]:
+        if engine.fingerprint() != plan.fingerprint:
             raise HarnessError(
                 f"{where}: the plan was edited or belongs to another engine (fingerprint mismatch); "
                 "rebuild the engine"
@@ -180,8 +188,8 @@ def _ports(ports: Any, specs: tuple[TensorSpec, ...], what: str) -> list[Any]:
     return [by_name[spec.name] for spec in specs]
 
 
-def _layer_text(layers: list[dict[str, Any]], index: int) -> str:
+def _layer_text(layers: tuple[OpenVinoLayerRecord, ...], index: int) -> str:
     if index >= len(layers):
         return "none"
     layer = layers[index]
-    return f"{layer.get('name')} ({layer.get('layer_type')}, {layer.get('tactic')})"
+    return f"{layer.name} ({layer.layer_type}, {layer.tactic})"

@@ -68,9 +68,6 @@ class ExecutedLayer:
             self.primitive, tactic_hash(self.primitive),
         )  # fmt: skip
 
-    def to_json(self) -> dict[str, Any]:
-        return {**self.info().to_json(), "precision": self.precision, "origins": list(self.origins)}
-
 
 # OpenVINO names the nodes its frontend and passes create <Type>_<n>, n from a
 # process-wide counter ("Reshape_38550", "MVN_35097"), alone or inside a reorder's

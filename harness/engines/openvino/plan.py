@@ -4,9 +4,9 @@ The plan records everything about an engine besides what loading recomputes
 (the layers OpenVINO executes, the fingerprint): the mode, the OpenVINO that
 built it, the compile settings, the exported model's inputs, outputs and
 casts, and the model's output structure. Loading validates it against
-:data:`PLAN`'s schema and then :meth:`EngineRecord.from_plan` refuses what a
-schema cannot express (an output structure of another size, a precision hint
-that is not the mode's).
+:data:`PLAN`'s schema (generated from :class:`OpenVinoPlan`) and then
+:meth:`EngineRecord.from_plan` refuses what a schema cannot express (an output
+structure of another size, a precision hint that is not the mode's).
 """
 
 from __future__ import annotations
@@ -14,15 +14,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from pydantic import dataclasses as pydantic_dataclasses
+
+from harness.documents import DOCUMENT
 from harness.engines.onnx_export import CastRecord, TensorSpec
 from harness.engines.onnx_plan import (
+    MODEL_FILE,
+    ExportedInterface,
+    ModelPlan,
     check_output_count,
     interface_json,
-    model_plan_format,
     read_interface,
 )
-from harness.engines.openvino.settings import SETTINGS_SCHEMA, CompileSettings, hint_for
-from harness.engines.protocol import LAYER_SCHEMA
+from harness.engines.openvino.settings import CompileSettings, hint_for
+from harness.engines.protocol import LayerRecord
+from harness.engines.saved import PlanFormat, PlanHeader
 from harness.errors import HarnessError
 from harness.outputs import OutputSpec
 from harness.precision import PrecisionMode
@@ -53,13 +59,9 @@ class EngineRecord:
         }
 
     @classmethod
-    def from_plan(cls, obj: dict[str, Any], where: str) -> EngineRecord:
-        """From a schema-validated plan, refusing what the schema cannot see."""
-        record = cls(
-            **read_interface(obj, where),
-            openvino_version=obj["openvino_version"],
-            settings=CompileSettings.from_json(obj["settings"]),
-        )
+    def from_plan(cls, plan: OpenVinoPlan, where: str) -> EngineRecord:
+        """The record of a plan, refusing what its schema cannot see (a HarnessError naming ``where``)."""
+        record = cls(**read_interface(plan, where), openvino_version=plan.openvino_version, settings=plan.settings)
         check_output_count(record.structure, record.outputs, where)
         wanted = hint_for(PrecisionMode.parse(record.mode))
         if record.settings.inference_precision_hint != wanted:
@@ -70,20 +72,30 @@ class EngineRecord:
         return record
 
 
-_PLAN_LAYER_SCHEMA: dict[str, Any] = {
-    **LAYER_SCHEMA,
-    "required": [*LAYER_SCHEMA["required"], "precision", "origins"],
-    "properties": {
-        **LAYER_SCHEMA["properties"],
-        "precision": {"type": "string"},
-        "origins": {"type": "array", "items": {"type": "string"}},
-    },
-}
+@pydantic_dataclasses.dataclass(frozen=True, config=DOCUMENT)
+class OpenVinoLayerRecord(LayerRecord):
+    """A layer of an OpenVINO plan: a :class:`LayerRecord` (its key null), the precision its
+    kernel computes in and the model's ops fused into it (:class:`~harness.engines.openvino.layers.ExecutedLayer`)."""
 
-PLAN = model_plan_format(
-    BACKEND,
-    PLAN_FORMAT,
-    PLAN_VERSION,
-    {"openvino_version": {"type": "string"}, "settings": SETTINGS_SCHEMA},
-    _PLAN_LAYER_SCHEMA,
-)
+    precision: str
+    origins: tuple[str, ...]
+
+
+@pydantic_dataclasses.dataclass(frozen=True, config=DOCUMENT)
+class _Record(ExportedInterface, PlanHeader):
+    """The header, the interface, the OpenVINO that built the engine and its compile settings."""
+
+    openvino_version: str
+    settings: CompileSettings
+
+
+@pydantic_dataclasses.dataclass(frozen=True, config=DOCUMENT)
+class OpenVinoPlan(ModelPlan, _Record):
+    """A saved OpenVINO engine's ``plan.json``: the header, the interface, the OpenVINO that built
+    it, its compile settings, then the model file, its digest, the executed layers and the
+    fingerprint."""
+
+    layers: tuple[OpenVinoLayerRecord, ...]
+
+
+PLAN = PlanFormat(BACKEND, PLAN_FORMAT, PLAN_VERSION, MODEL_FILE, OpenVinoPlan)

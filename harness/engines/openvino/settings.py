@@ -22,10 +22,13 @@ provenance, so an engine or a cache made under other settings is refused.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any
+import dataclasses
+from typing import Annotated, Any
 
+from pydantic import Field, WithJsonSchema
+from pydantic.dataclasses import dataclass
+
+from harness.documents import DOCUMENT, OneOf, document_json
 from harness.engines.openvino.runtime import ov_type_name
 from harness.engines.protocol import BuildConfig
 from harness.errors import HarnessError
@@ -42,29 +45,22 @@ FIXED_PROPERTIES: dict[str, Any] = {
     "DYNAMIC_QUANTIZATION_GROUP_SIZE": 0,
 }
 
-SETTINGS_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "required": ["inference_precision_hint", "inference_num_threads", "fixed"],
-    "additionalProperties": False,
-    "properties": {
-        "inference_precision_hint": {"enum": list(PRECISION_HINTS)},
-        "inference_num_threads": {"type": "integer", "minimum": 1, "maximum": MAX_THREADS},
-        "fixed": {"const": FIXED_PROPERTIES},
-    },
-}
-
 
 def hint_for(mode: PrecisionMode) -> str:
     """The precision hint of ``mode``: the low type for weak modes, else ``f32`` (follow the graph)."""
     return ov_type_name(mode.low) if mode.weak and mode.low is not None else "f32"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=DOCUMENT)
 class CompileSettings:
-    """The properties of one compiled model (see the module docstring)."""
+    """The properties of one compiled model (see the module docstring), as engine plans store
+    them: the two that vary, then ``fixed``, always :data:`FIXED_PROPERTIES`."""
 
-    inference_precision_hint: str
-    inference_num_threads: int
+    inference_precision_hint: Annotated[str, OneOf(PRECISION_HINTS)]
+    inference_num_threads: Annotated[int, Field(ge=1, le=MAX_THREADS)]
+    fixed: Annotated[dict[str, Any], WithJsonSchema({"const": FIXED_PROPERTIES})] = (
+        dataclasses.field(default_factory=lambda: dict(FIXED_PROPERTIES))
+    )
 
     @classmethod
     def for_build(cls, config: BuildConfig) -> CompileSettings:
@@ -79,17 +75,9 @@ class CompileSettings:
             raise HarnessError(f"openvino: {threads} threads; expected 1 to {MAX_THREADS}")
         return cls(hint_for(config.mode), threads)
 
-    @classmethod
-    def from_json(cls, obj: Mapping[str, Any]) -> CompileSettings:
-        """From a plan already validated against :data:`SETTINGS_SCHEMA`."""
-        return cls(obj["inference_precision_hint"], obj["inference_num_threads"])
-
     def to_json(self) -> dict[str, Any]:
-        return {
-            "inference_precision_hint": self.inference_precision_hint,
-            "inference_num_threads": self.inference_num_threads,
-            "fixed": dict(FIXED_PROPERTIES),
-        }
+        json: dict[str, Any] = document_json(self)
+        return json
 
     def properties(self) -> dict[str, Any]:
         """The ``compile_model`` properties."""

@@ -61,10 +61,12 @@ import tempfile
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import onnx
 import torch
+from pydantic import ConfigDict, Field
+from pydantic import dataclasses as pydantic_dataclasses
 
 from harness.cache.timing_cache import (
     CacheEntry,
@@ -72,6 +74,7 @@ from harness.cache.timing_cache import (
     TimingCache,
     normalize_hash,
 )
+from harness.documents import DOCUMENT, Digest, document_json
 from harness.dtypes import dtype_from_name
 from harness.engines.device import CudaQuery
 from harness.engines.onnx_export import (
@@ -83,21 +86,21 @@ from harness.engines.onnx_export import (
     initializers_digest,
 )
 from harness.engines.onnx_plan import (
-    INTERFACE_FIELDS,
+    ExportedInterface,
     check_output_count,
     interface_json,
     io_json,
     read_interface,
 )
 from harness.engines.protocol import (
-    LAYER_SCHEMA,
     BatchProfile,
     BuildConfig,
     BuildLog,
     EngineBase,
     LayerInfo,
+    LayerRecord,
 )
-from harness.engines.saved import DIGEST_SCHEMA, PLAN_FILE, PlanFormat, read_payload
+from harness.engines.saved import PLAN_FILE, PlanFormat, PlanHeader, read_payload
 from harness.engines.tensorrt.builder import (
     BuildSettings,
     TrtModule,
@@ -172,20 +175,46 @@ def device_identity() -> tuple[str, dict[str, Any]]:
     }
 
 
-@dataclass(frozen=True)
+@pydantic_dataclasses.dataclass(frozen=True, config=ConfigDict(**DOCUMENT, serialize_by_alias=True, validate_by_name=True))
 class AutotunedOp:
-    """An op of the build log that owns a timing-cache key, with what joins it to engine layers."""
+    """An op of the build log that owns a timing-cache key, with what joins it to engine layers
+    (plans store ``layer`` as ``op``)."""
 
-    layer: str  # the op's name in the log
+    layer: Annotated[str, Field(alias="op")]  # the op's name in the log
     key: str
     onnx_layers: tuple[str, ...]
 
-    def to_json(self) -> dict[str, Any]:
-        return {"op": self.layer, "key": self.key, "onnx_layers": list(self.onnx_layers)}
 
-    @classmethod
-    def from_json(cls, obj: dict[str, Any]) -> AutotunedOp:
-        return cls(obj["op"], obj["key"], tuple(obj["onnx_layers"]))
+@pydantic_dataclasses.dataclass(frozen=True, config=DOCUMENT)
+class CacheEntryRecord:
+    """A timing-cache selection an engine was built with, as its plan records it."""
+
+    key: str
+    tactic_hash: str
+
+
+@pydantic_dataclasses.dataclass(frozen=True, config=DOCUMENT)
+class BatchProfileRecord:
+    """A :class:`~harness.engines.protocol.BatchProfile` as the plan's builder settings record it."""
+
+    dim: Annotated[int, Field(ge=0)]
+    min: Annotated[int, Field(ge=0)]
+    opt: Annotated[int, Field(ge=0)]
+    max: Annotated[int, Field(ge=0)]
+
+
+@pydantic_dataclasses.dataclass(frozen=True, config=DOCUMENT)
+class BuilderRecord:
+    """The builder settings of an engine (:meth:`~harness.engines.tensorrt.builder.BuildSettings.to_json`)."""
+
+    tensorrt_version: str
+    mode: str
+    network_flags: tuple[str, ...]
+    builder_flags: tuple[str, ...]
+    tf32: bool
+    builder_optimization_level: int
+    avg_timing_iterations: int
+    batch_profile: BatchProfileRecord | None
 
 
 @dataclass(frozen=True)
@@ -206,16 +235,17 @@ class EngineRecord:
     compiler_settings: dict[str, Any] | None  # the autocast settings as JSON (None: they did not apply)
 
     @classmethod
-    def from_plan(cls, obj: dict[str, Any], where: str) -> EngineRecord:
-        """The record of a plan.json validated against PLAN.schema (its digests are checked by the caller)."""
+    def from_plan(cls, plan: TensorRTPlan, where: str) -> EngineRecord:
+        """The record of a plan (its digests are checked by the caller); a HarnessError naming
+        ``where`` for an output structure that cannot be read."""
         return cls(
-            **read_interface(obj, where),
-            settings=obj["builder"],
-            device=obj["device"],
-            autotuned=tuple(AutotunedOp.from_json(op) for op in obj["autotuned_ops"]),
-            cache_entries=tuple((e["key"], e["tactic_hash"]) for e in obj["cache_entries"]),
-            weights_digest=obj["weights_digest"],
-            weight_bytes=dict(obj["weight_bytes_by_dtype"]),
+            **read_interface(plan, where),
+            settings=document_json(plan.builder),
+            device=plan.device,
+            autotuned=plan.autotuned_ops,
+            cache_entries=tuple((e.key, e.tactic_hash) for e in plan.cache_entries),
+            weights_digest=plan.weights_digest,
+            weight_bytes=dict(plan.weight_bytes_by_dtype),
         )
 
     @property
@@ -238,7 +268,7 @@ class EngineRecord:
             **interface_json(self),
             "builder": self.settings,
             "device": self.device,
-            "autotuned_ops": [op.to_json() for op in self.autotuned],
+            "autotuned_ops": [document_json(op) for op in self.autotuned],
             "cache_entries": [{"key": k, "tactic_hash": h} for k, h in self.cache_entries],
             "weights_digest": self.weights_digest,
             "weight_bytes_by_dtype": dict(self.weight_bytes),
@@ -431,7 +461,7 @@ class TensorRTEngine(EngineBase):
             **PLAN.header(),
             **self.record.to_json(),
             # key is null for a layer the build log does not name (e.g. not autotuned).
-            "layers": [{**layer.to_json(), "key": layer.key or None} for layer in self._layers],
+            "layers": [document_json(LayerRecord.of(layer, layer.key or None)) for layer in self._layers],
             "record_digest": self.record.digest(),
             "plan_file": ENGINE_FILE,
             "plan_digest": digest(self._plan),
@@ -440,18 +470,18 @@ class TensorRTEngine(EngineBase):
 
     def files(self) -> dict[str, bytes]:
         """``engine.plan`` and ``plan.json``."""
-        return {ENGINE_FILE: self._plan, PLAN_FILE: json_bytes(self.plan_json())}
+        return {ENGINE_FILE: self._plan, PLAN_FILE: json_bytes(PLAN.dump(self.plan_json()))}
 
     @staticmethod
     def load(path: str | os.PathLike[str], trt_module: TrtModule | None = None) -> TensorRTEngine:
-        directory, obj, where = PLAN.read(path)
-        plan = read_payload(directory, obj["plan_file"], obj["plan_digest"], "engine")
-        record = EngineRecord.from_plan(obj, where)
-        if record.digest() != obj["record_digest"]:
+        directory, saved, where = PLAN.load(path)
+        plan = read_payload(directory, saved.plan_file, saved.plan_digest, "engine")
+        record = EngineRecord.from_plan(saved, where)
+        if record.digest() != saved.record_digest:
             raise HarnessError(f"{where}: the plan's fields do not match its record digest; it was edited")
         check_output_count(record.structure, record.outputs, where)
         engine = TensorRTEngine(plan, record, trt_module)
-        if engine.fingerprint() != obj["fingerprint"]:
+        if engine.fingerprint() != saved.fingerprint:
             raise HarnessError(
                 f"{where}: the fingerprint does not match the engine's layers, cache entries, mode, I/O and "
                 "casts; the plan was edited or belongs to another engine, rebuild it"
@@ -691,58 +721,23 @@ def changed_decisions(cache: TimingCache, entries: list[CacheEntry]) -> list[Cac
     return changed
 
 
-PLAN = PlanFormat(
-    backend=BACKEND,
-    name=PLAN_FORMAT,
-    version=PLAN_VERSION,
-    payload=ENGINE_FILE,
-    fields={
-        **INTERFACE_FIELDS,
-        "builder": {
-            "type": "object",
-            # read back by EngineRecord.batch_profile: a loaded plan must hold what it needs
-            "properties": {
-                "batch_profile": {
-                    "anyOf": [
-                        {"type": "null"},
-                        {
-                            "type": "object",
-                            "required": ["dim", "min", "opt", "max"],
-                            "properties": {k: {"type": "integer", "minimum": 0} for k in ("dim", "min", "opt", "max")},
-                        },
-                    ]
-                }
-            },
-        },
-        "device": {"type": "string"},
-        "layers": {"type": "array", "items": LAYER_SCHEMA},
-        "autotuned_ops": {
-            "type": "array",
-            "items": {
-                "type": "object",
-                "required": ["op", "key", "onnx_layers"],
-                "additionalProperties": False,
-                "properties": {
-                    "op": {"type": "string"},
-                    "key": {"type": "string"},
-                    "onnx_layers": {"type": "array", "items": {"type": "string"}},
-                },
-            },
-        },
-        "cache_entries": {
-            "type": "array",
-            "items": {
-                "type": "object",
-                "required": ["key", "tactic_hash"],
-                "additionalProperties": False,
-                "properties": {"key": {"type": "string"}, "tactic_hash": {"type": "string"}},
-            },
-        },
-        "weights_digest": DIGEST_SCHEMA,
-        "weight_bytes_by_dtype": {"type": "object", "additionalProperties": {"type": "integer"}},
-        "record_digest": DIGEST_SCHEMA,
-        "plan_file": {"const": ENGINE_FILE},
-        "plan_digest": DIGEST_SCHEMA,
-        "fingerprint": DIGEST_SCHEMA,
-    },
-)
+@pydantic_dataclasses.dataclass(frozen=True, config=DOCUMENT)
+class TensorRTPlan(ExportedInterface, PlanHeader):
+    """A saved TensorRT engine's ``plan.json``: the header, the interface, the rest of the
+    :class:`EngineRecord` (covered by ``record_digest``), the engine's layers, then the engine
+    file, its digest and the fingerprint."""
+
+    builder: BuilderRecord
+    device: str
+    autotuned_ops: tuple[AutotunedOp, ...]
+    cache_entries: tuple[CacheEntryRecord, ...]
+    weights_digest: Digest
+    weight_bytes_by_dtype: dict[str, int]
+    layers: tuple[LayerRecord, ...]
+    record_digest: Digest
+    plan_file: Literal["engine.plan"]
+    plan_digest: Digest
+    fingerprint: Digest
+
+
+PLAN = PlanFormat(BACKEND, PLAN_FORMAT, PLAN_VERSION, ENGINE_FILE, TensorRTPlan)
