@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import re
 import subprocess
@@ -813,3 +814,69 @@ def test_what_is_built_from_shapes_alone_is_folded_and_the_rest_still_reads_the_
     for inputs in (x, 3 * torch.randn(x.shape)):  # other values: what reads x was kept
         with torch.inference_mode():
             torch.testing.assert_close(result.engine(inputs), spec.module(inputs), rtol=1e-5, atol=1e-5)
+
+
+# --- what a build asks once per process ----------------------------------------------------
+
+
+def test_named_args_give_each_layer_its_own_defaults_and_refuse_an_unknown_op_every_time():
+    from harness.engines.cpu.plan import Node, Ref, TensorMeta
+    from harness.engines.cpu.tactic import named_args
+
+    def pool(name: str) -> Node:  # max_pool2d's stride, padding and dilation default to lists
+        out = (TensorMeta((1, 1, 2, 2), "fp32"),)
+        return Node(name, "aten::max_pool2d.default", (Ref("x"), [2, 2]), {}, out)
+
+    first, second = named_args(pool("a")), named_args(pool("b"))
+    assert first["padding"] == second["padding"] == [0, 0] and first["dilation"] == [1, 1]
+    first["padding"].append(9)  # a layer's own list: no other layer (nor a later ask) sees it
+    assert second["padding"] == named_args(pool("c"))["padding"] == [0, 0]
+    for name in ("first", "second"):  # a refused op is not remembered: each ask names its layer
+        bad = Node(name, "aten::no_such_op.default", (Ref("x"),), {}, (TensorMeta((1,), "fp32"),))
+        with pytest.raises(HarnessError, match=rf"layer '{name}'"):
+            named_args(bad)
+
+
+def test_generated_code_is_compiled_once_and_each_callable_keeps_its_own_constants():
+    from harness.engines.cpu.tactic import Slot, make_call
+
+    ones, twos = torch.ones(3), torch.full((3,), 2.0)
+    add_ones = make_call(torch.ops.aten.add.Tensor, [Slot(0), ones], {})
+    add_twos = make_call(torch.ops.aten.add.Tensor, [Slot(0), twos], {})
+    assert add_ones.__code__ is add_twos.__code__  # the same text, compiled once
+    x = torch.zeros(3)
+    assert torch.equal(add_ones(x), ones) and torch.equal(add_twos(x), twos)
+
+
+def test_two_engines_of_one_plan_share_their_programs_code_but_not_their_layers(fp32_build):
+    compiled, engine, _ = fp32_build
+    plan, inputs = engine.plan, compiled.example_inputs
+    first = CpuEngine(replace(plan, weights=dict(plan.weights)))
+    other_weights = {k: (t + 1 if t.is_floating_point() else t) for k, t in plan.weights.items()}
+    second = CpuEngine(replace(plan, weights=other_weights))
+    run_a, run_b = first._program.run, second._program.run
+    if inspect.ismethod(run_a):  # layers on primitives: the code each thread instantiates
+        assert run_a.__self__._code is run_b.__self__._code
+    else:
+        assert run_a.__code__ is run_b.__code__ and run_a.__globals__ is not run_b.__globals__
+    (a,), (b,), (expected,) = first.run(*inputs), second.run(*inputs), engine.run(*inputs)
+    assert bits_equal(a, expected)
+    assert not bits_equal(b, a)  # its own weights, not the first engine's
+
+
+def test_parse_tactic_remembers_valid_names_only():
+    assert tactics.parse_tactic("gemm_splitk2[bf16]") == ("gemm_splitk2", "bf16")
+    for _ in range(2):
+        with pytest.raises(HarnessError, match="malformed tactic name"):
+            tactics.parse_tactic("gemm_splitk2")
+
+
+@pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last])
+@pytest.mark.parametrize("shape", [(2, 3, 4, 5), (1, 3, 1, 5), (1, 1, 4, 4)])
+def test_the_remembered_input_layouts_are_the_ones_torch_gives(shape, layout):
+    from harness.engines.cpu import onednn_graph
+    from harness.engines.cpu.families import graph
+
+    for dtype in ("fp32", "bf16"):
+        expected = onednn_graph.input_meta(shape, dtype, layout)
+        assert graph.input_meta(list(shape), dtype, layout) == expected

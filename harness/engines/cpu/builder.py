@@ -259,10 +259,10 @@ class PlanBuilder:
                 outputs = tuple(
                     None if m is None else self._float_as(m, dtype) for m in node.outputs
                 )
-                return [self._variant(replace(node, outputs=outputs), (None,) * len(refs))]
+                return [self._variant(replace(node, outputs=outputs), (None,) * len(refs), refs)]
         # Strong typing (and fixed layers in weak mode): the graph's dtypes exactly.
         casts = tuple(g if g != d else None for g, d in zip(graph_dtypes, in_dtypes, strict=True))
-        return [self._variant(node, casts)]
+        return [self._variant(node, casts, refs)]
 
     def _all_fp32(self, node: Node, graph_dtypes: list[str]) -> bool:
         float_weights = [
@@ -318,9 +318,14 @@ class PlanBuilder:
         )
         return self._variant(typed, casts)
 
-    def _variant(self, node: Node, casts: tuple[str | None, ...]) -> _Variant:
-        metas = self._typed_metas(node, casts)
-        precision = _compute_precision(node, [metas[r.name] for r in node.refs()])
+    def _variant(
+        self, node: Node, casts: tuple[str | None, ...], refs: list[Ref] | None = None
+    ) -> _Variant:
+        """``node`` with its inputs cast by ``casts`` and the tactics offered for it (``refs``:
+        ``node.refs()``, where the caller has them)."""
+        refs = node.refs() if refs is None else refs
+        metas = self._typed_metas(node, casts, refs)
+        precision = _compute_precision(node, [metas[r.name] for r in refs])
         found = tactics.offer(node, metas, self.plan.weights)
         for impl, reason in found.left_out.items():
             left_out = self.left_out.setdefault(reason, ({}, {}))
@@ -328,10 +333,12 @@ class PlanBuilder:
             left_out[1][node.name] = None
         return _Variant(precision, node, casts, found.impls)
 
-    def _typed_metas(self, node: Node, casts: tuple[str | None, ...]) -> dict[str, TensorMeta]:
+    def _typed_metas(
+        self, node: Node, casts: tuple[str | None, ...], refs: list[Ref] | None = None
+    ) -> dict[str, TensorMeta]:
         """Metas of the node's inputs as the chosen variant receives them (after casts)."""
         metas = {}
-        for ref, cast in zip(node.refs(), casts, strict=True):
+        for ref, cast in zip(node.refs() if refs is None else refs, casts, strict=True):
             meta = self.runtime[ref.name]
             metas[ref.name] = meta if cast is None else TensorMeta(meta.shape, cast)
         return metas
@@ -586,16 +593,16 @@ class PlanBuilder:
             cast = next(casts)
             return ref if cast is None else Ref(self._cast(ref.name, cast))
 
-        node = replace(variant.node)
-        node.map_refs(rename)
         node = replace(
-            node,
+            variant.node,
             layer_type=tactics.layer_type(variant.node),
             key=key,
             tactic=tactic,
             tactic_hash=tactics.tactic_hash(tactic),
             tuned=tuned,
         )
+        if any(variant.casts):
+            node.map_refs(rename)
         self._append(node)
 
     def _emit_getitem(self, node: Node) -> None:

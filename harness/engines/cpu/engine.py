@@ -35,6 +35,7 @@ from harness.engines.cpu.profile import (
     measure,
 )
 from harness.engines.cpu.program import compile_plan
+from harness.engines.cpu.tactic import compiled
 from harness.engines.protocol import EngineBase, LayerInfo
 from harness.engines.saved import PLAN_FILE
 from harness.errors import HarnessError
@@ -177,7 +178,7 @@ def _fit_check(expected: Sequence[tuple[torch.Size, torch.dtype]]) -> Callable[[
     namespace: dict[str, Any] = {"Tensor": torch.Tensor}
     for i, (shape, dtype) in enumerate(expected):
         namespace[f"s{i}"], namespace[f"d{i}"] = shape, dtype
-    return eval(f"lambda inputs: {' and '.join(terms)}", namespace)  # type: ignore[no-any-return]
+    return eval(compiled(f"lambda inputs: {' and '.join(terms)}", "<string>", "eval"), namespace)  # type: ignore[no-any-return]
 
 
 def _read_weights(path: Path) -> dict[str, torch.Tensor]:

@@ -45,8 +45,8 @@ from harness.engines.cpu.plan import (
     map_leaves,
     plan_op_name,
     random_switch_off,
-    runnable_op,
 )
+from harness.engines.cpu.tactic import op_function
 from harness.errors import HarnessError
 from harness.lowering.fold_batch_norm import fold_conv_batch_norm
 from harness.naming import fresh_name
@@ -59,6 +59,7 @@ _DROPPED = (
     "sym_constrain_range_for_size",
 )
 _CONVS = ("conv2d", "convolution")
+_BATCH_NORM = "aten::batch_norm.default"
 # Ops whose result depends on their tensor inputs' shape and dtype, never on their values:
 # with the engine's static shapes, constants.
 _VALUE_FREE = frozenset({"new_zeros", "new_ones", "new_full", "zeros_like", "ones_like", "full_like"})
@@ -120,7 +121,7 @@ def _translate(gm: torch.fx.GraphModule, mode: str) -> Plan:
             op = plan_op_name(fx_node.target)
             if fx_node.target is not operator.getitem:
                 try:
-                    fn = runnable_op(op, f"node {fx_node.name}")
+                    fn = op_function(op, f"node {fx_node.name}")
                     if not random_switch_off(fn, fx_node.args, fx_node.kwargs):
                         raise HarnessError(f"node {fx_node.name}: {op} draws random numbers (dropout is on)")
                 except HarnessError as exc:
@@ -206,7 +207,7 @@ def _fold_constants(plan: Plan) -> int:
         if dynamic or node.multi or node.op == GETITEM:
             kept.append(node)
             continue
-        fn = runnable_op(node.op, f"layer {node.name!r}")
+        fn = op_function(node.op, f"layer {node.name!r}")
         args, kwargs = map_leaves((node.args, node.kwargs), lambda leaf: _constant_value(plan, metas, leaf))
         with torch.inference_mode(), tactics.layer_failures(node):
             value = fn(*args, **kwargs)
@@ -249,6 +250,9 @@ def _absorb_into_producers(plan: Plan, absorb: Absorb) -> list[tuple[str, str]]:
 
 
 def _fold_batch_norms(plan: Plan) -> list[tuple[str, str]]:
+    if not any(node.op == _BATCH_NORM for node in plan.nodes):
+        return []  # nothing to fold: the pass would keep every node
+
     def absorb(node: Node, producers: dict[str, Node], users: Counter[str]) -> Node | None:
         conv = _foldable_conv(node, producers, users, plan)
         if conv is not None:
@@ -261,7 +265,7 @@ def _fold_batch_norms(plan: Plan) -> list[tuple[str, str]]:
 def _foldable_conv(
     bn: Node, producers: dict[str, Node], users: Counter[str], plan: Plan
 ) -> Node | None:
-    if bn.op != "aten::batch_norm.default" or len(bn.args) < 8:
+    if bn.op != _BATCH_NORM or len(bn.args) < 8:
         return None
     source, *params = bn.args[:5]
     training = bn.args[5]

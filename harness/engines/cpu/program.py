@@ -27,7 +27,9 @@ import torch
 
 from harness.dtypes import dtype_from_name
 from harness.engines.cpu import onednn_graph, tactics
+from harness.engines.cpu.families import graph
 from harness.engines.cpu.plan import GETITEM, Node, Plan, Ref, TensorMeta
+from harness.engines.cpu.tactic import compiled
 from harness.errors import HarnessError
 from harness.opnames import plan_packet
 
@@ -72,9 +74,10 @@ def compile_plan(plan: Plan, regions: bool = True) -> Program:
     """
     metas = plan.value_metas()
     groups = region_groups(plan.nodes) if regions else [[i] for i in range(len(plan.nodes))]
+    refs = [node.refs() for node in plan.nodes]
     last_use: dict[str, int] = {}
-    for index, node in enumerate(plan.nodes):
-        for ref in node.refs():
+    for index, node_refs in enumerate(refs):
+        for ref in node_refs:
             last_use[ref.name] = index
     for out in plan.outputs:
         if isinstance(out, Ref):
@@ -101,7 +104,7 @@ def compile_plan(plan: Plan, regions: bool = True) -> Program:
         else:
             node = nodes[0]
             var = variables[node.name] = f"v{first}"
-            args = ", ".join(variables[r.name] for r in node.refs())
+            args = ", ".join(variables[r.name] for r in refs[first])
             if node.op == GETITEM:
                 statement = f"{var} = {args}[{int(node.args[1])}]"
             elif first in pinned:  # its result tensor, after the bare call (see _pinned_layers)
@@ -109,7 +112,7 @@ def compile_plan(plan: Plan, regions: bool = True) -> Program:
                 statement = f"{var} = f{first}.failed(s) if (s := x{first}()) else t{first}"
             elif tactics.on_primitive(node):  # the thread's own call (see _thread_bindings)
                 direct.add(first)
-                statement = f"{var} = p{first}({args}{', None' if len(node.refs()) == 1 else ''})"
+                statement = f"{var} = p{first}({args}{', None' if len(refs[first]) == 1 else ''})"
             else:
                 namespace[f"f{first}"] = bound[first]
                 statement = f"{var} = f{first}({args})"
@@ -120,8 +123,8 @@ def compile_plan(plan: Plan, regions: bool = True) -> Program:
         dead = sorted(
             {
                 variables[r.name]
-                for n in nodes
-                for r in n.refs()
+                for i in group
+                for r in refs[i]
                 if first <= last_use[r.name] <= last and r.name in variables
             }
         )
@@ -151,7 +154,7 @@ def compile_plan(plan: Plan, regions: bool = True) -> Program:
             timed_lines.append(f"    {statement}")
     timed_lines.append(f"    {ret}")
     source = "\n".join(run_lines) + "\n\n" + "\n".join(timed_lines)
-    code = compile(source, "<cpu-engine>", "exec")
+    code = compiled(source, "<cpu-engine>", "exec")
     if not pinned and not direct:
         exec(code, namespace)
         return Program(tuple(calls), namespace["run"], namespace["timed"])
@@ -409,7 +412,7 @@ def _region_call(
             if isinstance(layer, onednn_graph.GraphLayer):  # its partition's layout
                 fix, meta = layer.fixers[slot], layer.inputs[slot]
             else:  # a plain layer's input, contiguous as ATen ops mostly return them
-                meta = onednn_graph.input_meta(metas[ref.name].shape, metas[ref.name].dtype, torch.contiguous_format)
+                meta = graph.input_meta(metas[ref.name].shape, metas[ref.name].dtype, torch.contiguous_format)
                 fix = onednn_graph.exact_layout(meta[0], meta[1], torch.contiguous_format)
             key = (ref.name, meta[1])
             if key not in keys:

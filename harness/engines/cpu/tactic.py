@@ -20,6 +20,7 @@ import functools
 import keyword
 from collections.abc import Callable, Mapping
 from dataclasses import KW_ONLY, dataclass
+from types import CodeType
 from typing import Any
 
 import torch
@@ -46,24 +47,60 @@ class Slot:
     index: int
 
 
+# An op's function, its schema's arguments as (name, keyword-only, has a default, the default),
+# and their names.
+_Schema = tuple[Callable[..., Any], tuple[tuple[str, bool, bool, Any], ...], frozenset[str]]
+# op name -> the function runnable_op resolves it to: a plan's op name always stands for the
+# same function, so torch is asked once per op and process.
+_OPS: dict[str, Callable[..., Any]] = {}
+# op name -> its _Schema: what named_args and context read of the op, the same for every
+# layer of the op, so asked of torch once per op and process.
+_SCHEMAS: dict[str, _Schema] = {}
+
+
+def op_function(op: str, where: str) -> Callable[..., Any]:
+    """:func:`~harness.engines.cpu.plan.runnable_op` of ``op``: a refused name is a HarnessError
+    naming ``where`` on every ask, a valid one is resolved once per process."""
+    fn = _OPS.get(op)
+    if fn is None:
+        fn = _OPS[op] = runnable_op(op, where)
+    return fn
+
+
+def _schema(node: Node) -> _Schema:
+    """``node``'s op and its schema's arguments (a HarnessError naming the layer for an op a plan
+    may not hold, never remembered)."""
+    found = _SCHEMAS.get(node.op)
+    if found is None:
+        fn = op_function(node.op, f"layer {node.name!r}")
+        arguments = tuple(_argument(a) for a in fn._schema.arguments)  # type: ignore[attr-defined]
+        found = _SCHEMAS[node.op] = (fn, arguments, frozenset(a[0] for a in arguments))
+    return found
+
+
+def _argument(argument: Any) -> tuple[str, bool, bool, Any]:
+    """A schema argument as (name, keyword-only, has a default, the default or None)."""
+    known = argument.has_default_value()
+    return argument.name, argument.kwarg_only, known, argument.default_value if known else None
+
+
 def named_args(node: Node) -> dict[str, Any]:
     """``node``'s arguments by schema name, defaults filled in; unknown keywords are refused."""
-    fn = runnable_op(node.op, f"layer {node.name!r}")
-    arguments = fn._schema.arguments  # type: ignore[attr-defined]
-    names = {a.name for a in arguments}
+    _, arguments, names = _schema(node)
     unknown = sorted(set(node.kwargs) - names)
     if unknown or len(node.args) > len(arguments):
         raise HarnessError(
             f"layer {node.name!r}: arguments do not match {node.op} ({', '.join(unknown) or 'too many'})"
         )
     named: dict[str, Any] = {}
-    for i, arg in enumerate(arguments):
-        if i < len(node.args) and not arg.kwarg_only:
-            named[arg.name] = node.args[i]
-        elif arg.name in node.kwargs:
-            named[arg.name] = node.kwargs[arg.name]
-        elif arg.has_default_value():
-            named[arg.name] = arg.default_value
+    args, kwargs = node.args, node.kwargs
+    for i, (name, kwarg_only, has_default, default) in enumerate(arguments):
+        if i < len(args) and not kwarg_only:
+            named[name] = args[i]
+        elif name in kwargs:
+            named[name] = kwargs[name]
+        elif has_default:  # a list default is the layer's own, as torch gives a new one per ask
+            named[name] = list(default) if type(default) is list else default
     return named
 
 
@@ -99,7 +136,15 @@ def make_call(fn: Callable[..., Any], args: Any, kwargs: Mapping[str, Any]) -> B
             raise HarnessError(f"invalid keyword argument name {name!r}")
         parts.append(f"{name}={expr(value)}")
     params = ", ".join(f"d{i}" for i in range(max(slots, default=-1) + 1))
-    return eval(f"lambda {params}: fn({', '.join(parts)})", consts)  # type: ignore[no-any-return]
+    return eval(compiled(f"lambda {params}: fn({', '.join(parts)})", "<string>", "eval"), consts)  # type: ignore[no-any-return]
+
+
+@functools.lru_cache(maxsize=1024)
+def compiled(source: str, filename: str, mode: str) -> CodeType:
+    """``compile(source, filename, mode)``, once per process for each: generated code depends
+    only on its text (everything it names comes from the namespace it runs in), and a
+    rebuild generates the same text again."""
+    return compile(source, filename, mode)
 
 
 def getter(value: Any) -> Callable[[tuple[Any, ...]], Any]:
@@ -165,10 +210,15 @@ def context(
     metas: Mapping[str, TensorMeta],
     weights: Mapping[str, torch.Tensor],
     result: onednn_primitive.ResultSlot | None = None,
+    named: Mapping[str, Any] | None = None,
 ) -> Ctx:
-    """What a binder needs of ``node``: its arguments with dynamic inputs as slots and weights as tensors."""
-    fn = runnable_op(node.op, f"layer {node.name!r}")
-    counter = iter(range(len(node.refs())))
+    """What a binder needs of ``node``: its arguments with dynamic inputs as slots and weights as tensors.
+
+    ``named``: ``named_args(node)`` where the caller has it (it is only read).
+    """
+    fn = _schema(node)[0]
+    refs = node.refs()
+    counter = iter(range(len(refs)))
 
     def template(leaf: Any) -> Any:
         if isinstance(leaf, Ref):
@@ -178,13 +228,14 @@ def context(
         return leaf
 
     # Slots are numbered in argument order, the order node.refs() lists them.
-    named = {name: map_leaves(value, template) for name, value in named_args(node).items()}
-    inputs = tuple(metas[r.name] for r in node.refs())
+    arguments = named_args(node) if named is None else named
+    templated = {name: map_leaves(value, template) for name, value in arguments.items()}
+    inputs = tuple(metas[r.name] for r in refs)
     first = node.outputs[0] if node.outputs else None
     output = () if first is None else first.shape
     dtype = "" if first is None else first.dtype
     return Ctx(
-        node.name, fn, named, plan_packet(node.op), node.epilogue, node.residual is not None, inputs, output, dtype,
+        node.name, fn, templated, plan_packet(node.op), node.epilogue, node.residual is not None, inputs, output, dtype,
         result,
     )  # fmt: skip
 
@@ -209,7 +260,7 @@ class Layer:
     @functools.cached_property
     def context(self) -> Ctx:
         """The binders' view of it, without a result slot (what a primitive tactic's question needs)."""
-        return context(self.node, self.metas, self.weights)
+        return context(self.node, self.metas, self.weights, named=self.named)
 
     @property
     def emulated(self) -> bool:

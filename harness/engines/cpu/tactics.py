@@ -21,6 +21,7 @@ the engine pays layout conversions once, at build or load, not per call.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 from collections.abc import Iterator, Mapping
@@ -110,8 +111,12 @@ def tactic_name(impl: str, precision: str) -> str:
     return f"{impl}[{precision}]"
 
 
+@functools.lru_cache(maxsize=4096)
 def parse_tactic(name: str) -> tuple[str, str]:
-    """``gemm_splitk2[bf16]`` -> ("gemm_splitk2", "bf16"); a HarnessError for another form."""
+    """``gemm_splitk2[bf16]`` -> ("gemm_splitk2", "bf16"); a HarnessError for another form.
+
+    A pure function of the name, asked for every layer many times a build: each valid
+    name is parsed once per process."""
     match = _TACTIC_NAME.match(name)
     if match is None:
         raise HarnessError(
@@ -120,8 +125,10 @@ def parse_tactic(name: str) -> tuple[str, str]:
     return match.group(1), match.group(2)
 
 
+@functools.lru_cache(maxsize=4096)
 def tactic_hash(name: str) -> str:
-    """Stable 64-bit id of a tactic name, written like TensorRT's tactic hashes."""
+    """Stable 64-bit id of a tactic name, written like TensorRT's tactic hashes (a pure
+    function of the name, computed once per process for each)."""
     return "0x" + hashlib.sha256(name.encode()).hexdigest()[:16]
 
 
@@ -284,7 +291,9 @@ def bind(
             f"layer {node.name!r} ({node.op}) has no implementation {impl!r} here{why}; "
             f"valid: {', '.join(t.name for t in offered)}"
         )
-    return chosen.bind(context(node, metas, weights, result))
+    if result is None:  # the context a primitive tactic's question may have made already
+        return chosen.bind(layer.context)
+    return chosen.bind(context(node, metas, weights, result, named=layer.named))
 
 
 @contextmanager
