@@ -26,7 +26,11 @@ if [ "${#runs[@]}" -ne "$expected" ]; then
   exit 1
 fi
 for i in $(seq 1 "$expected"); do
-  if ! printf '%s\n' "${runs[@]}" | grep -q -- "-shard${i}of${expected}\.json$"; then
+  found=0
+  for run in "${runs[@]}"; do
+    if [[ $run == *"-shard${i}of${expected}.json" ]]; then found=1; fi
+  done
+  if [ "$found" -eq 0 ]; then
     echo "error: shard $i/$expected is missing under $shards_dir" >&2
     exit 1
   fi
