@@ -250,6 +250,7 @@ def test_every_mode_builds_on_cpu(spec, backend, tmp_path: Path):
         torch.testing.assert_close(out.float(), reference, rtol=0.05, atol=0.15, msg=mode)
 
 
+@pytest.mark.slow  # builds the subject twice in every mode
 def test_one_export_serves_every_mode_and_is_left_as_it_was(backend, tmp_path: Path):
     """Building from the spec's own export gives, in every mode, the engine a build from the
     module gives (same layers, so every tactic comes from the module build's cache; same

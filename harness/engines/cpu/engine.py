@@ -25,8 +25,9 @@ import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
+from harness.documents import document_json
 from harness.dtypes import dtype_from_name, dtype_name
-from harness.engines.cpu.plan import PLAN, WEIGHTS_FILE, Plan, plan_from_json
+from harness.engines.cpu.plan import PLAN, WEIGHTS_FILE, Plan, plan_from_saved
 from harness.engines.cpu.profile import (
     DEFAULT_ITERATIONS,
     DEFAULT_WARMUP,
@@ -152,16 +153,16 @@ class CpuEngine(EngineBase):
 
     @staticmethod
     def load(path: str | os.PathLike[str], regions: bool = True) -> CpuEngine:
-        directory, obj, where = PLAN.read(path)
-        body = {k: v for k, v in obj.items() if k not in ("fingerprint", "weights_digest")}
-        if digest(canonical_json(body)) != obj["fingerprint"]:
+        directory, saved, where = PLAN.load(path)
+        body = {k: v for k, v in document_json(saved).items() if k not in ("fingerprint", "weights_digest")}
+        if digest(canonical_json(body)) != saved.fingerprint:
             raise HarnessError(
                 f"{where}: contents do not match the recorded fingerprint; the file was modified or corrupted"
             )
         weights_path = directory / WEIGHTS_FILE
         weights = _read_weights(weights_path)
-        plan = plan_from_json(obj, weights, where)
-        if plan.weights_digest() != obj["weights_digest"]:
+        plan = plan_from_saved(saved, weights, where)
+        if plan.weights_digest() != saved.weights_digest:
             raise HarnessError(
                 f"engine weights {weights_path}: digest does not match the plan's; "
                 "the weights were modified or belong to another engine"

@@ -506,10 +506,10 @@ def _meta(record: MetaRecord) -> TensorMeta:
     return TensorMeta(record.shape, record.dtype)
 
 
-def plan_from_json(obj: dict[str, Any], weights: dict[str, torch.Tensor], where: str) -> Plan:
-    """Rebuild a plan from its JSON, as :meth:`PlanFormat.read` returned it, checking every
-    reference and op before use (a HarnessError naming ``where`` and the node)."""
-    saved = PLAN.typed(obj, where)
+def plan_from_saved(saved: CpuPlan, weights: dict[str, torch.Tensor], where: str) -> Plan:
+    """Rebuild a plan from its saved form (:meth:`PlanFormat.load` of :data:`PLAN`) and its
+    weights, checking every reference and op before use (a HarnessError naming ``where`` and the
+    node)."""
     declared = {w.name: _meta(w) for w in saved.weights}
     actual = {n: TensorMeta.of(t) for n, t in weights.items()}
     if declared != actual:
