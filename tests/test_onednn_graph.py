@@ -334,3 +334,34 @@ def test_a_cache_timed_before_these_tactics_keeps_its_choices_and_says_what_neve
     cache.save(cache_path)
     again = build_engine(spec, strict, CpuBackend(), cache_path)
     assert not [m for m in again.log.messages if "timed before" in m]
+
+
+def test_a_layer_makes_its_module_and_example_inputs_only_when_a_compile_needs_them(monkeypatch):
+    """Binding a layer, or a region holding it, makes neither the layer's module (its weights,
+    widened where it is) nor example inputs: a warm build of an engine never run, or of a layer
+    that only runs inside a region, needs neither. The first compile makes them, the module
+    once: the region and the layer's own partition trace the same one."""
+    made: list[torch.nn.Module] = []
+    init = onednn_graph._Layer.__init__
+
+    def counted(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        made.append(self)
+
+    examples: list[tuple] = []
+    example = onednn_graph._example
+    monkeypatch.setattr(onednn_graph._Layer, "__init__", counted)
+    monkeypatch.setattr(onednn_graph, "_example", lambda *meta: examples.append(meta) or example(*meta))
+    weight = torch.randn(8, 4, generator=torch.Generator().manual_seed(0))
+    layer = onednn_graph.compile_layer("fc", F.linear, weight, None, [], None, [((2, 4), (4, 1), "fp32")])
+    region = onednn_graph.compile_region(
+        "fc..relu", [layer, F.relu], [(layer.fixers[0], layer.inputs[0])], [(0,), (1,)], [2]
+    )
+    assert (made, examples) == ([], [])
+    x = torch.randn(2, 4)
+    with torch.inference_mode():
+        (y,) = region(x)
+        assert (len(made), examples) == (1, [((2, 4), (4, 1), "fp32")])
+        torch.testing.assert_close(y, F.relu(F.linear(x, weight)))
+        torch.testing.assert_close(layer(x), F.linear(x, weight))
+    assert len(made) == 1 and layer.module is made[0]

@@ -22,6 +22,7 @@ is also the faster kernel.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import warnings
@@ -128,25 +129,33 @@ class GraphLayer:
     """A layer compiled into a partition: its traced module, its inputs' exact layouts, and the call.
 
     The module and layouts stay available so that :func:`compile_region` can
-    trace a run of consecutive layers as one graph.
+    trace a run of consecutive layers as one graph. The module (with its
+    widened weights) is made the first time it is asked for, by a compile of
+    the layer or of a region holding it: a layer that only runs inside a
+    region, or an engine never run, makes none.
     """
 
     def __init__(
         self,
         name: str,
-        module: _Layer,
+        make: Callable[[], _Layer],
         inputs: Sequence[InputMeta],
         layout: torch.memory_format,
     ) -> None:
-        self.module, self.inputs = module, tuple(inputs)
+        self._make, self.inputs = functools.cache(make), tuple(inputs)
         self.fixers = tuple(exact_layout(shape, strides, layout) for shape, strides, _ in inputs)
-        run = _lazy(name, module, [_example(*meta) for meta in inputs])
+        run = _lazy(name, self._make, self.inputs)
         if len(self.fixers) == 2:
             fix_x, fix_r = self.fixers
             self._call: Callable[..., torch.Tensor] = lambda x, r: run(fix_x(x), fix_r(r))
         else:
             (fix,) = self.fixers
             self._call = lambda x: run(fix(x))
+
+    @property
+    def module(self) -> _Layer:
+        """The layer's module, the graph its partition is traced from (made on first use)."""
+        return self._make()
 
     def __call__(self, *args: torch.Tensor) -> torch.Tensor:
         return self._call(*args)
@@ -172,8 +181,12 @@ def compile_layer(
     the bridge leaves unfused still computes the same function, only slower,
     which timing then shows; it is logged.
     """
-    module = _Layer(op, weight, bias, attrs, post, residual=len(inputs) > 1, widened=widened).eval()
-    return GraphLayer(name, module, inputs, layout)
+    residual = len(inputs) > 1
+
+    def make() -> _Layer:
+        return _Layer(op, weight, bias, attrs, post, residual=residual, widened=widened).eval()
+
+    return GraphLayer(name, make, inputs, layout)
 
 
 class _Op(torch.nn.Module):
@@ -240,14 +253,17 @@ def compile_region(
     dtype); ``wiring`` and ``outputs`` index the region's values as
     :class:`_Region` does.
     """
-    modules = [layer.module if isinstance(layer, GraphLayer) else _Op(layer) for layer in layers]
-    module = _Region(modules, wiring, outputs).eval()
     fixers = [fix for fix, _ in inputs]
+
+    @functools.cache
+    def module() -> _Region:
+        modules = [layer.module if isinstance(layer, GraphLayer) else _Op(layer) for layer in layers]
+        return _Region(modules, wiring, outputs).eval()
 
     def one_by_one(*args: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return _chain(layers, wiring, outputs, args)
 
-    run = _lazy(name, module, [_example(*meta) for _, meta in inputs], fallback=one_by_one)
+    run = _lazy(name, module, [meta for _, meta in inputs], fallback=one_by_one)
 
     def region(*args: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return run(*(fix(arg) for fix, arg in zip(fixers, args, strict=True)))  # type: ignore[no-any-return]
@@ -275,11 +291,12 @@ def _example(shape: tuple[int, ...], strides: tuple[int, ...], dtype: str) -> to
 
 def _lazy(
     name: str,
-    module: torch.nn.Module,
-    examples: Sequence[torch.Tensor],
+    module: Callable[[], torch.nn.Module],
+    inputs: Sequence[InputMeta],
     fallback: Callable[..., Any] | None = None,
 ) -> Callable[..., Any]:
-    """``module`` compiled on first call, at each thread count; ``fallback`` where the bridge fails.
+    """``module()`` compiled on first call, at each thread count, traced on zero tensors of
+    ``inputs``; ``fallback`` where the bridge fails.
 
     A oneDNN primitive fixes its thread count when it is created, and a
     partition keeps its primitives, so one compiled while torch had 2 threads
@@ -295,8 +312,9 @@ def _lazy(
         count = threads()
         fn = compiled.get(count)
         if fn is None:
+            traced, examples = module(), [_example(*meta) for meta in inputs]
             try:
-                fn = _compile(name, module, examples)
+                fn = _compile(name, traced, examples)
             except Exception as exc:  # the bridge refuses some graphs whose ops it takes one by one
                 if fallback is None:
                     raise
