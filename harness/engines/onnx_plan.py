@@ -12,7 +12,7 @@ reports about itself (:class:`ModelEngine`).
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Annotated, Any, Literal, Protocol, TypedDict, TypeVar
 
 import onnx
@@ -137,6 +137,12 @@ def read_interface(plan: ExportedInterface, where: str) -> Interface:
         structure=OutputSpec.from_json(plan.output_structure, where),
         compiler_settings=plan.compiler_settings,
     )
+
+
+def first_difference(recorded: Sequence[object], now: Sequence[object]) -> int:
+    """The index of the first layer where a plan's recorded layers and the executed ones differ
+    (the shorter list's length when one is the other's beginning)."""
+    return next((i for i, (a, b) in enumerate(zip(recorded, now, strict=False)) if a != b), min(len(recorded), len(now)))
 
 
 def check_output_count(structure: OutputSpec, outputs: tuple[TensorSpec, ...], where: str) -> None:

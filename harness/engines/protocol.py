@@ -189,15 +189,9 @@ class LayerInfo:
     tactic_hash: str
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "key": self.key,
-            "tactic": self.tactic,
-            "tactic_hash": self.tactic_hash,
-            "layer_type": self.layer_type,
-            "input_dtypes": list(self.input_dtypes),
-            "output_dtypes": list(self.output_dtypes),
-        }
+        """The layer as plans and results record it (its :class:`LayerRecord`)."""
+        json: dict[str, Any] = document_json(LayerRecord.of(self, self.key))
+        return json
 
 
 def precision_of_layers(layers: Sequence[LayerInfo], mode: PrecisionMode) -> ExecutedPrecision | None:
@@ -224,7 +218,7 @@ class LayerRecord:
     """A :class:`LayerInfo` as saved engine plans store it (the ``layers`` of every plan).
 
     ``key`` is null for a layer that was not autotuned (nothing for ``harness cache verify``
-    to check). Fields in :meth:`LayerInfo.to_json`'s order, which is the files' order.
+    to check). Its fields, in order, are the files' keys, in order.
     """
 
     name: str

@@ -25,7 +25,6 @@ import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
-from harness.documents import document_json
 from harness.dtypes import dtype_from_name, dtype_name
 from harness.engines.cpu.plan import PLAN, WEIGHTS_FILE, Plan, plan_from_saved
 from harness.engines.cpu.profile import (
@@ -153,8 +152,9 @@ class CpuEngine(EngineBase):
 
     @staticmethod
     def load(path: str | os.PathLike[str], regions: bool = True) -> CpuEngine:
-        directory, saved, where = PLAN.load(path)
-        body = {k: v for k, v in document_json(saved).items() if k not in ("fingerprint", "weights_digest")}
+        directory, obj, where = PLAN.read(path)
+        body = {k: v for k, v in obj.items() if k not in ("fingerprint", "weights_digest")}
+        saved = PLAN.typed(obj, where)
         if digest(canonical_json(body)) != saved.fingerprint:
             raise HarnessError(
                 f"{where}: contents do not match the recorded fingerprint; the file was modified or corrupted"

@@ -282,7 +282,14 @@ def exact_layout(shape: tuple[int, ...], strides: tuple[int, ...], layout: torch
 def input_meta(shape: Sequence[int], dtype: str, layout: torch.memory_format) -> InputMeta:
     """The (shape, strides, dtype) of a ``layout``-contiguous input, as a partition's guard sees it."""
     shape = tuple(shape)
-    return shape, torch.empty(shape, device="meta", memory_format=layout).stride(), dtype
+    return shape, _strides(shape, layout), dtype
+
+
+@functools.lru_cache(maxsize=4096)
+def _strides(shape: tuple[int, ...], layout: torch.memory_format) -> tuple[int, ...]:
+    """The strides torch gives a ``layout``-contiguous tensor of ``shape``: they depend on nothing
+    else, so each is asked of torch once per process."""
+    return torch.empty(shape, device="meta", memory_format=layout).stride()
 
 
 def _example(shape: tuple[int, ...], strides: tuple[int, ...], dtype: str) -> torch.Tensor:

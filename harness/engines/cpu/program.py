@@ -27,7 +27,6 @@ import torch
 
 from harness.dtypes import dtype_from_name
 from harness.engines.cpu import onednn_graph, tactics
-from harness.engines.cpu.families import graph
 from harness.engines.cpu.plan import GETITEM, Node, Plan, Ref, TensorMeta
 from harness.engines.cpu.tactic import compiled
 from harness.errors import HarnessError
@@ -412,7 +411,7 @@ def _region_call(
             if isinstance(layer, onednn_graph.GraphLayer):  # its partition's layout
                 fix, meta = layer.fixers[slot], layer.inputs[slot]
             else:  # a plain layer's input, contiguous as ATen ops mostly return them
-                meta = graph.input_meta(metas[ref.name].shape, metas[ref.name].dtype, torch.contiguous_format)
+                meta = onednn_graph.input_meta(metas[ref.name].shape, metas[ref.name].dtype, torch.contiguous_format)
                 fix = onednn_graph.exact_layout(meta[0], meta[1], torch.contiguous_format)
             key = (ref.name, meta[1])
             if key not in keys:

@@ -82,6 +82,7 @@ from harness.engines.onnx_plan import (
     ModelEngine,
     ModelPlan,
     check_output_count,
+    first_difference,
     interface_json,
     read_interface,
     read_model_plan,
@@ -430,7 +431,7 @@ def _check_recorded_layers(recorded: tuple[LayerRecord, ...], executed: list[Lay
     now = _layer_records(executed)
     if recorded == now:
         return
-    index = next((i for i, (a, b) in enumerate(zip(recorded, now, strict=False)) if a != b), min(len(recorded), len(now)))
+    index = first_difference(recorded, now)
     which = recorded[index].name if index < len(recorded) else now[index].name
     raise HarnessError(
         f"{where}: layer {index} ({which!r}) of the recorded layers is not what onnxruntime executes "

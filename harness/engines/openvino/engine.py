@@ -25,7 +25,7 @@ import torch
 
 from harness.documents import document_json
 from harness.engines.onnx_export import TensorSpec, check_inputs, graph_description
-from harness.engines.onnx_plan import ModelEngine, read_model_plan
+from harness.engines.onnx_plan import ModelEngine, first_difference, read_model_plan
 from harness.engines.openvino.layers import (
     Deviation,
     ExecutedLayer,
@@ -125,10 +125,7 @@ class OpenVinoEngine(ModelEngine):
             raise HarnessError(f"{where}: {exc}") from None
         now = engine.layer_records()
         if now != plan.layers:
-            first = next(
-                (i for i, (a, b) in enumerate(zip(now, plan.layers, strict=False)) if a != b),
-                min(len(now), len(plan.layers)),
-            )
+            first = first_difference(plan.layers, now)
             raise HarnessError(
                 f"{where}: OpenVINO {VERSION} executes other layers than the plan records (built with "
                 f"OpenVINO {record.openvino_version}; {len(now)} layers now, {len(plan.layers)} in "

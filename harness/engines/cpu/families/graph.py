@@ -12,14 +12,12 @@ another function has neither.
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import torch
 
 from harness.engines.cpu import onednn_graph
 from harness.engines.cpu.epilogues import EPILOGUES
-from harness.engines.cpu.onednn_graph import InputMeta
 from harness.engines.cpu.tactic import (
     WIDENABLE,
     Binder,
@@ -41,7 +39,7 @@ def binder(
 
     def bind(ctx: Ctx) -> Bound:
         named = ctx.named
-        layouts = [input_meta(m.shape, m.dtype, layout) for m in ctx.inputs]
+        layouts = [onednn_graph.input_meta(m.shape, m.dtype, layout) for m in ctx.inputs]
         return onednn_graph.compile_layer(
             ctx.name,
             op,
@@ -55,17 +53,6 @@ def binder(
         )
 
     return bind
-
-
-def input_meta(shape: Sequence[int], dtype: str, layout: torch.memory_format) -> InputMeta:
-    """:func:`harness.engines.cpu.onednn_graph.input_meta`: the strides of a ``layout``-contiguous
-    tensor depend only on its shape, so each is asked of torch once per process."""
-    return _input_meta(tuple(shape), dtype, layout)
-
-
-@functools.lru_cache(maxsize=4096)
-def _input_meta(shape: tuple[int, ...], dtype: str, layout: torch.memory_format) -> InputMeta:
-    return onednn_graph.input_meta(shape, dtype, layout)
 
 
 def _traceable_epilogue(layer: Layer) -> bool:
