@@ -12,12 +12,15 @@ import torch
 
 from harness.bench import runner as runner_mod
 from harness.bench.results import content_digest, load_results
+from harness.bench.results_doc import read_run
 from harness.bench.runner import cache_file
 from harness.cache.operations import pin
 from harness.cache.timing_cache import TimingCache
 from harness.cli import main as cli_main
+from harness.documents import document_json
 from harness.engines.cpu import CpuBackend
 from harness.engines.protocol import BuildConfig
+from tests.test_documents import same_record
 from tests.test_telemetry_gpus import B, NvmlDouble, cuda_double, gpus
 
 MACHINE = "test-machine"
@@ -176,6 +179,16 @@ def real_run(tmp_path_factory) -> dict:
                 "-o", tmp / "run.json", "--models", "digits", "--modes", "fp32,bf16"]  # fmt: skip
         assert cli_main.main([str(a) for a in argv]) == 0
     return load_results(tmp / "run.json")
+
+
+def test_the_settings_a_bench_writes_round_trip_through_their_classes(real_run):
+    """Every key ``harness bench`` writes into ``settings`` is a typed field holding its value."""
+    settings = read_run(real_run).settings
+    assert same_record(document_json(settings), real_run["settings"])
+    assert settings.modes == ["fp32", "bf16"] and settings.measure is not None and settings.measure.cuda_graph is False
+    assert settings.model_settings is not None and settings.model_settings["digits"].modes is not None
+    bf16 = settings.model_settings["digits"].modes["bf16"]
+    assert bf16.compiler_settings is not None and bf16.compiler_settings.low_precision_type == "bf16"
 
 
 def test_gate_from_the_command_line_on_real_runs_with_synthetic_timings(capsys, tmp_path, real_run):

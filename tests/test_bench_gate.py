@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from harness.autocast.settings import AutocastSettings
 from harness.bench.accuracy import compare_outputs, output_digest
 from harness.bench.clocks import locked_clocks
 from harness.bench.compare import compare, tactic_diffs
@@ -17,6 +18,8 @@ from harness.bench.gate import INCONCLUSIVE_EXIT, AccuracyTolerances, GateSettin
 from harness.bench.latency import LatencyResult, Timer
 from harness.bench.results import SCHEMA_VERSION, CaseResult, sealed, write_results
 from harness.bench.results_doc import Layer
+from harness.bench.runner import MeasureSettings
+from harness.bench.scenarios import Scenario
 from harness.bench.stats import Summary, slow_phase
 from harness.bench.tables import compare_table, gate_table
 from harness.bench.telemetry import TelemetrySampler
@@ -251,11 +254,48 @@ def test_failed_cases_and_an_incomplete_run_fail_the_gate() -> None:
 
 
 def test_gate_refuses_other_machines_and_notes_settings() -> None:
-    a = make_doc([case([1, 2, 3])], warmup_s=1.0)
+    a = make_doc([case([1, 2, 3])], measure=MeasureSettings(warmup_s=1.0).to_dict())
     with pytest.raises(HarnessError, match="baseline is from machine 'box' but the run is from 'other'"):
         gate(a, make_doc([case([1, 2, 3])], machine_id="other"))
-    report = gate(a, make_doc([case([1, 2, 3])], warmup_s=2.0))
-    assert report.notes == ["settings differ: warmup_s"] and report.to_dict()["exit_code"] == report.exit_code != 1
+    report = gate(a, make_doc([case([1, 2, 3])], measure=MeasureSettings(warmup_s=2.0).to_dict()))
+    assert report.notes == ["settings differ: measure"] and report.to_dict()["exit_code"] == report.exit_code != 1
+
+
+_SCENARIOS = [{"name": "offline", "label": "offline", **Scenario("offline").params()}]
+_AUTOCAST = AutocastSettings().to_json()
+
+
+@pytest.mark.parametrize(
+    ("baseline", "current", "differ"),
+    [
+        # a nested setting is named by its top-level field, as the notes always did
+        ({"measure": MeasureSettings().to_dict()}, {"measure": MeasureSettings(min_iters=31).to_dict()}, ["measure"]),
+        (
+            {"model_settings": {"m": {"reference": "m", "explicit": None, "autocast": {**_AUTOCAST, "data_max": 512.0}}}},
+            {"model_settings": {"m": {"reference": "m", "explicit": None, "autocast": {**_AUTOCAST, "data_max": 256.0}}}},
+            ["model_settings"],
+        ),
+        # settings the document did not declare before, and one only the current run recorded
+        ({"peers": []}, {"peers": ["eager"]}, ["peers"]),
+        ({}, {"scenarios": _SCENARIOS}, ["scenarios"]),
+        ({"quick": False, "threads": 1}, {"quick": True, "threads": 2, "lock_clocks": "base"}, ["lock_clocks", "quick", "threads"]),
+        # left out and null are one value; equal records are no difference
+        ({"cache_dir": None, "threads": 1}, {"threads": 1}, []),
+        ({"measure": MeasureSettings().to_dict()}, {"measure": MeasureSettings().to_dict()}, []),
+    ],
+)
+def test_the_settings_that_differ_are_named_by_field(baseline: dict[str, Any], current: dict[str, Any], differ: list[str]) -> None:
+    report = gate(make_doc([case([1, 2, 3])], **baseline), make_doc([case([1, 2, 3])], **current))
+    assert [n for n in report.notes if n.startswith("settings differ")] == (
+        [f"settings differ: {', '.join(differ)}"] if differ else []
+    )
+
+
+def test_a_misspelt_setting_is_refused_naming_it() -> None:
+    with pytest.raises(HarnessError, match=r"invalid at settings: .*'treads' was unexpected\); valid keys: backend"):
+        make_doc([case([1, 2, 3])], treads=1)
+    with pytest.raises(HarnessError, match=r"invalid at settings/measure: .*'warmup' was unexpected\)"):
+        make_doc([case([1, 2, 3])], measure={**MeasureSettings().to_dict(), "warmup": 1.0})
 
 
 def test_gate_refuses_a_cpu_baseline_with_other_isa_under_one_machine_id() -> None:

@@ -28,17 +28,20 @@ from harness.bench.results import (
     sealed,
     write_results,
 )
+from harness.bench.results_doc import read_run
 from harness.bench.stats import Summary
 from harness.bench.store import FileStore
 from harness.bench.tables import format_bytes, format_ns, results_table
 from harness.bench.telemetry import TelemetrySampler
+from harness.documents import document_json
 from harness.errors import HarnessError
 from harness.machine import MACHINE_ID_ENV, cpu_info, gpu_info, machine_id, slug
+from tests.test_documents import same_record
 from tests.test_telemetry_gpus import B, Gpu, NvmlDouble, cuda_double, gpus
 
 MACHINE: dict[str, Any] = {"id": "test-machine-2c", "cpu": {"model": "test", "isa_flags": []}, "gpu": {"devices": []}}
 GIT = {"commit": "0" * 40, "dirty": False}
-SETTINGS = {"warmup_s": 0.0, "min_duration_s": 0.01}
+SETTINGS: dict[str, Any] = {"backend": "cpu", "quick": False, "threads": 1}
 
 
 def real_case(model: str, mode: str, dtype: torch.dtype = torch.float32) -> CaseResult:
@@ -131,7 +134,7 @@ def test_resume_continues_an_interrupted_run(tmp_path: Path) -> None:
     path = tmp_path / "run.json"
     new_writer(path).add(CaseResult.failed("m", "fp32", "cpu", "x"))
     with pytest.raises(HarnessError, match="settings"):
-        ResultsWriter.resume(path, settings={"other": 1}, machine=MACHINE, git=GIT)
+        ResultsWriter.resume(path, settings={**SETTINGS, "quick": True}, machine=MACHINE, git=GIT)
     with pytest.raises(HarnessError, match="machine id"):
         ResultsWriter.resume(path, settings=SETTINGS, machine={"id": "elsewhere"}, git=GIT)
     w = ResultsWriter.resume(path, settings=SETTINGS, machine=MACHINE, git=GIT)
@@ -301,7 +304,7 @@ def test_merge_shards(tmp_path: Path) -> None:
     dup = _shard(tmp_path / "dup.json", [CaseResult.failed("mlp", "bf16", "cpu", "x")])
     with pytest.raises(HarnessError, match=r"mlp/bf16/cpu is in both .*a\.json and .*dup\.json"):
         merge_results([a, dup])
-    other_settings = _shard(tmp_path / "s.json", [], settings={"warmup_s": 1.0})
+    other_settings = _shard(tmp_path / "s.json", [], settings={**SETTINGS, "threads": 2})
     with pytest.raises(
         HarnessError, match=r"cannot merge .*s\.json with .*a\.json: settings differ"
     ):
@@ -461,6 +464,16 @@ def _git(repo: Path, *args: str) -> str:
     ).stdout.strip()  # fmt: skip
 
 
+def test_the_machine_record_this_machine_writes_round_trips_through_its_class(tmp_path: Path) -> None:
+    """Every key machine_info() and git_info() write is a field of the typed record, with its value."""
+    machine, git = machine_info(), git_info()
+    path = tmp_path / "run.json"
+    ResultsWriter.create(path, settings=SETTINGS, machine=machine, git=git).finish()
+    run = read_run(load_results(path))
+    assert same_record(document_json(run.machine), machine) and document_json(run.git) == git
+    assert run.machine.torch is not None and run.machine.torch.version == machine["torch"]["version"]
+
+
 def test_git_info_on_a_scratch_repository(tmp_path: Path) -> None:
     assert git_info(tmp_path) == {"commit": None, "dirty": None}  # not a repository
     _git(tmp_path, "init", "-q")
@@ -516,6 +529,19 @@ def test_schema1_run_is_refused_where_it_would_be_trusted(tmp_path: Path) -> Non
     with pytest.raises(HarnessError, match="schema_version 1 is an old results format"):
         merge_results([SCHEMA1_RUN])
     assert not list(tmp_path.iterdir())
+
+
+def test_schema1_settings_written_with_a_cov_threshold_are_upgraded_without_it(tmp_path: Path) -> None:
+    """Schema-1 runs of the version that judged stability by CoV recorded its threshold in the
+    measure settings; schema 2 has none, so the upgrade drops it (as from each latency) and the
+    rest of the settings read as they were."""
+    doc = json.loads(SCHEMA1_RUN.read_text())
+    doc["settings"]["measure"]["cov_threshold"] = 0.1
+    path = tmp_path / "v1-cov.json"
+    path.write_text(json.dumps(doc))
+    settings = read_run(load_results(path, upgrade=True)).settings
+    assert settings.measure is not None and settings.measure.min_iters == 30 and settings.measure.threads is None
+    assert (settings.explicit, settings.modes) == (None, ["fp32", "bf16", "amp-bf16"])
 
 
 def test_schema1_upgrade_refuses_bad_samples_naming_the_case(tmp_path: Path) -> None:

@@ -78,7 +78,7 @@ def rss_read_error_bytes() -> int:
 
 @pytest.fixture
 def writer(tmp_path):
-    return ResultsWriter.create(tmp_path / "run.json", settings={"test": True})
+    return ResultsWriter.create(tmp_path / "run.json", settings={"quick": True})
 
 
 def test_shards_partition_the_matrix_in_order():

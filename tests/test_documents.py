@@ -10,10 +10,11 @@ from typing import Any
 import pytest
 import torch
 
-from harness.bench.results import load_results
+from harness.bench.results import content_digest, load_results
 from harness.bench.results_doc import RESULTS_SCHEMA, GpuClocks, read_run
 from harness.cache.timing_cache import SCHEMA, CacheEntry, Candidate, Provenance, TimingCache
 from harness.debug.plan import PrecisionPlan
+from harness.documents import document_json
 from harness.dtypes import EXPLICIT_DTYPES
 from harness.engines.modes import EXPLICIT_SCHEMA, load_explicit
 from harness.errors import HarnessError
@@ -23,6 +24,7 @@ from harness.nvml import CLOCK_SETTINGS
 ROOT = Path(__file__).resolve().parent.parent
 COMMITTED_RUNS = sorted((ROOT / "results").glob("*/run-*.json")) + sorted((ROOT / "results").glob("*/baseline.json"))
 COMMITTED_CACHES = sorted((ROOT / "results").glob("*/caches/*.json"))
+SCHEMA1_RUN = ROOT / "tests" / "data" / "results" / "schema1_run.json"
 
 
 def _defs(schema: dict[str, Any], name: str) -> dict[str, Any]:
@@ -74,6 +76,58 @@ def test_every_committed_run_reads_as_its_classes(path: Path) -> None:
         assert case.latency.samples_ns == raw["latency"]["samples_ns"]
         assert case.accuracy.max_abs_error == raw["accuracy"]["max_abs_error"]
         assert case.warnings == raw.get("warnings", [])
+
+
+def same_record(dumped: Any, raw: Any) -> bool:
+    """Whether a typed record's JSON (:func:`document_json`) says what the file said: equal values,
+    and a field the file left out null in the record."""
+    if isinstance(raw, dict):
+        return (
+            isinstance(dumped, dict)
+            and raw.keys() <= dumped.keys()
+            and all(dumped[k] is None for k in dumped.keys() - raw.keys())
+            and all(same_record(dumped[k], v) for k, v in raw.items())
+        )
+    if isinstance(raw, list):
+        return isinstance(dumped, list) and len(dumped) == len(raw) and all(map(same_record, dumped, raw))
+    return bool(dumped == raw)
+
+
+RECORD_FILES = [*COMMITTED_RUNS, SCHEMA1_RUN]
+
+
+@pytest.mark.parametrize("path", RECORD_FILES, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_the_settings_and_machine_of_every_committed_run_and_fixture_read_as_their_classes(path: Path) -> None:
+    """Every key a run's settings and machine record hold is a typed field that says what the file said."""
+    doc = load_results(path, upgrade=True)
+    run = read_run(doc)
+    assert same_record(document_json(run.settings), doc["settings"])
+    assert same_record(document_json(run.machine), doc["machine"])
+    assert run.settings.measure is not None and run.machine.os is not None and run.machine.os.system == "Linux"
+
+
+@pytest.mark.parametrize(
+    ("where", "change"),
+    [
+        ("settings", lambda d: d["settings"].update(treads=1)),
+        ("settings/measure", lambda d: d["settings"]["measure"].update(warmup=1.0)),
+        ("settings/model_settings/resnet/autocast", lambda d: d["settings"]["model_settings"]["resnet"]["autocast"].update(datamax=1.0)),
+        ("settings/model_settings/resnet/modes/fp16/compiler_settings",
+         lambda d: d["settings"]["model_settings"]["resnet"]["modes"]["fp16"]["compiler_settings"].update(initmax=1.0)),
+        ("machine", lambda d: d["machine"].update(hostnmae="vm")),
+        ("machine/cpu", lambda d: d["machine"]["cpu"].update(isa_flag=[])),
+        ("machine/gpu", lambda d: d["machine"]["gpu"].update(drivers=None)),
+        ("machine/torch", lambda d: d["machine"]["torch"].update(version_=None)),
+        ("git", lambda d: d["git"].update(comit=None)),
+    ],
+)  # fmt: skip
+def test_a_misspelt_settings_or_machine_key_is_refused_naming_it(tmp_path: Path, where: str, change: Any) -> None:
+    doc = load_results(COMMITTED_RUNS[0])
+    change(doc)
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps({**doc, "digest": content_digest(doc)}))
+    with pytest.raises(HarnessError, match=rf"invalid at {where}: Additional properties are not allowed \('[a-z_]+' was unexpected\)"):
+        load_results(path)
 
 
 def test_a_misspelt_key_in_a_closed_part_of_a_run_is_refused() -> None:

@@ -16,6 +16,7 @@ The dashboard is opened in the system's headless Chromium
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import hashlib
 import itertools
@@ -37,7 +38,7 @@ from harness.bench import step_detect
 from harness.bench.accuracy import compare_outputs, output_digest
 from harness.bench.dashboard import render_html
 from harness.bench.gate import gate
-from harness.bench.history import collect
+from harness.bench.history import VOLATILE_MACHINE_FIELDS, collect
 from harness.bench.latency import LatencyResult
 from harness.bench.machine import machine_info
 from harness.bench.results import (
@@ -46,6 +47,7 @@ from harness.bench.results import (
     load_results,
     write_results,
 )
+from harness.bench.results_doc import Machine
 from harness.bench.stats import Summary, slow_phase
 from harness.bench.store import FileStore
 from harness.cli import history_cmd
@@ -325,6 +327,27 @@ def test_several_machines_each_have_their_runs_series_and_baseline(planted: Path
     assert [(m.id, s.name) for m, s, _ in both.steps()] == [(MACHINE_ID, f"{MODEL}/bf16/{BACKEND}")]
     same = collect([root / other, root / MACHINE_ID, root / other / "run-20260102T100000Z.json"])
     assert [len(m.runs) for m in same.machines] == [RUNS + 1, 4]  # a file named twice is read once
+
+
+def test_a_machine_marker_names_the_typed_fields_that_changed_but_not_the_volatile_ones(tmp_path: Path) -> None:
+    """Two runs of one GPU whose machine records differ in PyTorch's version and the hostname: one
+    machine marker, naming the version by its dotted field; the hostname is no change."""
+    root = tmp_path / "results"
+    for i in range(2):
+        write_run(root, i)
+    second = sorted((root / MACHINE_ID).glob("run-*.json"))[1]
+    doc = load_results(second)
+    doc["machine"] = {**doc["machine"], "hostname": "elsewhere", "torch": {**doc["machine"]["torch"], "version": "9.9.9"}}
+    write_results(second, doc)
+    (machine,) = collect([root]).machines
+    assert VOLATILE_MACHINE_FIELDS <= {f.name for f in dataclasses.fields(Machine)}
+    for s in machine.series:
+        (marker,) = s.markers
+        assert marker.kind == "machine" and "hostname" not in marker.detail and marker.detail.endswith("torch.version: " + machine_info()["torch"]["version"] + " -> 9.9.9")
+    assert [r.to_dict()["machine"] for r in machine.runs] == [
+        {"hostname": host, "cpu": machine_info()["cpu"]["model"], "torch": torch, "tensorrt": "10.13.0"}
+        for host, torch in (("gpu-runner-0", machine_info()["torch"]["version"]), ("elsewhere", "9.9.9"))
+    ]
 
 
 # --- the command: JSON, Markdown, HTML, bad input -------------------------------------------

@@ -49,11 +49,11 @@ not the code's, said, never failed on.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
 
 from harness.bench.results import CaseKey, case_order, format_key
-from harness.bench.results_doc import Case, GpuTelemetry, Run, read_run
+from harness.bench.results_doc import Case, GpuTelemetry, Run, Settings, read_run
 from harness.bench.stats import bootstrap_ratio_ci, mann_whitney_u
 from harness.errors import HarnessError
 
@@ -390,9 +390,7 @@ def gate(
         problems.append("the current run is incomplete (interrupted); finish it with --resume")
     if not baseline.complete:
         notes.append("the baseline is incomplete (interrupted run)")
-    # every setting a run recorded, the ones the document does not declare too
-    base_settings, cur_settings = baseline_doc["settings"], current_doc["settings"]
-    changed = sorted(k for k in set(base_settings) | set(cur_settings) if base_settings.get(k) != cur_settings.get(k))
+    changed = settings_differ(baseline.settings, current.settings)
     if changed:
         notes.append("settings differ: " + ", ".join(changed))
     notes += gpu_notes(baseline, current)
@@ -416,6 +414,12 @@ def gate(
     judged = sum(1 for v in verdicts if v.key in shared and _judged(v))
     required = s.min_judged if s.min_judged is not None else len(shared if s.allow_missing else base_cases)
     return GateReport(verdicts, notes, problems, {**asdict(s)}, judged, required)
+
+
+def settings_differ(baseline: Settings, current: Settings) -> list[str]:
+    """The names of the settings two runs recorded differently, sorted: a setting one run lacks
+    differs from any value but null in the other, and a nested one is named by its top-level field."""
+    return sorted(f.name for f in fields(Settings) if getattr(baseline, f.name) != getattr(current, f.name))
 
 
 def _judged(verdict: CaseVerdict) -> bool:

@@ -43,9 +43,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from harness.bench.clocks import NamedClock
 from harness.bench.gate import GateSettings, gate
 from harness.bench.results import CaseKey, content_digest, format_key, load_results
-from harness.bench.results_doc import PEER_PREFIX, Case, GpuTelemetry, Run, read_run
+from harness.bench.results_doc import PEER_PREFIX, Case, GpuTelemetry, Machine, Run, read_run
 from harness.bench.step_detect import fit_steps
 from harness.bench.store import BASELINE, machine_files
 from harness.bench.tables import format_ns
@@ -59,8 +60,8 @@ MARKER_KINDS: tuple[MarkerKind, ...] = ("fingerprint", "machine", "clock")
 # The gate's verdicts never depend on its bootstrap interval (it is reported beside the
 # ratio, not judged): the history computes a token one, which takes a thousandth of the time.
 _VERDICT_ONLY_RESAMPLES = 2
-# Parts of the machine record that change without the machine changing.
-_VOLATILE_MACHINE_KEYS = ("hostname",)
+# Fields of the machine record that change without the machine changing.
+VOLATILE_MACHINE_FIELDS = frozenset({"hostname"})
 
 
 @dataclass
@@ -78,12 +79,12 @@ class RunInfo:
     quick: bool
     upgraded: bool
     digest: str
+    machine: Machine = field(repr=False)
+    lock_clocks: NamedClock | int | None = None
     baseline: bool = False
     gate_outcome: str | None = None  # PASS, FAIL, INCONCLUSIVE; None: not gated
     gate_summary: str | None = None
     gate_note: str | None = None  # why it was not gated
-    machine: dict[str, Any] = field(default_factory=dict, repr=False)
-    lock_clocks: Any = None
 
     @property
     def time(self) -> str:
@@ -105,8 +106,7 @@ class RunInfo:
         return f"{self.short_commit} {self.date}"
 
     def to_dict(self) -> dict[str, Any]:
-        cpu = self.machine.get("cpu") or {}
-        torch = self.machine.get("torch") or {}
+        machine = self.machine
         return {
             "index": self.index,
             "file": self.file,
@@ -122,10 +122,10 @@ class RunInfo:
             "gate": None if self.gate_outcome is None else {"outcome": self.gate_outcome, "summary": self.gate_summary},
             "gate_note": self.gate_note,
             "machine": {
-                "hostname": self.machine.get("hostname"),
-                "cpu": cpu.get("model") if isinstance(cpu, Mapping) else None,
-                "torch": torch.get("version") if isinstance(torch, Mapping) else None,
-                "tensorrt": self.machine.get("tensorrt"),
+                "hostname": machine.hostname,
+                "cpu": machine.cpu.model,
+                "torch": None if machine.torch is None else machine.torch.version,
+                "tensorrt": machine.tensorrt,
             },
             "lock_clocks": self.lock_clocks,
         }
@@ -377,8 +377,10 @@ def _unique(paths: Iterable[Path]) -> list[Path]:
 # --- reading runs ------------------------------------------------------------------------
 
 
-def _machine_signature(machine: Mapping[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in machine.items() if k not in _VOLATILE_MACHINE_KEYS}
+def machine_signature(machine: Machine) -> dict[str, Any]:
+    """What a machine marker compares of a run's machine record: its fields as JSON but the
+    volatile ones (:data:`VOLATILE_MACHINE_FIELDS`); a field the file left out is null."""
+    return {k: v for k, v in document_json(machine).items() if k not in VOLATILE_MACHINE_FIELDS}
 
 
 def _flat(obj: Any, prefix: str = "") -> dict[str, Any]:
@@ -441,7 +443,7 @@ class _Run:
 
 @dataclass(frozen=True)
 class _Loaded:
-    """A results file as loaded (what the gate, the digests and the machine record read) and typed."""
+    """A results file as loaded (what the gate and the digests read) and typed."""
 
     path: Path
     doc: Mapping[str, Any]
@@ -468,8 +470,7 @@ def _run_info(loaded: _Loaded) -> RunInfo:
         quick=bool(run.settings.quick),
         upgraded=run.upgraded_from is not None,
         digest=run.digest,
-        # the whole record, its undeclared parts too: a machine marker compares them all
-        machine=dict(loaded.doc["machine"]),
+        machine=run.machine,
         lock_clocks=run.settings.lock_clocks,
     )
 
@@ -622,8 +623,8 @@ def _markers(points: Sequence[Point], runs: Sequence[RunInfo]) -> list[Marker]:
         if pf is not None and cf is not None and pf != cf:
             cache = "same timing cache" if prev.timing_cache_digest == cur.timing_cache_digest else "timing cache changed"
             markers.append(Marker("fingerprint", cur.run, f"engine fingerprint {pf[:15]}... -> {cf[:15]}... ({cache})"))
-        before = {**_machine_signature(runs[prev.run].machine), "gpu_uuid": prev.gpu}
-        after = {**_machine_signature(runs[cur.run].machine), "gpu_uuid": cur.gpu}
+        before = {**machine_signature(runs[prev.run].machine), "gpu_uuid": prev.gpu}
+        after = {**machine_signature(runs[cur.run].machine), "gpu_uuid": cur.gpu}
         if before != after:
             markers.append(Marker("machine", cur.run, describe_change(before, after)))
         if prev.clocks != cur.clocks:

@@ -387,6 +387,15 @@ def _upgrade_latency_1(lat: Mapping[str, Any], where: str) -> dict[str, Any]:
     }
 
 
+def _upgrade_settings_1(settings: Any) -> Any:
+    """Schema-1 settings in schema 2's form: ``measure`` without ``cov_threshold``, which schema 2
+    replaced by the spread threshold (as in each case's latency); anything else as it was."""
+    measure = settings.get("measure") if isinstance(settings, Mapping) else None
+    if not isinstance(measure, Mapping):
+        return settings
+    return {**settings, "measure": {k: v for k, v in measure.items() if k != "cov_threshold"}}
+
+
 def _upgrade_case_1(case: Mapping[str, Any], where: str) -> dict[str, Any]:
     """One schema-1 case in schema 2's form; what schema 1 never recorded is null."""
     out = {k: v for k, v in case.items() if k != "pinned"}
@@ -422,6 +431,7 @@ def upgrade_results(doc: Mapping[str, Any], where: str) -> dict[str, Any]:
     cases = doc["cases"]
     upgraded = dict(doc)
     upgraded["schema_version"] = SCHEMA_VERSION
+    upgraded["settings"] = _upgrade_settings_1(doc["settings"])
     upgraded["cases"] = [_upgrade_case_1(c, f"{where}: case {i}") for i, c in enumerate(cases)]
     upgraded["upgraded_from"] = {"schema_version": version, "digest": None, "note": UNVERIFIED_NOTE}
     upgraded["digest"] = content_digest(upgraded)

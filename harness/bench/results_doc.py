@@ -4,9 +4,9 @@
 :class:`Run` and the classes it holds, so the format and what readers get cannot drift apart.
 :func:`read_run` gives the typed run of a loaded document; the gate reads it by attribute.
 
-Classes of the closed objects refuse keys they do not declare; the open ones (machine,
-settings, telemetry, scenario, source, outputs) declare what readers use and keep the rest
-in the file for people to read. A field that a file may leave out but never sets to null
+Classes of the closed objects (machine and settings among them) refuse keys they do not
+declare, naming them; the open ones (telemetry, scenario, source, outputs) declare what
+readers use and keep the rest in the file for people to read. A field that a file may leave out but never sets to null
 is ``X | Absent = None``: absent from its schema's required keys, null refused.
 """
 
@@ -21,8 +21,9 @@ from pydantic.dataclasses import dataclass
 from pydantic.json_schema import SkipJsonSchema
 
 from harness.bench.clocks import NamedClock
-from harness.documents import Digest, read_typed, schema_of
+from harness.documents import Digest, OneOf, read_typed, schema_of
 from harness.limits import MAX_BATCH_SIZE, MAX_ITERS, MAX_THREADS
+from harness.precision import LOW_PRECISIONS, PrecisionMode
 
 SCHEMA_VERSION = 2
 STATUSES = ("ok", "non-finite", "failed")
@@ -364,47 +365,222 @@ class Case:
         return self.backend.startswith(PEER_PREFIX)
 
 
-@dataclass(frozen=True, config=_OPEN)
+@dataclass(frozen=True, config=_CLOSED)
 class Cpu:
-    """What readers use of the CPU record: its ISA flags (the gate compares them)."""
+    """The CPU record (harness.machine.cpu_info): its kernel-relevant ISA flags (the gate compares
+    them), model and core counts. Only the flags are required: a record without the rest (one
+    imported from pytest-benchmark, or written by hand) still says what the gate needs."""
 
     isa_flags: list[str]
+    model: str | Absent = None
+    logical_cores: Annotated[int, Field(ge=1)] | Absent = None
+    # psutil cannot always tell
+    physical_cores: Annotated[int, Field(ge=1)] | None = None
 
 
-@dataclass(frozen=True, config=_OPEN)
+@dataclass(frozen=True, config=_CLOSED)
 class GpuDevice:
+    """One GPU NVML listed (harness.machine.gpu_info); the UUID is absent from older files."""
+
+    name: str | Absent = None
     uuid: str | Absent = None
+    capability: str | Absent = None
+    memory_bytes: Count | Absent = None
 
 
-@dataclass(frozen=True, config=_OPEN)
+@dataclass(frozen=True, config=_CLOSED)
 class Gpus:
+    """The GPUs of a machine (harness.machine.gpu_info), or why there are none (``status``)."""
+
     devices: list[GpuDevice]
+    status: str | Absent = None
+    driver: str | None = None
 
 
-@dataclass(frozen=True, config=_OPEN)
+@dataclass(frozen=True, config=_CLOSED)
+class OsRecord:
+    """The operating system a run ran on (platform.uname)."""
+
+    system: str
+    release: str
+    platform: str
+
+
+@dataclass(frozen=True, config=_CLOSED)
+class PythonRecord:
+    """The Python a run ran on."""
+
+    version: str
+    implementation: str
+
+
+@dataclass(frozen=True, config=_CLOSED)
+class TorchRecord:
+    """The PyTorch a run ran on, and its thread counts as the process started."""
+
+    version: str
+    cuda: str | None
+    threads: Annotated[int, Field(ge=1)]
+    interop_threads: Annotated[int, Field(ge=1)]
+
+
+@dataclass(frozen=True, config=_CLOSED)
 class Machine:
-    """What readers use of a run's machine record (the rest of machine_info() is informative)."""
+    """A run's machine record (harness.bench.machine.machine_info): its id, CPU and GPUs, and the
+    software it ran (informative: a history's machine marker compares it, the gate does not).
+
+    Only ``id``, ``cpu`` and ``gpu`` are required: a run imported from pytest-benchmark records
+    nothing else. ``packages`` maps the packages machine_info looks for to their versions (None: not
+    installed); which packages it looks for may change, so its keys are not fixed.
+    """
 
     id: str
     cpu: Cpu
     gpu: Gpus
+    hostname: str | Absent = None
+    memory_bytes: Count | Absent = None
+    os: OsRecord | Absent = None
+    python: PythonRecord | Absent = None
+    torch: TorchRecord | Absent = None
+    tensorrt: str | None = None
+    packages: dict[str, str | None] | Absent = None
 
 
-@dataclass(frozen=True, config=_OPEN)
+@dataclass(frozen=True, config=_CLOSED)
 class Git:
+    """The commit a run measured and whether tracked files differed from it (None: not a checkout)."""
+
     commit: str | None
     dirty: bool | None
 
 
-@dataclass(frozen=True, config=_OPEN)
-class Settings:
-    """What readers compare of a run's settings (the gate: threads, quick, lock_clocks); the rest is shown."""
+_Iters = Annotated[int, Field(ge=1, le=MAX_ITERS)]
 
-    threads: Threads | None = None
+
+@dataclass(frozen=True, config=_CLOSED)
+class Measure:
+    """How long each case was measured: the record of harness.bench.runner.MeasureSettings (its
+    ``to_dict``). Schema-1 files have no spread threshold or threads; files before ``--cuda-graph``
+    have no ``cuda_graph``."""
+
+    warmup_s: NonNegative
+    min_iters: _Iters
+    min_duration_s: NonNegative
+    max_iters: _Iters
+    telemetry_interval_s: Positive
+    # None: the timer's default
+    spread_threshold: Annotated[float, Field(ge=0, le=MAX_SPREAD_THRESHOLD)] | None = None
+    threads: Threads | Absent = None
+    cuda_graph: bool | Absent = None
+
+
+@dataclass(frozen=True, config=_CLOSED)
+class AutocastRecord:
+    """Autocast compiler settings as harness.autocast.settings.AutocastSettings.to_json gives them.
+
+    ``low_precision_type`` is absent from a model's given settings (each mode decides it) and
+    present in the settings a mode was compiled under; ``fp32_output_tail`` is absent from files
+    written before it existed.
+    """
+
+    nodes_to_exclude: list[str]
+    targets_to_exclude: list[str]
+    nodes_to_include: list[str]
+    targets_to_include: list[str]
+    data_max: Positive | None
+    init_max: Positive | None
+    max_depth_of_reduction: Annotated[int, Field(ge=1)] | None
+    keep_io_types: bool
+    # a digest of the calibration tensors
+    calibration_data: str | None
+    # qualified names of the custom rules
+    custom_rules: list[str]
+    low_precision_type: Annotated[str, OneOf(LOW_PRECISIONS)] | Absent = None
+    fp32_output_tail: bool | Absent = None
+
+
+@dataclass(frozen=True, config=_CLOSED)
+class ModeBuild:
+    """What a mode's engines were compiled under (harness.engines.protocol.BuildConfig): the
+    settings and their digest, None where the mode's graph does not depend on them."""
+
+    compiler_settings: AutocastRecord | None
+    autocast_digest: Digest | None
+
+
+@dataclass(frozen=True, config=_CLOSED)
+class ModelSettings:
+    """How one model was built (harness.cli.bench_cmd): its reference, explicit precision file, the
+    autocast settings the user gave and, per mode, what its engines were compiled under.
+
+    Files written before settings were recorded per mode have no ``modes`` and one
+    ``autocast_digest`` for the model.
+    """
+
+    reference: Name
+    explicit: str | None
+    autocast: AutocastRecord
+    modes: dict[PrecisionMode, ModeBuild] | Absent = None
+    autocast_digest: Digest | Absent = None
+
+
+@dataclass(frozen=True, config=_CLOSED)
+class ScenarioSettings:
+    """One scenario a run measured: harness.bench.scenarios.Scenario's name, label and ``params()``."""
+
+    name: Literal["single-stream", "offline", "multi-stream", "server"]
+    label: Name
+    concurrency: Annotated[int, Field(ge=1)]
+    samples_per_query: Annotated[int, Field(ge=1)] | None
+    interval_s: Positive | None
+    target_rate: Positive | None
+    latency_bound_s: Positive | None
+    find_rate: bool
+    seed: int
+
+
+@dataclass(frozen=True, config=_CLOSED)
+class InputSettings:
+    """How a model file's inputs were shaped and filled (harness.sources.inputs.InputOptions.to_json):
+    shapes by input name, value ranges by input name (``*``: every other input), the file loaded."""
+
+    shapes: dict[str, list[Count]]
+    ranges: dict[str, str]
+    load: str | None
+
+
+@dataclass(frozen=True, config=_CLOSED)
+class Settings:
+    """How a run was made (harness.cli.bench_cmd): every key ``harness bench`` writes, and those
+    older versions wrote. The gate names the ones that differ between two runs.
+
+    Each may be absent: a run imported from pytest-benchmark records only ``quick``, and older
+    files lack what was added later (``batch_sizes``, ``cache_dir``, ``project``, ``peers``,
+    ``scenarios``, ...). ``explicit`` and ``project_file`` are what files written before
+    ``model_settings`` and ``project`` recorded instead. ``project`` is the project file's
+    contents as read (its own schema, harness.project's, checked them), with its path as ``file``.
+    """
+
+    backend: Name | Absent = None
+    models: list[Name] | Absent = None
+    modes: list[PrecisionMode] | Absent = None
     quick: bool | Absent = None
+    threads: Threads | None = None
     batch_sizes: Annotated[list[Batch], Field(json_schema_extra={"uniqueItems": True})] | None = None
+    measure: Measure | Absent = None
+    cache_dir: str | None = None
+    project: dict[str, Any] | None = None
+    model_settings: dict[str, ModelSettings] | Absent = None
+    ignore_cache_mismatch: bool | Absent = None
+    peers: list[Name] | Absent = None
     # set only by a run with --lock-clocks (harness.bench.clocks)
     lock_clocks: NamedClock | Annotated[int, Field(ge=1)] | Absent = None
+    # only where the run measured other than one single-stream scenario
+    scenarios: list[ScenarioSettings] | Absent = None
+    # only where model files' inputs were given shapes, ranges or a file
+    inputs: dict[str, InputSettings] | Absent = None
+    explicit: str | None = None
+    project_file: str | None = None
 
 
 @dataclass(frozen=True, config=_CLOSED)
@@ -469,5 +645,7 @@ RESULTS_SCHEMA["$defs"]["Case"].update(
 def read_run(doc: Mapping[str, Any], where: str = "results") -> Run:
     """The typed run of a results document that passed :data:`RESULTS_SCHEMA` (as loaded)."""
     return read_typed(Run, doc, where)
+
+
 # One case, as a writer adds it to a run.
 CASE_SCHEMA: dict[str, Any] = {"$defs": RESULTS_SCHEMA["$defs"], "$ref": "#/$defs/Case"}
