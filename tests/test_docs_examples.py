@@ -16,6 +16,10 @@ pyproject.toml, each ``python -m`` names a module that exists, and Python
 blocks compile. ``test_every_example_is_accounted_for`` prints how many blocks
 run and how many are skipped, and why; ``test_examples_run`` runs them (slow:
 minutes, it builds and benchmarks models).
+
+Every ``harness`` command and Python block runs as a process of its own,
+started from a fork server (tests/forkserver.py) that has imported torch
+once, so that each does not pay that import again.
 """
 
 from __future__ import annotations
@@ -29,10 +33,13 @@ import shutil
 import subprocess
 import sys
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from tests.forkserver import ForkServer
 
 REPO = Path(__file__).resolve().parents[1]
 SHELL = ("bash", "sh", "shell")
@@ -287,12 +294,34 @@ def _env() -> dict[str, str]:
     return env
 
 
+@dataclass(frozen=True)
+class Runner:
+    """How the examples run: their environment (``harness`` on its PATH is the fork server's) and the
+    program that runs a Python block's script."""
+
+    env: dict[str, str]
+    python: Path
+
+
+@pytest.fixture(scope="session")
+def runner(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runner]:
+    directory = tmp_path_factory.mktemp("forkserver")
+    env = _env()
+    env["PATH"] = f"{directory / 'bin'}{os.pathsep}{env['PATH']}"
+    server = ForkServer(directory, env)
+    try:
+        server.client("harness", "harness")
+        yield Runner(env, server.client("python", "python-script"))
+    finally:
+        server.close()
+
+
 RUNNABLE_PAGES = sorted({b.page for b in all_blocks() if not b.kinds})
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("page", RUNNABLE_PAGES)
-def test_examples_run(page: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_examples_run(page: str, runner: Runner, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The page's unmarked blocks, in order, in a fresh copy of the repository: each exits 0."""
     work = _copy_of_repository(tmp_path / "repo")
     scripts = tmp_path / "scripts"
@@ -305,11 +334,11 @@ def test_examples_run(page: str, tmp_path: Path, capsys: pytest.CaptureFixture[s
         if block.lang in PYTHON:
             script = scripts / f"block{number}.py"
             script.write_text(block.code, encoding="utf-8")
-            argv = [sys.executable, str(script)]
+            argv = [str(runner.python), str(script)]
         else:
             argv = ["bash", "-e", "-o", "pipefail", "-c", block.code]
         done = subprocess.run(
-            argv, cwd=work, env=_env(), capture_output=True, text=True, timeout=BLOCK_TIMEOUT_S, check=False
+            argv, cwd=work, env=runner.env, capture_output=True, text=True, timeout=BLOCK_TIMEOUT_S, check=False
         )
         assert done.returncode == 0, (
             f"{block.where}: the example exited {done.returncode}\n--- example ---\n{block.code}"
