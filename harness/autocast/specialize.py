@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch.export import ExportedProgram
 
 from harness.autocast.amp_lists import check_amp_table
 from harness.autocast.compiler import CompiledGraph, compile
@@ -28,11 +29,20 @@ class AutocastModule(torch.nn.Module):
     # Export runs the model's forward, which may reseed, pin threads or switch
     # grad mode: construction leaves the caller's process as it found it.
     @preserves_global_state
-    def __init__(self, module: torch.nn.Module, example_inputs: Sequence[torch.Tensor], device: str = "cpu") -> None:
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        example_inputs: Sequence[torch.Tensor],
+        device: str = "cpu",
+        *,
+        program: ExportedProgram | None = None,
+    ) -> None:
         super().__init__()
         check_amp_table(device)  # every specialization has the amp policy: refused now, not at the first call
-        with torch.autocast(device, enabled=False):
-            self._program = export_program(module, example_inputs)
+        if program is None:
+            with torch.autocast(device, enabled=False):
+                program = export_program(module, example_inputs)
+        self._program = program
         self._examples = tuple(example_inputs)
         self._device = device
         self.specializations: dict[StateKey, CompiledGraph] = {}
@@ -63,10 +73,21 @@ class AutocastModule(torch.nn.Module):
         return self.specialization(self.state())(*inputs)
 
 
-def jit(module: torch.nn.Module, example_inputs: Sequence[torch.Tensor], device: str = "cpu") -> AutocastModule:
+def jit(
+    module: torch.nn.Module,
+    example_inputs: Sequence[torch.Tensor],
+    device: str = "cpu",
+    *,
+    program: ExportedProgram | None = None,
+) -> AutocastModule:
     """Wrap ``module`` so that it follows the caller's autocast state exactly.
 
     Neither wrapping nor calling changes the caller's global state or the
     module's ``training`` flags (see :class:`AutocastModule`).
+
+    ``program``, if given, is compiled instead of a new export of ``module``, so
+    one export can serve several wrappers. It must be what the wrapper would make:
+    :func:`~harness.frontend.export.export_program` of this ``module`` on
+    ``example_inputs``, outside any autocast region (not checked).
     """
-    return AutocastModule(module, example_inputs, device)
+    return AutocastModule(module, example_inputs, device, program=program)

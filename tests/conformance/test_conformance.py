@@ -27,7 +27,7 @@ from harness.globalstate import preserved_global_state
 from harness.outputs import tensor_paths
 from tests.conformance.recreations import RECREATIONS
 from tests.helpers import assert_same_outputs
-from tests.seeds import reseeded
+from tests.seeds import redrawn
 
 RECREATIONS_FILE = Path(__file__).with_name("recreations.py")
 SUBJECTS = (*THIRD_PARTY, *(f"{RECREATIONS_FILE}:{name}" for name in RECREATIONS))
@@ -68,8 +68,8 @@ def subject(request):
 
 @pytest.fixture(scope="module")
 def program(subject):
-    """The subject's export, made once and shared by its engine builds in every mode: building from
-    it is building from the module (tests/test_build.py holds the two equal)."""
+    """The subject's export, made once and shared by its engine builds in every mode and its weight
+    draws: building from it is building from the module (tests/test_build.py holds the two equal)."""
     _, spec, _ = subject
     return export_program(spec.module, spec.example_inputs)
 
@@ -86,30 +86,33 @@ def test_fp32_graph_equals_eager(subject):
     assert_same_outputs(compiled(*spec.example_inputs), eager)
 
 
-@pytest.mark.slow  # every weight draw compiles the model again: over 20 s for the larger subjects
+# Every weight draw compiles from the subject's one export: ``redrawn`` draws the module's
+# parameters in place, which are the export's (tests/test_seeds.py holds a compile after such
+# a draw equal to one from a reseeded copy), and puts them back for the other tests.
+@pytest.mark.slow  # every weight draw compiles the model again
 @pytest.mark.stage("AMP {low} bit-identical")
 @pytest.mark.parametrize("low", LOW)
-def test_amp_graph_is_bit_identical_to_eager_autocast(subject, low):
+def test_amp_graph_is_bit_identical_to_eager_autocast(subject, program, low):
     name, spec, _ = subject
     for seed in _seeds(name):
-        module = reseeded(spec.module, seed)
-        compiled = compile(module, spec.example_inputs, policy="amp", low_precision_type=LOW[low])
-        assert_same_outputs(compiled(*spec.example_inputs), _eager_autocast(module, spec.example_inputs, LOW[low]))
+        with redrawn(spec.module, seed) as module:
+            compiled = compile(program, spec.example_inputs, policy="amp", low_precision_type=LOW[low])
+            assert_same_outputs(compiled(*spec.example_inputs), _eager_autocast(module, spec.example_inputs, LOW[low]))
 
 
 @pytest.mark.slow  # as above, three autocast states per draw
 @pytest.mark.stage("jit exact")
-def test_jit_follows_every_autocast_state_exactly(subject):
+def test_jit_follows_every_autocast_state_exactly(subject, program):
     name, spec, _ = subject
     for seed in _seeds(name):
-        module = reseeded(spec.module, seed)
-        wrapped = jit(module, spec.example_inputs)
-        with torch.no_grad():
-            assert_same_outputs(wrapped(*spec.example_inputs), module(*spec.example_inputs))
-        for dtype in LOW.values():
-            with torch.autocast("cpu", dtype=dtype):
-                got = wrapped(*spec.example_inputs)
-            assert_same_outputs(got, _eager_autocast(module, spec.example_inputs, dtype))
+        with redrawn(spec.module, seed) as module:
+            wrapped = jit(module, spec.example_inputs, program=program)
+            with torch.no_grad():
+                assert_same_outputs(wrapped(*spec.example_inputs), module(*spec.example_inputs))
+            for dtype in LOW.values():
+                with torch.autocast("cpu", dtype=dtype):
+                    got = wrapped(*spec.example_inputs)
+                assert_same_outputs(got, _eager_autocast(module, spec.example_inputs, dtype))
 
 
 @pytest.mark.slow  # the rule compile and eager autocast of every subject in both low types
