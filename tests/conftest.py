@@ -1,5 +1,13 @@
 """Hypothesis profile: CI runs the same examples every time (derandomized), so a
-run on a clean checkout is reproducible; locally it explores new ones."""
+run on a clean checkout is reproducible; locally it explores new ones.
+
+Under xdist, each worker's intra-op threads are its share of the cores this
+process may run on (``OMP_NUM_THREADS`` for the processes its tests start, and
+torch's own count): workers that each start a thread per core oversubscribe
+them, and OpenMP threads that spin at a barrier while another is descheduled
+make every parallel op several times slower. A thread count the caller set
+is kept.
+"""
 
 from __future__ import annotations
 
@@ -13,8 +21,17 @@ if os.environ.get("CI"):
 
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
 
 from harness.globalstate import GlobalState  # noqa: E402
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1 and "OMP_NUM_THREADS" not in os.environ:
+        threads = max(1, len(os.sched_getaffinity(0)) // workers)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        torch.set_num_threads(threads)
 
 
 @pytest.fixture(autouse=True)
