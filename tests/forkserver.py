@@ -2,18 +2,20 @@
 
 A :class:`ForkServer` is a process that has imported torch and harness's
 command-line interface once, then waits on a Unix socket. A client (a script
-:meth:`ForkServer.client` writes, put on PATH as ``harness``) sends its argv, working directory and environment, and passes its stdin, stdout and
-stderr descriptors along. For each request the server forks a process that
-takes those descriptors, directory and environment and runs the command as
-its console script would; the client exits with that process's status (or
-dies of its signal). Each command is thus its own process, started from a
-state no command has touched, as it would be from a terminal.
+:meth:`ForkServer.client` writes, put on PATH as ``harness``) sends its argv,
+working directory, environment and resource limits, and passes its stdin,
+stdout and stderr descriptors along. For each request the server forks a
+process that takes those descriptors, limits, directory and environment and
+runs the command as its console script would; the client exits with that
+process's status (or dies of its signal). Each command is thus its own
+process, started from a state no command has touched, as it would be from a
+terminal. Signals sent to the client do not reach the command, except that
+the command is killed when its client goes away.
 
 A request whose environment differs from the server's in anything but what
 a shell sets for itself (:data:`SHELL_OWN`) may change what the imports did
 (an environment variable torch reads when imported), so it is not forked
 from the imported state: its process ``exec``\\ s the real program instead.
-If the client goes away (killed on a timeout), the command is killed too.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import resource
 import select
 import signal
 import socket
@@ -40,9 +43,11 @@ _READY = "ready"
 
 # The client, as a script that runs without site-packages (``-S``): it only needs the standard library.
 _CLIENT = r'''
-import json, os, signal, socket, struct, sys
+import json, os, resource, signal, socket, struct, sys
 def main(address, kind):
-    request = json.dumps({"kind": kind, "argv": sys.argv, "cwd": os.getcwd(), "env": dict(os.environ)}).encode()
+    limits = {name: resource.getrlimit(getattr(resource, name)) for name in dir(resource) if name.startswith("RLIMIT_")}
+    request = {"kind": kind, "argv": sys.argv, "cwd": os.getcwd(), "env": dict(os.environ), "limits": limits}
+    request = json.dumps(request).encode()
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     conn.connect(address)
     socket.send_fds(conn, [struct.pack("!Q", len(request))], [0, 1, 2])
@@ -114,10 +119,14 @@ def _run(request: Mapping[str, Any], programs: Mapping[str, str]) -> int:
 
 
 def _command(request: Mapping[str, Any], fds: list[int], programs: Mapping[str, str], started: Environment) -> None:
-    """The forked command process: take the client's descriptors, directory and environment; never returns."""
+    """The forked command process: take the client's descriptors, limits, directory and environment; never returns."""
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
         os.close(fd)
+    for name, limit in request["limits"].items():
+        which = getattr(resource, name)
+        if resource.getrlimit(which) != tuple(limit):
+            resource.setrlimit(which, tuple(limit))
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     os.chdir(request["cwd"])
     wanted = dict(request["env"])

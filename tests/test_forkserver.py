@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -17,8 +19,9 @@ from tests.forkserver import ForkServer
 
 # Where the forked scripts report what they saw; each prints it as its last line.
 REPORT = """
-import json, os, sys
+import json, os, resource, sys
 print(json.dumps({"argv": sys.argv, "cwd": os.getcwd(), "torch_imported": "torch" in sys.modules,
+                  "file_size_limit": list(resource.getrlimit(resource.RLIMIT_FSIZE)),
                   "stdin": sys.stdin.read(), "env": {k: v for k, v in os.environ.items() if k.startswith("FS_")}}))
 """
 
@@ -42,8 +45,16 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
         server.close()
 
 
-def _run(argv: list[str], env: dict[str, str], cwd: Path, stdin: str = "") -> subprocess.CompletedProcess[str]:
-    return subprocess.run(argv, env=env, cwd=cwd, input=stdin, capture_output=True, text=True, timeout=300, check=False)
+def _run(
+    argv: list[str], env: dict[str, str], cwd: Path, stdin: str = "", file_size_limit: int | None = None
+) -> subprocess.CompletedProcess[str]:
+    def limited() -> None:
+        if file_size_limit is not None:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (file_size_limit, file_size_limit))
+
+    return subprocess.run(
+        argv, env=env, cwd=cwd, input=stdin, capture_output=True, text=True, timeout=300, check=False, preexec_fn=limited
+    )
 
 
 def test_a_harness_command_prints_and_exits_as_the_real_one(served: Served, tmp_path: Path) -> None:
@@ -53,15 +64,22 @@ def test_a_harness_command_prints_and_exits_as_the_real_one(served: Served, tmp_
         assert (forked.returncode, forked.stdout, forked.stderr) == (fresh.returncode, fresh.stdout, fresh.stderr), args
 
 
-def test_a_script_gets_its_argv_directory_stdin_and_the_imported_state(served: Served, tmp_path: Path) -> None:
+def test_a_script_gets_its_argv_directory_stdin_limits_and_the_imported_state(served: Served, tmp_path: Path) -> None:
     script = tmp_path / "report.py"
     script.write_text(REPORT, encoding="utf-8")
     work = tmp_path / "work"
     work.mkdir()
-    done = _run([str(served.python), str(script), "a b", "c"], served.env, work, stdin="typed\n")
+    done = _run([str(served.python), str(script), "a b", "c"], served.env, work, stdin="typed\n", file_size_limit=1 << 20)
     assert done.returncode == 0, done.stderr
-    seen = __import__("json").loads(done.stdout.splitlines()[-1])
-    assert seen == {"argv": [str(script), "a b", "c"], "cwd": str(work), "torch_imported": True, "stdin": "typed\n", "env": {}}
+    seen = json.loads(done.stdout.splitlines()[-1])
+    assert seen == {
+        "argv": [str(script), "a b", "c"],
+        "cwd": str(work),
+        "torch_imported": True,
+        "file_size_limit": [1 << 20, 1 << 20],
+        "stdin": "typed\n",
+        "env": {},
+    }
 
 
 def test_another_environment_runs_the_real_program_with_it(served: Served, tmp_path: Path) -> None:
@@ -70,7 +88,7 @@ def test_another_environment_runs_the_real_program_with_it(served: Served, tmp_p
     script.write_text(REPORT, encoding="utf-8")
     done = _run([str(served.python), str(script)], {**served.env, "FS_SETTING": "1"}, tmp_path)
     assert done.returncode == 0, done.stderr
-    seen = __import__("json").loads(done.stdout.splitlines()[-1])
+    seen = json.loads(done.stdout.splitlines()[-1])
     assert seen["env"] == {"FS_SETTING": "1"} and seen["torch_imported"] is False
 
 

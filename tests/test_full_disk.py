@@ -4,8 +4,8 @@ The filesystem is a small tmpfs filled to the last page where this machine
 lets the tests mount one (root, CAP_SYS_ADMIN); elsewhere each command runs
 under a file-size limit (``RLIMIT_FSIZE``, ``ulimit -f``), so that its writes
 fail as a full disk's do (EFBIG instead of ENOSPC: the same path through
-the harness). Each command is a real process (``python -m harness``), and
-must exit 2 with one ``error:`` line naming the file it could not write, no
+the harness). Each command is a process of its own (``harness``, started
+from a fork server that imported torch once: tests/forkserver.py), and must exit 2 with one ``error:`` line naming the file it could not write, no
 traceback, no new file or directory on the full filesystem or beside its
 inputs, and every input byte for byte as it was: a results file started
 before the disk filled, and the cache directory made for it, are removed.
@@ -34,8 +34,9 @@ from harness.bench.runner import cache_file
 from harness.engines.cpu import CpuBackend
 from harness.engines.protocol import BuildConfig
 from harness.fileio import WriteFailed, atomic_write_bytes, locked
-from tests.test_bad_inputs import MACHINE, TRT_LAYERS, TRT_LOG, _snapshot, good  # noqa: F401
-from tests.test_hostile_inputs import error_line, run_harness
+from tests.forkserver import ForkServer
+from tests.test_bad_inputs import ENV, MACHINE, TRT_LAYERS, TRT_LOG, _snapshot, good  # noqa: F401
+from tests.test_hostile_inputs import REPO, error_line
 
 pytestmark = pytest.mark.slow  # each writer runs as a real process on a filled filesystem
 
@@ -47,6 +48,40 @@ TMPFS_BYTES = 64 << 10
 SMALL_WRITES = 128
 
 
+Limits = dict[int, tuple[int, int]]
+
+
+@dataclass(frozen=True)
+class Harness:
+    """``harness`` as a user runs it, on the bad-input machine id."""
+
+    env: dict[str, str]
+    program: Path
+
+    def run(self, argv: list[str], cwd: Path, limits: Limits | None = None) -> subprocess.CompletedProcess[str]:
+        """``harness argv`` in ``cwd`` under ``limits`` (resource -> soft and hard limit)."""
+
+        def limited() -> None:
+            for which, limit in (limits or {}).items():
+                resource.setrlimit(which, limit)
+
+        return subprocess.run(
+            [str(self.program), *argv],
+            cwd=cwd, env=self.env, capture_output=True, text=True, timeout=300, preexec_fn=limited,
+        )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def harness(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Harness]:
+    directory = tmp_path_factory.mktemp("forkserver")
+    env = {**os.environ, **ENV, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    server = ForkServer(directory, env)
+    try:
+        yield Harness(env, server.client("harness", "harness"))
+    finally:
+        server.close()
+
+
 @dataclass(frozen=True)
 class FullDisk:
     """A directory on a full filesystem: a tmpfs (``file_limit`` None), or, where none can be
@@ -55,11 +90,9 @@ class FullDisk:
     directory: Path
     file_limit: int | None
 
-    def run(self, argv: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    def run(self, harness: Harness, argv: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
         limit = self.file_limit
-        if limit is None:
-            return run_harness(argv, cwd)
-        return run_harness(argv, cwd, preexec=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)))
+        return harness.run(argv, cwd, None if limit is None else {resource.RLIMIT_FSIZE: (limit, limit)})
 
 
 def _mount_tmpfs(directory: Path) -> bool:
@@ -166,7 +199,7 @@ def _fill_in(argv: tuple[str, ...], work: Path, full: Path) -> list[str]:
 
 
 @pytest.mark.parametrize("write", [pytest.param(w, id=w.name, marks=w.marks) for w in WRITES])
-def test_a_write_on_a_full_disk_is_one_error_naming_the_file_and_leaves_nothing(tmp_path, good, write: Write) -> None:  # noqa: F811
+def test_a_write_on_a_full_disk_is_one_error_naming_the_file_and_leaves_nothing(tmp_path, good, harness: Harness, write: Write) -> None:  # noqa: F811
     """Exit 2, one error line naming the file (as given), no traceback; on the full filesystem and
     beside the inputs nothing new, and every input (one on the full filesystem too) as it was."""
     if write.plots and not HAS_PLOTS:
@@ -175,13 +208,13 @@ def test_a_write_on_a_full_disk_is_one_error_naming_the_file_and_leaves_nothing(
     directory = tmp_path / "full"
     with full_disk(directory, [good[name] for name in write.on_full]) as full:
         before = _snapshot(work, directory)
-        result = full.run(_fill_in(write.argv, work, directory), work)
+        result = full.run(harness, _fill_in(write.argv, work, directory), work)
         line = error_line(result.returncode, result.stderr, CASE_WARNING)
         assert _fill_in((write.names,), work, directory)[0] in line, line
         assert _snapshot(work, directory) == before, "a file was left, or an input changed"
 
 
-def test_a_bench_that_fills_the_disk_mid_run_leaves_neither_its_results_nor_its_caches(tmp_path, good) -> None:  # noqa: F811
+def test_a_bench_that_fills_the_disk_mid_run_leaves_neither_its_results_nor_its_caches(tmp_path, good, harness: Harness) -> None:  # noqa: F811
     """Room for the started results file and the case's timing cache, not for the results once they
     hold the case's samples: the started file and the cache directory made for it go.
 
@@ -196,7 +229,7 @@ def test_a_bench_that_fills_the_disk_mid_run_leaves_neither_its_results_nor_its_
     # them; without tmpfs, one page is a file size the first two stay under and the third exceeds.
     with full_disk(directory, free=3 * PAGE, file_limit=PAGE) as full:
         before = _snapshot(work, directory)
-        result = full.run(["-v", *QUICK_BENCH, "-o", str(output)], work)
+        result = full.run(harness, ["-v", *QUICK_BENCH, "-o", str(output)], work)
         line = error_line(result.returncode, result.stderr, LOG_LINE)
         assert str(output) in line, line
         digits_fp32 = cache_file(output.parent / "caches", "digits", BuildConfig("fp32", threads=1), CpuBackend())
@@ -206,13 +239,11 @@ def test_a_bench_that_fills_the_disk_mid_run_leaves_neither_its_results_nor_its_
 
 
 @pytest.mark.parametrize("engine", ["engine", "ort", "ov"])
-def test_inspect_of_a_saved_engine_works_under_a_4_gib_address_space(good, engine: str) -> None:  # noqa: F811
+def test_inspect_of_a_saved_engine_works_under_a_4_gib_address_space(good, harness: Harness, engine: str) -> None:  # noqa: F811
     """``ulimit -v 4194304``: loading an engine reserves what its files hold, not the 16 GiB a
     payload may reach (which failed with MemoryError before anything was read)."""
     limit = 4194304 * 1024
-    result = run_harness(
-        ["inspect", str(good[engine])], good[engine].parent, preexec=lambda: resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-    )
+    result = harness.run(["inspect", str(good[engine])], good[engine].parent, {resource.RLIMIT_AS: (limit, limit)})
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"engine {good[engine]}: backend" in result.stdout
 
