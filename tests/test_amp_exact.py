@@ -10,14 +10,16 @@ import torch.nn.functional as F
 from harness import models
 from harness.autocast import compile
 from harness.errors import HarnessError
+from harness.frontend.export import export_program
 from tests.helpers import assert_same_outputs
-from tests.seeds import reseeded
+from tests.seeds import redrawn, reseeded
 
 DTYPES = [torch.bfloat16, torch.float16]
 
 
-def assert_matches_eager(module, inputs, dtype):
-    cg = compile(module, inputs, policy="amp", low_precision_type=dtype)
+def assert_matches_eager(module, inputs, dtype, program=None):
+    """The AMP graph of ``module`` (compiled from ``program``, its export, if given) against eager autocast."""
+    cg = compile(module if program is None else program, inputs, policy="amp", low_precision_type=dtype)
     with torch.autocast("cpu", dtype=dtype), torch.no_grad():
         ref = module(*inputs)
     assert_same_outputs(cg(*inputs), ref)
@@ -34,10 +36,12 @@ SEEDS = 3
 @pytest.mark.parametrize("name", ["resnet", "transformer", "overflow", "digits"])
 def test_zoo_models_bit_identical(name, dtype):
     spec = models.load(name)
-    cg = assert_matches_eager(spec.module, spec.example_inputs, dtype)
+    program = export_program(spec.module, spec.example_inputs)
+    cg = assert_matches_eager(spec.module, spec.example_inputs, dtype, program)
     assert cg.report.counts().get("amp:lower_precision_fp", 0) > 0
     for seed in range(SEEDS):
-        assert_matches_eager(reseeded(spec.module, seed), spec.example_inputs, dtype)
+        with redrawn(spec.module, seed):
+            assert_matches_eager(spec.module, spec.example_inputs, dtype, program)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

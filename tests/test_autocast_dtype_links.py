@@ -21,7 +21,7 @@ from harness.frontend.export import export_program, standalone_graph
 from harness.frontend.provenance import DTYPE_FOLLOWS
 from tests.conformance.recreations import TokenMixer
 from tests.helpers import assert_same_outputs
-from tests.seeds import reseeded
+from tests.seeds import redrawn, reseeded
 
 LOW = (torch.bfloat16, torch.float16)
 
@@ -180,14 +180,15 @@ def _wav2vec2() -> tuple[nn.Module, tuple[torch.Tensor]]:
 @pytest.mark.parametrize("dtype", LOW, ids=str)
 def test_wav2vec2_encoder_is_bit_identical(dtype):
     model, x = _wav2vec2()
+    program = export_program(model, x)
     for seed in range(2):
-        module = reseeded(model, seed)
-        expected = _eager(module, x, dtype)
-        assert expected.last_hidden_state.dtype == dtype  # type: ignore[attr-defined]
-        assert_same_outputs(compile(module, x, policy="amp", low_precision_type=dtype)(*x), expected)
-        wrapped = jit(module, x)
-        with torch.autocast("cpu", dtype=dtype):
-            assert_same_outputs(wrapped(*x), expected)
+        with redrawn(model, seed) as module:
+            expected = _eager(module, x, dtype)
+            assert expected.last_hidden_state.dtype == dtype  # type: ignore[attr-defined]
+            assert_same_outputs(compile(program, x, policy="amp", low_precision_type=dtype)(*x), expected)
+            wrapped = jit(module, x, program=program)
+            with torch.autocast("cpu", dtype=dtype):
+                assert_same_outputs(wrapped(*x), expected)
 
 
 def test_low_precision_weight_copies_keep_requires_grad():
