@@ -28,6 +28,7 @@ from harness.autocast.calibrate import (
     check_calibration_data,
     default_calibration_data,
 )
+from harness.autocast import bias_correction
 from harness.autocast.casts import insert_casts, retype_inputs
 from harness.autocast.classify import POLICIES, classify, rules_for
 from harness.autocast.cleanup import CLEANUP
@@ -343,11 +344,13 @@ def compile(
         timings["lowering"] = time.perf_counter() - t0 - timings["export"]
 
         calib: Calibration | None = None
-        if policy == "rule" and settings.data_max is not None:
+        batches: list[tuple[torch.Tensor, ...]] = []
+        if policy == "rule" and (settings.data_max is not None or settings.bias_correction):
             t1 = time.perf_counter()
             data = settings.calibration_data or calibration_data
             batches = check_calibration_data(data, examples) if data is not None else default_calibration_data(examples)
-            calib = calibrate(gm, batches)
+            if settings.data_max is not None:
+                calib = calibrate(gm, batches)
             timings["calibration"] = time.perf_counter() - t1
 
         t2 = time.perf_counter()
@@ -355,6 +358,11 @@ def compile(
         decisions = classify(gm, ctx, rules_for(policy, patterns))
         # the rule policy's classifier is the one that reads them; checked before casts rename nothing
         unmatched = unmatched_selectors(gm, settings) if policy == "rule" else []
+        shifts: dict[str, torch.Tensor] = {}
+        fp32_biases: dict[str, str] = {}
+        if policy == "rule" and settings.bias_correction:
+            shifts = bias_correction.measure(gm, decisions, low, batches)
+            fp32_biases = {n.name: str(n.args[2].target) for n in gm.graph.nodes if n.name in shifts}
         timings["classify"] = time.perf_counter() - t2
 
         t3 = time.perf_counter()
@@ -367,6 +375,8 @@ def compile(
             mixed_norms=not exact_amp,
             copies_require_grad=not inference_mode,
         )
+        if shifts:
+            bias_correction.apply(gm, fp32_biases, shifts, low)
         if not settings.keep_io_types and not exact_amp:
             retype_inputs(gm)
         gm = CLEANUP(gm)

@@ -94,6 +94,9 @@ class AutocastSettings:
     custom_rules: Sequence[CustomRule] = ()
     # With keep_io_types: the last layers run fp32 where that costs no cast (rules.OutputLayer).
     fp32_output_tail: bool = True
+    # Lowered linears and convolutions: the mean output shift their rounded weights cause on the
+    # calibration data is taken out of their bias (harness.autocast.bias_correction).
+    bias_correction: bool = True
     # derived, validated forms
     low: torch.dtype = field(init=False)
     exclude_patterns: tuple[re.Pattern[str], ...] = field(init=False)
@@ -121,7 +124,7 @@ class AutocastSettings:
         depth = self.max_depth_of_reduction
         if depth is not None and (isinstance(depth, bool) or not isinstance(depth, int) or depth <= 0):
             raise HarnessError(f"max_depth_of_reduction must be a positive integer or None, got {depth!r}")
-        for flag in ("keep_io_types", "fp32_output_tail"):
+        for flag in ("keep_io_types", "fp32_output_tail", "bias_correction"):
             if not isinstance(getattr(self, flag), bool):
                 raise HarnessError(f"{flag} must be true or false, got {getattr(self, flag)!r}")
         for rule in self.custom_rules:
@@ -145,6 +148,7 @@ class AutocastSettings:
             "max_depth_of_reduction": self.max_depth_of_reduction,
             "keep_io_types": self.keep_io_types,
             "fp32_output_tail": self.fp32_output_tail,
+            "bias_correction": self.bias_correction,
             "calibration_data": None if self.calibration_data is None else _tensors_digest(self.calibration_data),
             "custom_rules": [f"{getattr(r, '__module__', '?')}.{getattr(r, '__qualname__', repr(r))}" for r in self.custom_rules],
         }
