@@ -21,9 +21,11 @@ NORMS = {aten.layer_norm.default: (2, 3), aten.group_norm.default: (2, 3), aten.
 
 
 def _rule_settings(low: str) -> AutocastSettings:
-    """Rule mode with every threshold off and no fp32 output tail: the default rule lowers every node."""
+    """Rule mode with every threshold off, no fp32 output tail and no bias correction: the default
+    rule lowers every node, with the weights eager autocast would use."""
     return AutocastSettings(
-        low_precision_type=low, data_max=None, init_max=None, max_depth_of_reduction=None, fp32_output_tail=False
+        low_precision_type=low, data_max=None, init_max=None, max_depth_of_reduction=None, fp32_output_tail=False,
+        bias_correction=False,
     )
 
 

@@ -479,8 +479,8 @@ class AutocastRecord:
     """Autocast compiler settings as harness.autocast.settings.AutocastSettings.to_json gives them.
 
     ``low_precision_type`` is absent from a model's given settings (each mode decides it) and
-    present in the settings a mode was compiled under; ``fp32_output_tail`` is absent from files
-    written before it existed.
+    present in the settings a mode was compiled under; ``fp32_output_tail`` and ``bias_correction``
+    are absent from files written before they existed.
     """
 
     nodes_to_exclude: list[str]
@@ -497,6 +497,7 @@ class AutocastRecord:
     custom_rules: list[str]
     low_precision_type: Annotated[str, OneOf(LOW_PRECISIONS)] | Absent = None
     fp32_output_tail: bool | Absent = None
+    bias_correction: bool | Absent = None
 
 
 @dataclass(frozen=True, config=_CLOSED)
