@@ -31,7 +31,7 @@ aten = torch.ops.aten
 FP16_MAX = float(torch.finfo(torch.float16).max)
 
 # op -> the dimension of its output that is the output channel
-_CHANNEL_DIM = {aten.linear.default: -1, aten.conv1d.default: 1, aten.conv2d.default: 1, aten.conv3d.default: 1}
+_CHANNEL_DIM: dict[object, int] = {aten.linear.default: -1, aten.conv1d.default: 1, aten.conv2d.default: 1, aten.conv3d.default: 1}
 
 
 def _rounded(t: torch.Tensor, low: torch.dtype) -> torch.Tensor:

@@ -21,6 +21,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.export import ExportedProgram
 
+from harness.autocast import bias_correction
 from harness.autocast.amp_lists import check_amp_table, policy_for
 from harness.autocast.calibrate import (
     Calibration,
@@ -28,7 +29,6 @@ from harness.autocast.calibrate import (
     check_calibration_data,
     default_calibration_data,
 )
-from harness.autocast import bias_correction
 from harness.autocast.casts import insert_casts, retype_inputs
 from harness.autocast.classify import POLICIES, classify, rules_for
 from harness.autocast.cleanup import CLEANUP

@@ -37,6 +37,7 @@ FIELDS = {
     "max_reduction_depth": "max_depth_of_reduction",
     "keep_io_types": "keep_io_types",
     "fp32_output_tail": "fp32_output_tail",
+    "bias_correction": "bias_correction",
     "calibration_data": "calibration_data",
 }
 LIST_KEYS = ("exclude", "exclude_op", "include", "include_op")
@@ -53,6 +54,7 @@ SCHEMA: dict[str, Any] = {
         "max_reduction_depth": {"anyOf": [{"type": "integer", "minimum": 1}, {"const": OFF}]},
         "keep_io_types": {"type": "boolean"},
         "fp32_output_tail": {"type": "boolean"},
+        "bias_correction": {"type": "boolean"},
         "calibration_data": {"type": "string", "minLength": 1},
     },
 }
@@ -80,6 +82,9 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--fp32-output-tail", action=argparse.BooleanOptionalAction, default=None,
                        help="with --keep-io-types, run the layers after the last join in fp32 where that "
                        "costs no cast (default: on)")
+    group.add_argument("--bias-correction", action=argparse.BooleanOptionalAction, default=None,
+                       help="take the mean output shift that rounding a lowered linear's or "
+                       "convolution's weights causes on the calibration data out of its bias (default: on)")
     group.add_argument("--calibration-data", metavar="FILE",
                        help="safetensors file of calibration batches: tensors input0, input1, ... with "
                        "the batches stacked on a new first dimension (default: the model's own)")
