@@ -116,6 +116,15 @@ def test_zoo_models_mean_error_against_fp32_falls(name: str) -> None:
     assert error[True] < error[False], error
 
 
+def test_calibration_data_with_a_nan_leaves_the_bias_uncorrected() -> None:
+    module = ReluLinear(conv=False).eval()
+    calibration = _batches(False, seed=1, count=2)
+    calibration[1][0][3, 5] = float("nan")
+    compiled = _compile(module, calibration, correct=True)
+    assert torch.equal(_lowered_bias(compiled), module.bias.detach().half())
+    assert torch.isfinite(compiled(calibration[0][0])).all()
+
+
 def test_the_flag_and_the_project_key_turn_it_off_and_change_the_digest() -> None:
     on, off = settings_from({}), settings_from({"bias_correction": False})
     assert on.bias_correction is True and off.bias_correction is False

@@ -84,7 +84,11 @@ class _Shifts(torch.fx.Interpreter):
 def measure(
     gm: torch.fx.GraphModule, decisions: Mapping[str, Decision], low: torch.dtype, batches: Sequence[Sequence[torch.Tensor]]
 ) -> dict[str, torch.Tensor]:
-    """Node name -> the mean output shift (per output channel) that rounding its weight to ``low`` causes."""
+    """Node name -> the mean output shift (per output channel) that rounding its weight to ``low`` causes.
+
+    A layer whose shift is not finite on the calibration data (a NaN or infinity in it) is left out:
+    it is not corrected.
+    """
     nodes = candidates(gm, decisions, low)
     if not nodes:
         return {}
@@ -92,7 +96,8 @@ def measure(
     with torch.inference_mode(), torch.autocast("cpu", enabled=False):
         for batch in batches:
             shifts.run(*batch)
-    return {name: (total / shifts.counts[name]).float() for name, total in shifts.sums.items()}
+    means = {name: (total / shifts.counts[name]).float() for name, total in shifts.sums.items()}
+    return {name: mean for name, mean in means.items() if bool(torch.isfinite(mean).all())}
 
 
 def apply(gm: torch.fx.GraphModule, fp32_biases: Mapping[str, str], shifts: Mapping[str, torch.Tensor], low: torch.dtype) -> int:

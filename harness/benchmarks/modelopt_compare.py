@@ -3,7 +3,7 @@
 Both sides start from the same module with the same weights and end as an
 fp16 ONNX file run by ONNX Runtime on CPU:
 
-- **ours**: ``compile(policy="rule", low fp16)`` with the model's calibration
+- **ours**: ``compile(policy="rule", low fp16)`` (its defaults, bias correction among them) with the model's calibration
   batches, then :func:`harness.engines.onnx_export.export_onnx`;
 - **ModelOpt**: the fp32 module exported with ``torch.onnx.export`` (dynamo,
   opset 20), then ``modelopt.onnx.autocast.convert_to_mixed_precision`` with
