@@ -42,7 +42,7 @@ from harness.bench.accuracy import AccuracyResult, TaskAccuracy
 from harness.bench.latency import DEFAULT_SPREAD_THRESHOLD, LatencyResult
 from harness.bench.machine import git_info, machine_info
 from harness.bench.memory import MemoryReport
-from harness.bench.results_doc import CASE_SCHEMA
+from harness.bench.results_doc import CASE_SCHEMA, Run
 from harness.bench.results_doc import MAX_SPREAD_THRESHOLD as MAX_SPREAD_THRESHOLD
 from harness.bench.results_doc import PEER_PREFIX as PEER_PREFIX
 from harness.bench.results_doc import RESULTS_SCHEMA as RESULTS_SCHEMA
@@ -694,16 +694,16 @@ def merge_results(paths: Iterable[str | os.PathLike[str]]) -> dict[str, Any]:
     return sealed(merged, "merged results")
 
 
-def doubts(doc: Mapping[str, Any]) -> list[str]:
+def doubts(run: Run) -> list[str]:
     """Why a run should not gate later runs: --quick, unstable cases, a machine busier than its cores."""
     reasons = []
-    if doc["settings"].get("quick"):
+    if run.settings.quick:
         reasons.append("it is a --quick run (its timing windows are too short)")
-    engine_cases = [c for c in doc["cases"] if not is_peer(c) and c.get("latency")]
-    unstable = [format_key(case_key(c)) for c in engine_cases if c["latency"]["unstable"]]
+    engine_cases = [c for c in run.cases if not c.is_peer and c.latency is not None]
+    unstable = [format_key(c.key) for c in engine_cases if c.latency is not None and c.latency.unstable]
     if unstable:
         reasons.append(f"{len(unstable)} of {len(engine_cases)} cases are unstable ({', '.join(unstable)})")
-    busy = [format_key(case_key(c)) for c in engine_cases if any(w.startswith(BUSY_PREFIX) for w in c.get("warnings", []))]
+    busy = [format_key(c.key) for c in engine_cases if any(w.startswith(BUSY_PREFIX) for w in c.warnings)]
     if busy:
         reasons.append(f"{len(busy)} of {len(engine_cases)} cases ran while the machine was busier than its cores")
     return reasons

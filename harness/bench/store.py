@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Protocol
 
 from harness.bench.results import doubts, load_results, peek_results, utc_now, write_results
+from harness.bench.results_doc import read_run
 from harness.errors import HarnessError
 from harness.fileio import check_writable
 from harness.machine import check_machine_id
@@ -137,7 +138,7 @@ class FileStore:
                 f"results file {os.fspath(run)} is incomplete (the run was interrupted); "
                 "finish or rerun it before promoting it to a baseline"
             )
-        reasons = doubts(doc)
+        reasons = doubts(read_run(doc, os.fspath(run)))
         if reasons and not force:
             raise HarnessError(
                 f"results file {os.fspath(run)} would be a poor baseline: {'; '.join(reasons)}. Re-run the "
