@@ -67,7 +67,11 @@ def test_the_bias_is_the_rounded_bias_minus_the_mean_shift_of_the_rounded_weight
             shifts.append(shift.reshape(-1, 16).double())
         mean_shift = torch.cat(shifts).mean(0).float()
     assert mean_shift.abs().max() > 1e-3  # the case is one where the correction matters
-    corrected = _lowered_bias(_compile(module, calibration, correct=True))
+    assert plain.report.biases_corrected == 0
+    compiled = _compile(module, calibration, correct=True)
+    assert compiled.report.biases_corrected == 1
+    assert "1 biases corrected for their layers' rounded weights" in compiled.report.table()
+    corrected = _lowered_bias(compiled)
     assert corrected.dtype == torch.float16
     torch.testing.assert_close(corrected, (module.bias.detach() - mean_shift).half(), rtol=0, atol=1e-3)
 

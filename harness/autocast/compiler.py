@@ -375,8 +375,7 @@ def compile(
             mixed_norms=not exact_amp,
             copies_require_grad=not inference_mode,
         )
-        if shifts:
-            bias_correction.apply(gm, fp32_biases, shifts, low)
+        corrected = bias_correction.apply(gm, fp32_biases, shifts, low) if shifts else 0
         if not settings.keep_io_types and not exact_amp:
             retype_inputs(gm)
         gm = CLEANUP(gm)
@@ -393,5 +392,6 @@ def compile(
 
     report = build_report(gm, decisions, policy, low, stats)
     report.warnings = unmatched
+    report.biases_corrected = corrected
     timings["total"] = time.perf_counter() - t0
     return CompiledGraph(gm, report, examples, policy, low, output_spec_of(ep), device, timings)

@@ -38,6 +38,8 @@ class PrecisionReport:
     clipped_values: int = 0
     overflowed_values: int = 0
     clipped_weights: list[str] = field(default_factory=list)
+    # lowered layers whose bias took out the mean shift of their rounded weights (harness.autocast.bias_correction)
+    biases_corrected: int = 0
     # what the compile was asked that changed nothing (an exclusion matching no node)
     warnings: list[str] = field(default_factory=list)
 
@@ -61,6 +63,8 @@ class PrecisionReport:
             f"{self.weights_converted} weight copies converted ahead of time, "
             f"{self.clipped_values} weight values clipped to the {self.low_precision_type} range"
         )
+        if self.biases_corrected:
+            summary += f", {self.biases_corrected} biases corrected for their layers' rounded weights"
         if self.overflowed_values:
             summary += f", {self.overflowed_values} weight values overflow {self.low_precision_type} (as in eager autocast)"
         warnings = "".join(f"\nwarning: {w}" for w in self.warnings)
