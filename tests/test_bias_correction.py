@@ -9,6 +9,7 @@ from torch import nn
 
 from harness import models
 from harness.autocast import compile
+from harness.autocast.compiler import CompiledGraph
 from harness.autocast.options import settings_from
 from harness.autocast.settings import AutocastSettings
 from harness.outputs import tensor_paths
@@ -36,13 +37,13 @@ def _batches(conv: bool, seed: int, count: int) -> list[tuple[torch.Tensor]]:
     return [(torch.randn(shape, generator=generator),) for _ in range(count)]
 
 
-def _lowered_bias(compiled) -> torch.Tensor:  # type: ignore[no-untyped-def]
+def _lowered_bias(compiled: CompiledGraph) -> torch.Tensor:
     """The low-precision bias the layer runs with."""
     layer = next(n for n in compiled.graph_module.graph.nodes if n.target in (torch.ops.aten.linear.default, torch.ops.aten.conv2d.default))
     return getattr(compiled.graph_module, str(layer.args[2].target))
 
 
-def _compile(module: nn.Module, calibration, *, correct: bool):  # type: ignore[no-untyped-def]
+def _compile(module: nn.Module, calibration: list[tuple[torch.Tensor]], *, correct: bool) -> CompiledGraph:
     settings = AutocastSettings(
         low_precision_type="fp16", data_max=None, fp32_output_tail=False, bias_correction=correct
     )
