@@ -53,7 +53,8 @@ def _run(
             resource.setrlimit(resource.RLIMIT_FSIZE, (file_size_limit, file_size_limit))
 
     return subprocess.run(
-        argv, env=env, cwd=cwd, input=stdin, capture_output=True, text=True, timeout=300, check=False, preexec_fn=limited
+        argv, env=env, cwd=cwd, input=stdin, capture_output=True, text=True, timeout=300, check=False,
+        preexec_fn=None if file_size_limit is None else limited,
     )
 
 

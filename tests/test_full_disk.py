@@ -67,7 +67,7 @@ class Harness:
 
         return subprocess.run(
             [str(self.program), *argv],
-            cwd=cwd, env=self.env, capture_output=True, text=True, timeout=300, preexec_fn=limited,
+            cwd=cwd, env=self.env, capture_output=True, text=True, timeout=300, preexec_fn=limited if limits else None,
         )  # fmt: skip
 
 

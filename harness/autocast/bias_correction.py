@@ -19,16 +19,16 @@ graph, are corrected; the bias keeps its name with a ``_corrected`` suffix.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Collection, Mapping, Sequence
+from typing import Any, NamedTuple
 
 import torch
 
+from harness.autocast.casts import FP16_MAX
 from harness.autocast.decision import Action, Decision
 from harness.dtypes import dtype_name
 
 aten = torch.ops.aten
-FP16_MAX = float(torch.finfo(torch.float16).max)
 
 # op -> the dimension of its output that is the output channel
 _CHANNEL_DIM: dict[object, int] = {aten.linear.default: -1, aten.conv1d.default: 1, aten.conv2d.default: 1, aten.conv3d.default: 1}
@@ -40,8 +40,9 @@ def _rounded(t: torch.Tensor, low: torch.dtype) -> torch.Tensor:
     return t.to(low).to(t.dtype)
 
 
-def candidates(gm: torch.fx.GraphModule, decisions: Mapping[str, Decision], low: torch.dtype) -> dict[str, torch.fx.Node]:
-    """Lowered linears and convolutions whose weight and bias are fp32 constants: node name -> node."""
+def candidates(gm: torch.fx.GraphModule, decisions: Mapping[str, Decision], low: torch.dtype) -> dict[str, str]:
+    """Lowered linears and convolutions whose weight and bias are fp32 constants: node name -> the
+    attribute of its bias."""
     found = {}
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.target not in _CHANNEL_DIM or len(node.args) < 3:
@@ -54,14 +55,14 @@ def candidates(gm: torch.fx.GraphModule, decisions: Mapping[str, Decision], low:
             continue
         if any(getattr(gm, str(a.target)).dtype != torch.float32 for a in (weight, bias)):
             continue
-        found[node.name] = node
+        found[node.name] = str(bias.target)
     return found
 
 
 class _Shifts(torch.fx.Interpreter):
     """Runs the fp32 graph; at each candidate, adds up the output shift of rounding its weight."""
 
-    def __init__(self, gm: torch.fx.GraphModule, nodes: Mapping[str, torch.fx.Node], low: torch.dtype) -> None:
+    def __init__(self, gm: torch.fx.GraphModule, nodes: Collection[str], low: torch.dtype) -> None:
         super().__init__(gm)
         self.nodes, self.low = nodes, low
         self.sums: dict[str, torch.Tensor] = {}
@@ -81,10 +82,18 @@ class _Shifts(torch.fx.Interpreter):
         return result
 
 
+class Correction(NamedTuple):
+    """A layer's fp32 bias (its attribute on the graph module) and the mean shift to take out of it."""
+
+    bias: str
+    shift: torch.Tensor
+
+
 def measure(
     gm: torch.fx.GraphModule, decisions: Mapping[str, Decision], low: torch.dtype, batches: Sequence[Sequence[torch.Tensor]]
-) -> dict[str, torch.Tensor]:
-    """Node name -> the mean output shift (per output channel) that rounding its weight to ``low`` causes.
+) -> dict[str, Correction]:
+    """Node name -> its fp32 bias and the mean output shift (per output channel) that rounding its
+    weight to ``low`` causes, read on the fp32 graph (before casts are inserted).
 
     A layer whose shift is not finite on the calibration data (a NaN or infinity in it) is left out:
     it is not corrected.
@@ -97,21 +106,21 @@ def measure(
         for batch in batches:
             shifts.run(*batch)
     means = {name: (total / shifts.counts[name]).float() for name, total in shifts.sums.items()}
-    return {name: mean for name, mean in means.items() if bool(torch.isfinite(mean).all())}
+    return {
+        name: Correction(nodes[name], mean)
+        for name, mean in means.items()
+        if bool(torch.isfinite(mean).all())
+    }
 
 
-def apply(gm: torch.fx.GraphModule, fp32_biases: Mapping[str, str], shifts: Mapping[str, torch.Tensor], low: torch.dtype) -> int:
-    """Give each corrected node (by name) its own bias ``b - shift`` in ``low``; returns how many.
-
-    ``fp32_biases``: node name -> the attribute of its fp32 bias (read before casts were inserted).
-    """
+def apply(gm: torch.fx.GraphModule, corrections: Mapping[str, Correction], low: torch.dtype) -> int:
+    """Give each corrected node (by name) its own bias ``b - shift`` in ``low``; returns how many."""
     by_name = {n.name: n for n in gm.graph.nodes if n.op == "call_function"}
     done = 0
-    for name, shift in shifts.items():
+    for name, (source, shift) in corrections.items():
         node = by_name.get(name)
         if node is None or not isinstance(node.args[2], torch.fx.Node):
             continue
-        source = str(fp32_biases[name])
         corrected = (getattr(gm, source).detach() - shift).to(low).contiguous()
         attr = f"{source}_{dtype_name(low)}_corrected"
         while hasattr(gm, attr):

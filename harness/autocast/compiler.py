@@ -358,11 +358,9 @@ def compile(
         decisions = classify(gm, ctx, rules_for(policy, patterns))
         # the rule policy's classifier is the one that reads them; checked before casts rename nothing
         unmatched = unmatched_selectors(gm, settings) if policy == "rule" else []
-        shifts: dict[str, torch.Tensor] = {}
-        fp32_biases: dict[str, str] = {}
-        if policy == "rule" and settings.bias_correction:
-            shifts = bias_correction.measure(gm, decisions, low, batches)
-            fp32_biases = {n.name: str(n.args[2].target) for n in gm.graph.nodes if n.name in shifts}
+        corrections = (
+            bias_correction.measure(gm, decisions, low, batches) if policy == "rule" and settings.bias_correction else {}
+        )
         timings["classify"] = time.perf_counter() - t2
 
         t3 = time.perf_counter()
@@ -375,7 +373,7 @@ def compile(
             mixed_norms=not exact_amp,
             copies_require_grad=not inference_mode,
         )
-        corrected = bias_correction.apply(gm, fp32_biases, shifts, low) if shifts else 0
+        corrected = bias_correction.apply(gm, corrections, low) if corrections else 0
         if not settings.keep_io_types and not exact_amp:
             retype_inputs(gm)
         gm = CLEANUP(gm)

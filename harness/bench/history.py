@@ -36,6 +36,7 @@ and a Markdown summary (:func:`markdown_summary`, for a CI job summary);
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Iterable, Mapping, Sequence
@@ -104,6 +105,12 @@ class RunInfo:
     @property
     def label(self) -> str:
         return f"{self.short_commit} {self.date}"
+
+    @functools.cached_property
+    def machine_signature(self) -> dict[str, Any]:
+        """What a machine marker compares of the run's machine record: its fields as JSON but the
+        volatile ones (:data:`VOLATILE_MACHINE_FIELDS`); a field the file left out is null."""
+        return {k: v for k, v in document_json(self.machine).items() if k not in VOLATILE_MACHINE_FIELDS}
 
     def to_dict(self) -> dict[str, Any]:
         machine = self.machine
@@ -377,12 +384,6 @@ def _unique(paths: Iterable[Path]) -> list[Path]:
 # --- reading runs ------------------------------------------------------------------------
 
 
-def machine_signature(machine: Machine) -> dict[str, Any]:
-    """What a machine marker compares of a run's machine record: its fields as JSON but the
-    volatile ones (:data:`VOLATILE_MACHINE_FIELDS`); a field the file left out is null."""
-    return {k: v for k, v in document_json(machine).items() if k not in VOLATILE_MACHINE_FIELDS}
-
-
 def _flat(obj: Any, prefix: str = "") -> dict[str, Any]:
     """Nested mappings as ``a.b.c`` keys; anything else (lists too) is a value."""
     if isinstance(obj, Mapping):
@@ -623,8 +624,8 @@ def _markers(points: Sequence[Point], runs: Sequence[RunInfo]) -> list[Marker]:
         if pf is not None and cf is not None and pf != cf:
             cache = "same timing cache" if prev.timing_cache_digest == cur.timing_cache_digest else "timing cache changed"
             markers.append(Marker("fingerprint", cur.run, f"engine fingerprint {pf[:15]}... -> {cf[:15]}... ({cache})"))
-        before = {**machine_signature(runs[prev.run].machine), "gpu_uuid": prev.gpu}
-        after = {**machine_signature(runs[cur.run].machine), "gpu_uuid": cur.gpu}
+        before = {**runs[prev.run].machine_signature, "gpu_uuid": prev.gpu}
+        after = {**runs[cur.run].machine_signature, "gpu_uuid": cur.gpu}
         if before != after:
             markers.append(Marker("machine", cur.run, describe_change(before, after)))
         if prev.clocks != cur.clocks:
